@@ -1,0 +1,66 @@
+"""Load a model (and its tokenizer when there is one) from a Hub id, a local directory, a .gguf file or a packaged name."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import transformers
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer
+
+from .packaged import PREFIX, packaged_path
+
+
+class ModelLoadError(OSError):
+    """The model could not be found or read; the message names the spec and what to pass instead."""
+
+
+def _model_class(config):
+    for arch in getattr(config, "architectures", None) or []:
+        cls = getattr(transformers, arch, None)
+        if cls is not None:
+            return cls
+    return AutoModel
+
+
+def _first_line(error: Exception) -> str:
+    return (str(error).strip().splitlines() or [type(error).__name__])[0]
+
+
+def resolve(spec: str) -> tuple[str, dict]:
+    """(path or Hub id, extra ``from_pretrained`` kwargs) for a model spec."""
+    if spec.startswith(PREFIX):
+        spec = str(packaged_path(spec))
+    path = Path(spec)
+    if spec.endswith(".gguf"):
+        if not path.is_file():
+            raise ModelLoadError(f"model not found: no GGUF file at {spec}")
+        return str(path.parent), {"gguf_file": path.name}
+    return spec, {}
+
+
+def load_model(spec: str, dtype=None, with_tokenizer: bool = True):
+    """(model in eval mode, tokenizer or None). Raises ``ModelLoadError`` with a one-line reason."""
+    location, extra = resolve(spec)
+    looks_local = spec.startswith((".", "/", "~")) or Path(location).exists()
+    if looks_local and not Path(location).exists():
+        raise ModelLoadError(f"model not found: {spec} is not a directory, .gguf file or Hub id")
+    kwargs = dict(extra, dtype=dtype) if dtype is not None else dict(extra)
+    try:
+        if "gguf_file" in extra:
+            model = AutoModelForCausalLM.from_pretrained(location, **kwargs)
+        else:
+            config = AutoConfig.from_pretrained(location)
+            model = _model_class(config).from_pretrained(location, **kwargs)
+    except (OSError, ValueError) as error:
+        raise ModelLoadError(f"model not found or unreadable: {spec} ({_first_line(error)})") from None
+    tokenizer = None
+    if with_tokenizer:
+        logging.getLogger("transformers").disabled = True
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(location, **extra)
+        except (OSError, ValueError, TypeError):
+            tokenizer = None  # vision and audio models have processors instead
+        finally:
+            logging.getLogger("transformers").disabled = False
+    return model.eval(), tokenizer

@@ -1,0 +1,59 @@
+"""Small random inputs that any supported model accepts, for probing roles and for smoke tests."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def text_config(model: nn.Module):
+    config = model.config
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def dummy_inputs(model: nn.Module, batch: int = 2, seq_len: int = 8, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Inputs for ``model(**inputs)`` built from its config: token ids, pixels or audio features as it expects.
+
+    Raises ``ValueError`` for an input type it does not know.
+    """
+    config = model.config
+    generator = torch.Generator().manual_seed(seed)
+    device = next(model.parameters()).device
+    float_dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    main = getattr(model, "main_input_name", "input_ids")
+    inputs: dict[str, torch.Tensor] = {}
+    if main == "input_ids":
+        vocab = getattr(text_config(model), "vocab_size", None) or 100
+        inputs["input_ids"] = torch.randint(0, vocab, (batch, seq_len), generator=generator)
+    elif main == "pixel_values":
+        size = getattr(config, "image_size", 224)
+        size = size if isinstance(size, int) else size[0]
+        channels = getattr(config, "num_channels", 3)
+        inputs["pixel_values"] = torch.randn(batch, channels, size, size, generator=generator)
+    elif main == "input_features":
+        frames = 2 * getattr(config, "max_source_positions", 1500)
+        inputs["input_features"] = torch.randn(batch, config.num_mel_bins, frames, generator=generator)
+    else:
+        raise ValueError(f"no dummy input for main input {main!r}")
+    if getattr(config, "is_encoder_decoder", False):
+        start = getattr(config, "decoder_start_token_id", None) or 0
+        inputs["decoder_input_ids"] = torch.full((batch, seq_len), start, dtype=torch.long)
+        inputs["decoder_input_ids"][:, 1:] = torch.randint(
+            0, text_config(model).vocab_size, (batch, seq_len - 1), generator=generator
+        )
+    return {k: v.to(device=device, dtype=float_dtype if v.is_floating_point() else v.dtype) for k, v in inputs.items()}
+
+
+def first_tensor(output) -> torch.Tensor:
+    """The main tensor of a module or model output (logits, last hidden state, or the first tuple element)."""
+    if isinstance(output, torch.Tensor):
+        return output
+    for key in ("logits", "last_hidden_state"):
+        value = getattr(output, key, None)
+        if isinstance(value, torch.Tensor):
+            return value
+    if isinstance(output, (tuple, list)):
+        return first_tensor(output[0])
+    if hasattr(output, "to_tuple"):
+        return first_tensor(output.to_tuple()[0])
+    raise TypeError(f"no tensor in output of type {type(output).__name__}")

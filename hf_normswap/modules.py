@@ -1,0 +1,176 @@
+"""Element-wise replacements for LayerNorm / RMSNorm: Dynamic Tanh (DyT) and Elementwise LayerNorm (ELN).
+
+Both compute ``y = weight * f(x) + bias`` with ``|f| < 1``, so ``weight`` carries the source norm's learned
+scale times the *amplitude* of the theory (``sqrt(C-1)`` for LayerNorm, ``sqrt(C)`` for RMSNorm); see
+``../shared/DESIGN.md``. The shape parameter (``alpha`` for DyT, ``beta`` for ELN) is stored as a clamped log so
+that any optimizer step leaves ``alpha`` finite and ``beta`` positive and finite. Arithmetic runs in fp32 and the
+result is cast back to the input dtype: real models carry activations near 1000, and ``x*x`` overflows fp16 above 256.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+LOG_ALPHA_LIMIT = 30.0  # alpha in [1e-13, 1e13]
+LOG_BETA_LIMIT = 80.0  # beta in [1e-35, 5e34]; beta + x*x stays finite in fp32 for |x| < 1e17
+
+
+def amplitude_for(kind: str, size: int) -> float:
+    """Largest output of the source norm per channel: sqrt(C-1) for LayerNorm, sqrt(C) for RMSNorm."""
+    if kind == "layernorm":
+        return math.sqrt(size - 1)
+    if kind == "rmsnorm":
+        return math.sqrt(size)
+    raise ValueError(f"unknown norm kind {kind!r}: expected 'layernorm' or 'rmsnorm'")
+
+
+def slope_at_zero(kind: str, size: int, input_scale: float) -> float:
+    """dy/dx at x=0 of the source norm for inputs of standard deviation (LayerNorm) or RMS (RMSNorm) ``input_scale``.
+
+    From the norm's differential equation dy_i/dx_i = (A^2 - y_i^2) / (C sigma) with A the amplitude.
+    """
+    return amplitude_for(kind, size) ** 2 / (size * input_scale)
+
+
+class ElementwiseNorm(nn.Module):
+    """Shared plumbing: affine parameters, shape parameter storage, dtype handling, construction from a norm."""
+
+    shape_name: str = ""  # "alpha" or "beta"
+    log_limit: float = 0.0
+
+    def __init__(
+        self,
+        normalized_shape: int | tuple[int, ...],
+        shape_value: float | torch.Tensor,
+        *,
+        per_channel: bool = False,
+        bias: bool = True,
+        amplitude: float = 1.0,
+    ):
+        super().__init__()
+        self.normalized_shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
+        self.amplitude = float(amplitude)
+        self.weight = nn.Parameter(torch.full(self.normalized_shape, self.amplitude))
+        self.bias = nn.Parameter(torch.zeros(self.normalized_shape)) if bias else None
+        log_shape = self.normalized_shape if per_channel else ()
+        value = torch.as_tensor(shape_value, dtype=torch.float32)
+        self.register_parameter(f"log_{self.shape_name}", nn.Parameter(torch.log(value).expand(log_shape).clone()))
+
+    @property
+    def per_channel(self) -> bool:
+        return self._log_param().dim() > 0
+
+    def _log_param(self) -> torch.Tensor:
+        return getattr(self, f"log_{self.shape_name}")
+
+    def shape_parameter(self) -> torch.Tensor:
+        """alpha (DyT) or beta (ELN) as used in the forward pass, in fp32."""
+        return self._log_param().float().clamp(-self.log_limit, self.log_limit).exp()
+
+    def set_shape_parameter(self, value: float | torch.Tensor) -> None:
+        with torch.no_grad():
+            log = torch.log(torch.as_tensor(value, dtype=torch.float32)).clamp(-self.log_limit, self.log_limit)
+            self._log_param().copy_(log.expand_as(self._log_param()))
+
+    def squash(self, x: torch.Tensor, shape: torch.Tensor) -> torch.Tensor:
+        """The element-wise function f with |f| < 1, on fp32 input."""
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.squash(x.float(), self.shape_parameter()) * self.weight.float()
+        if self.bias is not None:
+            y = y + self.bias.float()
+        return y.to(x.dtype)
+
+    @classmethod
+    def from_norm(
+        cls,
+        effective_weight: torch.Tensor | None,
+        bias: torch.Tensor | None,
+        *,
+        kind: str,
+        normalized_shape: tuple[int, ...],
+        input_scale: float = 1.0,
+        per_channel: bool = False,
+    ) -> "ElementwiseNorm":
+        """Build from a source norm's effective scale (``w``, or ``1 + w`` for Gemma) and bias.
+
+        ``weight = amplitude * effective_weight`` so that in the linear regime the module reproduces the norm's
+        affine map; the shape parameter comes from the theory for inputs of scale ``input_scale``.
+        """
+        size = normalized_shape[-1]
+        amplitude = amplitude_for(kind, size)
+        module = cls(
+            normalized_shape,
+            cls.analytic_shape_value(kind, size, input_scale),
+            per_channel=per_channel,
+            bias=bias is not None,
+            amplitude=amplitude,
+        )
+        with torch.no_grad():
+            if effective_weight is not None:
+                module.weight.copy_(effective_weight.detach().float() * amplitude)
+            if bias is not None:
+                module.bias.copy_(bias.detach().float())
+        param = next((p for p in (effective_weight, bias) if p is not None), None)
+        if param is not None:
+            module.to(device=param.device)
+        return module
+
+    @staticmethod
+    def analytic_shape_value(kind: str, size: int, input_scale: float) -> float:
+        raise NotImplementedError
+
+    def extra_repr(self) -> str:
+        value = self.shape_parameter().detach()
+        shown = f"{value.item():.4g}" if value.dim() == 0 else f"per-channel mean {value.mean().item():.4g}"
+        return (
+            f"{self.normalized_shape}, {self.shape_name}={shown}, amplitude={self.amplitude:.4g}, "
+            f"bias={self.bias is not None}"
+        )
+
+
+class DyT(ElementwiseNorm):
+    """Dynamic Tanh (Zhu et al. 2025): ``y = weight * tanh(alpha * x) + bias``."""
+
+    shape_name = "alpha"
+    log_limit = LOG_ALPHA_LIMIT
+
+    @property
+    def alpha(self) -> torch.Tensor:
+        return self.shape_parameter()
+
+    def squash(self, x: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(alpha * x)
+
+    @staticmethod
+    def analytic_shape_value(kind: str, size: int, input_scale: float) -> float:
+        """Match the norm's slope at zero: amplitude * alpha = slope."""
+        return slope_at_zero(kind, size, input_scale) / amplitude_for(kind, size)
+
+
+class ELN(ElementwiseNorm):
+    """Elementwise Layer Normalization / DyISRU (Stollenwerk 2025): ``y = weight * x / sqrt(beta + x^2) + bias``."""
+
+    shape_name = "beta"
+    log_limit = LOG_BETA_LIMIT
+
+    @property
+    def beta(self) -> torch.Tensor:
+        return self.shape_parameter()
+
+    def squash(self, x: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(beta + x * x)
+
+    @staticmethod
+    def analytic_shape_value(kind: str, size: int, input_scale: float) -> float:
+        """Match the norm's slope at zero: amplitude / sqrt(beta) = slope."""
+        return (amplitude_for(kind, size) / slope_at_zero(kind, size, input_scale)) ** 2
+
+
+DyISRU = ELN
+
+METHODS: dict[str, type[ElementwiseNorm]] = {"eln": ELN, "dyt": DyT}

@@ -1,0 +1,70 @@
+"""Tiny random models from configs, one per architecture family the tool must handle (no Hub access)."""
+
+from __future__ import annotations
+
+import torch
+import transformers
+
+COMMON = dict(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+              max_position_embeddings=64)
+DECODER = dict(COMMON, num_key_value_heads=2)
+
+# model_type -> (config overrides, model class name)
+TINY = {
+    "gpt2": (dict(vocab_size=128, n_embd=32, n_layer=2, n_head=4, n_positions=64), "GPT2LMHeadModel"),
+    "gpt_neox": (dict(COMMON), "GPTNeoXForCausalLM"),
+    "opt": (dict(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, ffn_dim=64,
+                 word_embed_proj_dim=32, max_position_embeddings=64), "OPTForCausalLM"),
+    "bloom": (dict(vocab_size=128, hidden_size=32, n_layer=2, n_head=4), "BloomForCausalLM"),
+    "falcon": (dict(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                    new_decoder_architecture=True, num_kv_heads=2), "FalconForCausalLM"),
+    "phi": (dict(COMMON), "PhiForCausalLM"),
+    "phi3": (dict(DECODER, pad_token_id=0), "Phi3ForCausalLM"),
+    "llama": (dict(DECODER), "LlamaForCausalLM"),
+    "mistral": (dict(DECODER), "MistralForCausalLM"),
+    "mixtral": (dict(DECODER, num_local_experts=4, num_experts_per_tok=2), "MixtralForCausalLM"),
+    "qwen2": (dict(DECODER), "Qwen2ForCausalLM"),
+    "qwen3": (dict(DECODER, head_dim=8), "Qwen3ForCausalLM"),
+    "gemma": (dict(DECODER, head_dim=8), "GemmaForCausalLM"),
+    "gemma2": (dict(DECODER, head_dim=8), "Gemma2ForCausalLM"),
+    "gemma3_text": (dict(DECODER, head_dim=8, sliding_window=16), "Gemma3ForCausalLM"),
+    "olmo": (dict(DECODER), "OlmoForCausalLM"),
+    "olmo2": (dict(DECODER), "Olmo2ForCausalLM"),
+    "cohere": (dict(DECODER), "CohereForCausalLM"),
+    "starcoder2": (dict(DECODER), "Starcoder2ForCausalLM"),
+    "stablelm": (dict(DECODER), "StableLmForCausalLM"),
+    "bert": (dict(COMMON), "BertForMaskedLM"),
+    "roberta": (dict(COMMON, pad_token_id=1), "RobertaForMaskedLM"),
+    "t5": (dict(vocab_size=128, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+                decoder_start_token_id=0), "T5ForConditionalGeneration"),
+    "bart": (dict(vocab_size=128, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+                  decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64,
+                  max_position_embeddings=64), "BartForConditionalGeneration"),
+    "vit": (dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, image_size=16,
+                 patch_size=4), "ViTModel"),
+    "whisper": (dict(vocab_size=128, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+                     decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, num_mel_bins=8,
+                     max_source_positions=16, max_target_positions=32, decoder_start_token_id=1, pad_token_id=0,
+                     bos_token_id=1, eos_token_id=2, suppress_tokens=None, begin_suppress_tokens=None),
+                "WhisperForConditionalGeneration"),
+}
+ARCHITECTURES = sorted(TINY)
+
+
+def tiny_config(model_type: str):
+    overrides, _ = TINY[model_type]
+    return transformers.AutoConfig.for_model(model_type, **overrides)
+
+
+def tiny_model(model_type: str, seed: int = 0, randomize_norms: bool = True):
+    """A tiny random model; norm weights are randomized so a wrong weight mapping cannot pass unnoticed."""
+    torch.manual_seed(seed)
+    config = tiny_config(model_type)
+    model = getattr(transformers, TINY[model_type][1])(config).eval()
+    if randomize_norms:
+        with torch.no_grad():
+            for module in model.modules():
+                if "Norm" in type(module).__name__:
+                    for param in module.parameters(recurse=False):
+                        param.add_(0.1 * torch.randn_like(param))
+    return model
