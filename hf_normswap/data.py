@@ -1,0 +1,115 @@
+"""Text for calibration and evaluation: a Hub dataset, local files, or a built-in offline corpus.
+
+Spec forms (``--calib`` and ``--data`` take the same):
+- ``builtin`` or ``builtin:calibration`` / ``builtin:evaluation``: the Python language reference that ships with
+  Python (``pydoc_data.topics``, ~465 kB), split by topic into two disjoint halves so calibration and evaluation
+  never see the same text. No download and no ``../shared`` needed.
+- a local file or directory: ``.txt`` / ``.raw`` / ``.tokens`` (any other suffix is read as text), ``.json`` /
+  ``.jsonl``, ``.parquet``; loaded through ``datasets``. Several paths may be joined with commas.
+- a Hub dataset ``name[:config][:split]``, e.g. ``wikitext:wikitext-2-raw-v1:test`` (split defaults to ``train``
+  for calibration; callers pass their own default).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import torch
+
+BUILTIN = "builtin"
+BUILTIN_SPLITS = ("calibration", "evaluation")
+LOADERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}
+
+
+class DataError(ValueError):
+    """The text source cannot be read; the message says what to pass instead."""
+
+
+def _builtin(split: str) -> list[str]:
+    if split not in BUILTIN_SPLITS:
+        raise DataError(f"unknown builtin split {split!r}: use builtin:calibration or builtin:evaluation")
+    from pydoc_data.topics import topics
+
+    keys = sorted(topics)
+    half = keys[BUILTIN_SPLITS.index(split)::2]  # alternating topics: two disjoint halves of similar size
+    return [topics[k] for k in half]
+
+
+def _text_column(dataset) -> str:
+    if "text" in dataset.column_names:
+        return "text"
+    for name, feature in dataset.features.items():
+        if getattr(feature, "dtype", None) == "string":
+            return name
+    raise DataError(f"no text column among {dataset.column_names}: the data needs a 'text' column")
+
+
+def _local(paths: list[Path]) -> list[str]:
+    import datasets
+
+    files = [f for p in paths for f in (sorted(x for x in p.rglob("*") if x.is_file()) if p.is_dir() else [p])]
+    if not files:
+        raise DataError(f"no files under {', '.join(map(str, paths))}")
+    loaders = {LOADERS.get(f.suffix.lower(), "text") for f in files}
+    if len(loaders) > 1:
+        raise DataError("mixed file types: pass text, json/jsonl or parquet files, one kind at a time")
+    loader = loaders.pop()
+    kwargs = {"sample_by": "document"} if loader == "text" else {}  # one text per file
+    dataset = datasets.load_dataset(loader, data_files=[str(f) for f in files], split="train", **kwargs)
+    return [t for t in dataset[_text_column(dataset)] if t and t.strip()]
+
+
+def _hub(spec: str, default_split: str) -> list[str]:
+    import datasets
+
+    name, config, split = (spec.split(":") + [None, None])[:3]
+    try:
+        dataset = datasets.load_dataset(name, config or None, split=split or default_split)
+    except Exception as error:  # datasets raises many types for missing names, configs and network failures
+        first = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        raise DataError(f"cannot load dataset {spec!r}: {first}") from None
+    return [t for t in dataset[_text_column(dataset)] if t and t.strip()]
+
+
+def load_texts(spec: str | None, default_split: str = "calibration") -> list[str]:
+    """Documents of a text source. ``default_split`` picks the builtin half (and the Hub split, as train/test)."""
+    spec = spec or BUILTIN
+    if spec == BUILTIN or spec.startswith(BUILTIN + ":"):
+        return _builtin(spec.partition(":")[2] or default_split)
+    paths = [Path(p).expanduser() for p in spec.split(",")]
+    if all(p.exists() for p in paths):
+        return _local(paths)
+    if any(p.exists() for p in paths) or spec.startswith((".", "/", "~")) or Path(spec).suffix:
+        missing = ", ".join(str(p) for p in paths if not p.exists())
+        raise DataError(f"data file not found: {missing}")
+    hub_split = {"calibration": "train", "evaluation": "test"}.get(default_split, default_split)
+    return _hub(spec, hub_split)
+
+
+def fingerprint(texts: list[str]) -> str:
+    """Short content hash, so calibration and evaluation data can be checked for overlap and recorded."""
+    digest = hashlib.sha256()
+    for t in texts:
+        digest.update(t.encode())
+    return digest.hexdigest()[:16]
+
+
+def token_stream(tokenizer, texts: list[str], max_tokens: int | None = None) -> torch.Tensor:
+    """All documents tokenized and joined by the EOS token (when the tokenizer has one), as a 1-D LongTensor."""
+    separator = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    ids: list[int] = []
+    for text in texts:
+        ids.extend(tokenizer(text, add_special_tokens=False)["input_ids"] + separator)
+        if max_tokens is not None and len(ids) >= max_tokens:
+            break
+    return torch.tensor(ids[:max_tokens] if max_tokens else ids, dtype=torch.long)
+
+
+def token_blocks(tokenizer, texts: list[str], num_blocks: int, block_len: int) -> torch.Tensor:
+    """``(num_blocks, block_len)`` contiguous token blocks (fewer when the text runs out)."""
+    stream = token_stream(tokenizer, texts, max_tokens=num_blocks * block_len)
+    count = len(stream) // block_len
+    if count == 0:
+        raise DataError(f"the text gives {len(stream)} tokens, fewer than one block of {block_len}")
+    return stream[: count * block_len].view(count, block_len)
