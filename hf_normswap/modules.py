@@ -67,8 +67,9 @@ class ElementwiseNorm(nn.Module):
         return getattr(self, f"log_{self.shape_name}")
 
     def shape_parameter(self) -> torch.Tensor:
-        """alpha (DyT) or beta (ELN) as used in the forward pass, in fp32."""
-        return self._log_param().float().clamp(-self.log_limit, self.log_limit).exp()
+        """alpha (DyT) or beta (ELN) as used in the forward pass, in at least fp32."""
+        log = self._log_param()
+        return log.to(torch.promote_types(log.dtype, torch.float32)).clamp(-self.log_limit, self.log_limit).exp()
 
     def set_shape_parameter(self, value: float | torch.Tensor) -> None:
         with torch.no_grad():
@@ -80,9 +81,10 @@ class ElementwiseNorm(nn.Module):
         raise NotImplementedError
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.squash(x.float(), self.shape_parameter()) * self.weight.float()
+        compute = torch.promote_types(x.dtype, torch.float32)  # fp32 for half types, float64 stays float64
+        y = self.squash(x.to(compute), self.shape_parameter().to(compute)) * self.weight.to(compute)
         if self.bias is not None:
-            y = y + self.bias.float()
+            y = y + self.bias.to(compute)
         return y.to(x.dtype)
 
     @classmethod

@@ -1,0 +1,118 @@
+"""DyT / ELN modules: gradients, low-precision safety, weight carry-over, parametrization limits."""
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from hf_normswap.modules import DyT, ELN, DyISRU, amplitude_for
+
+METHODS = [DyT, ELN]
+
+
+def _module(cls, per_channel, bias=True, size=6):
+    torch.manual_seed(0)
+    module = cls(size, 0.7 if cls is DyT else 3.0, per_channel=per_channel, bias=bias, amplitude=2.0)
+    with torch.no_grad():
+        module.weight.copy_(torch.randn(size))
+        if bias:
+            module.bias.copy_(torch.randn(size))
+        module.set_shape_parameter(torch.rand(size if per_channel else ()) + 0.5)
+    return module
+
+
+def test_dyisru_is_eln():
+    assert DyISRU is ELN
+
+
+@pytest.mark.parametrize("cls", METHODS)
+@pytest.mark.parametrize("per_channel", [False, True])
+def test_gradcheck_float64(cls, per_channel):
+    module = _module(cls, per_channel).double()
+    x = torch.randn(3, 6, dtype=torch.float64, requires_grad=True) * 2
+    params = [p for p in module.parameters()]
+
+    def fn(x, *ps):
+        return torch.func.functional_call(module, {n: p for (n, _), p in zip(module.named_parameters(), ps)}, (x,))
+
+    assert torch.autograd.gradcheck(fn, (x, *params), eps=1e-6, atol=1e-5)
+
+
+@pytest.mark.parametrize("cls", METHODS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_low_precision_inputs_up_to_1e4_are_finite_and_match_fp32(cls, dtype):
+    module = _module(cls, per_channel=False, size=64)
+    with torch.no_grad():
+        module.set_shape_parameter(0.01 if cls is DyT else 1000.0)
+    x = torch.cat([torch.randn(4, 64) * 10, torch.linspace(-1e4, 1e4, 64).unsqueeze(0)])
+    reference = module(x)
+    low = module.to(dtype)(x.to(dtype))
+    assert low.dtype == dtype
+    assert torch.isfinite(low).all()
+    torch.testing.assert_close(low.float(), reference, rtol=2e-2, atol=2e-2 * reference.abs().max().item())
+
+
+@pytest.mark.parametrize("kind", ["layernorm", "rmsnorm"])
+@pytest.mark.parametrize("cls", METHODS)
+def test_built_from_norm_reproduces_affine_part_in_linear_regime(cls, kind):
+    size, sigma = 16, 3.0
+    weight, bias = torch.randn(size), torch.randn(size)
+    module = cls.from_norm(weight, bias, kind=kind, normalized_shape=(size,), input_scale=sigma)
+    amplitude = amplitude_for(kind, size)
+    assert module.amplitude == pytest.approx(amplitude)
+    torch.testing.assert_close(module.weight, weight * amplitude)
+    torch.testing.assert_close(module.bias, bias)
+    # Near zero the module is the norm's affine map applied to the norm's linearization x * slope.
+    slope = amplitude**2 / (size * sigma)
+    x = torch.randn(5, size) * 1e-4
+    torch.testing.assert_close(module(x), weight * (x * slope) + bias, rtol=1e-5, atol=1e-6)
+
+
+def test_analytic_init_matches_paper_simulation_scale():
+    """C=100, sigma=2: the paper's fitted DyT alpha is 0.049; the analytic slope match gives sqrt(99)/200."""
+    alpha = DyT.analytic_shape_value("layernorm", 100, 2.0)
+    assert alpha == pytest.approx(math.sqrt(99) / 200)
+    assert alpha == pytest.approx(0.049, abs=0.001)
+    # ELN: amplitude / sqrt(beta) equals the same slope.
+    beta = ELN.analytic_shape_value("layernorm", 100, 2.0)
+    assert math.sqrt(99) / math.sqrt(beta) == pytest.approx(99 / 200)
+
+
+@pytest.mark.parametrize("cls", METHODS)
+def test_norm_without_affine_gets_amplitude_scale_and_no_bias(cls):
+    module = cls.from_norm(None, None, kind="rmsnorm", normalized_shape=(9,))
+    assert module.bias is None
+    torch.testing.assert_close(module.weight, torch.full((9,), 3.0))
+
+
+@pytest.mark.parametrize("cls", METHODS)
+def test_shape_parameter_stays_positive_and_finite_under_any_step(cls):
+    module = _module(cls, per_channel=True)
+    optimizer = torch.optim.SGD(module.parameters(), lr=1e6)
+    for direction in (1.0, -1.0):
+        optimizer.zero_grad()
+        (direction * module(torch.randn(4, 6) * 50).sum()).backward()
+        module._log_param().grad = torch.full_like(module._log_param(), direction * 1e6)
+        optimizer.step()
+        value = module.shape_parameter()
+        assert torch.isfinite(value).all() and (value > 0).all()
+        assert torch.isfinite(module(torch.randn(4, 6) * 1e3)).all()
+
+
+@pytest.mark.parametrize("cls", METHODS)
+def test_per_channel_option_and_extra_repr(cls):
+    scalar, channel = _module(cls, False), _module(cls, True)
+    assert not scalar.per_channel and channel.per_channel
+    assert channel.shape_parameter().shape == (6,)
+    text = repr(scalar)
+    assert cls.shape_name + "=" in text and "amplitude=2" in text and "bias=True" in text
+
+
+def test_eln_saturates_at_amplitude_and_dyt_matches_tanh():
+    eln = ELN(4, 1.0, bias=False, amplitude=5.0)
+    assert eln(torch.full((1, 4), 1e6)).allclose(torch.full((1, 4), 5.0))
+    dyt = DyT(4, 0.5, bias=False, amplitude=1.0)
+    x = torch.randn(3, 4)
+    torch.testing.assert_close(dyt(x), torch.tanh(0.5 * x))
+    assert isinstance(dyt, nn.Module)
