@@ -5,14 +5,19 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import tempfile
+from pathlib import Path
 
 from .convert import DEFAULT_ROLES, ConversionError, convert, plan
+from .checkpoint import CheckpointError, check_output_dir, save_pretrained
+from .hub import PushError, preflight, push
 from .loading import ModelLoadError, load_model
+from .model_card import hub_id
 from .modules import METHODS
 from .packaged import PackagedModelMissing
 from .roles import ROLES
 
-USER_ERRORS = (ConversionError, ModelLoadError, PackagedModelMissing)
+USER_ERRORS = (ConversionError, ModelLoadError, PackagedModelMissing, CheckpointError, PushError)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -47,9 +52,17 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("--per-channel", action="store_true", help="one alpha/beta per channel instead of per module")
     conv.add_argument("--input-scale", type=float, default=1.0,
                       help="typical input RMS for the analytic initialization (default: %(default)s)")
-    conv.add_argument("--output", help="directory to save the converted checkpoint to")
+    conv.add_argument("--output", help="directory to save the converted checkpoint to (written atomically)")
+    conv.add_argument("--overwrite", action="store_true", help="replace --output when it exists and is not empty")
+    conv.add_argument("--push-to-hub", metavar="REPO", help="push the checkpoint to this Hub repo (NAME or OWNER/NAME)")
+    conv.add_argument("--private", action="store_true", help="with --push-to-hub: create the repo private")
     conv.add_argument("--report", help="write the conversion report as JSON to this file")
     _selection_args(conv)
+
+    hub = commands.add_parser("push", help="upload a saved checkpoint to the Hugging Face Hub")
+    hub.add_argument("directory", help="checkpoint directory written by `normswap convert --output`")
+    hub.add_argument("repo", help="Hub repository, NAME or OWNER/NAME (created if missing)")
+    hub.add_argument("--private", action="store_true", help="create the repo private")
     return parser
 
 
@@ -71,6 +84,12 @@ def _inspect(args) -> None:
 
 
 def _convert(args) -> None:
+    if args.output:  # refuse a bad destination before any loading or conversion work
+        check_output_dir(args.output, args.overwrite)
+    if args.push_to_hub:
+        preflight(args.push_to_hub)
+    elif args.private:
+        raise PushError("--private needs --push-to-hub REPO")
     model, tokenizer = load_model(args.model)
     report = convert(model, to=args.to, roles=_roles(args.roles), include=args.include, exclude=args.exclude,
                      per_channel=args.per_channel, input_scale=args.input_scale)
@@ -78,17 +97,28 @@ def _convert(args) -> None:
     if args.report:
         with open(args.report, "w") as f:
             f.write(report.to_json())
+    _save_and_push(args, model, tokenizer)
+
+
+def _save_and_push(args, model, tokenizer) -> None:
     if args.output:
-        model.save_pretrained(args.output)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(args.output)
+        save_pretrained(model, args.output, tokenizer=tokenizer, overwrite=args.overwrite, base_model=hub_id(args.model))
         print(f"saved to {args.output}")
+    if args.push_to_hub:
+        with tempfile.TemporaryDirectory() as scratch:
+            folder = args.output or save_pretrained(model, Path(scratch) / "checkpoint", tokenizer=tokenizer,
+                                                    base_model=hub_id(args.model))
+            print(f"pushed to {push(folder, args.push_to_hub, private=args.private)}")
+
+
+def _push(args) -> None:
+    print(f"pushed to {push(args.directory, args.repo, private=args.private)}")
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        {"inspect": _inspect, "convert": _convert}[args.command](args)
+        {"inspect": _inspect, "convert": _convert, "push": _push}[args.command](args)
     except USER_ERRORS as error:
         print(f"normswap: error: {error}", file=sys.stderr)
         return 2

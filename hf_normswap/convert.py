@@ -196,4 +196,7 @@ def convert(
             },
             "calibration": None,
         }
+        from .checkpoint import enable_save
+
+        enable_save(model)  # model.save_pretrained / push_to_hub now write the full checkpoint (remote code, card)
     return report

@@ -8,6 +8,7 @@ from pathlib import Path
 import transformers
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer
 
+from . import checkpoint
 from .packaged import PREFIX, packaged_path
 
 
@@ -49,6 +50,8 @@ def load_model(spec: str, dtype=None, with_tokenizer: bool = True):
     try:
         if "gguf_file" in extra:
             model = AutoModelForCausalLM.from_pretrained(location, **kwargs)
+        elif checkpoint.read_config(location) is not None:  # converted checkpoint: the package's own modules
+            model = checkpoint.load(location, **kwargs)
         else:
             config = AutoConfig.from_pretrained(location)
             model = _model_class(config).from_pretrained(location, **kwargs)

@@ -1,0 +1,187 @@
+"""README.md for a converted checkpoint: what was done to which model, how to load it, what to cite.
+
+Metadata (``base_model``, ``library_name``, tags) goes through ``huggingface_hub.ModelCardData`` so the Hub reads it.
+Everything shown comes from the saved ``config.json``: the card cannot disagree with the checkpoint.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from pathlib import Path
+
+from huggingface_hub import ModelCard, ModelCardData
+
+from .packaged import PACKAGED
+
+# Hub ids of the models that ship inside registry packages (see packaged.py)
+PACKAGED_HUB_IDS = {"smollm2": "HuggingFaceTB/SmolLM2-135M-Instruct", "minilm": "sentence-transformers/all-MiniLM-L6-v2"}
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+FORMULAS = {
+    "eln": ("ELN (Elementwise Layer Normalization, also published as DyISRU)",
+            "y = weight * x / sqrt(beta + x^2) + bias",
+            "`beta` is one learnable positive scalar per module (or per channel)"),
+    "dyt": ("DyT (Dynamic Tanh)", "y = weight * tanh(alpha * x) + bias",
+            "`alpha` is one learnable scalar per module (or per channel)"),
+}
+
+CITATIONS = {
+    "dyt": """@inproceedings{zhu2025dyt,
+  title     = {Transformers without Normalization},
+  author    = {Zhu, Jiachen and Chen, Xinlei and He, Kaiming and LeCun, Yann and Liu, Zhuang},
+  booktitle = {Proceedings of the IEEE/CVF Conference on Computer Vision and Pattern Recognition (CVPR)},
+  year      = {2025},
+  note      = {arXiv:2503.10622}
+}""",
+    "eln": """@article{stollenwerk2025eln,
+  title   = {The Mathematical Relationship Between Layer Normalization and Dynamic Activation Functions},
+  author  = {Stollenwerk, Felix},
+  journal = {arXiv preprint arXiv:2503.21708},
+  year    = {2025}
+}""",
+}
+
+
+def hub_id(name_or_path: str | None) -> str | None:
+    """The Hub id a model was loaded from, when it was a Hub id (or a packaged model), else None."""
+    if not name_or_path:
+        return None
+    for key, (_, module, _) in PACKAGED.items():
+        if module in Path(name_or_path).parts or name_or_path == f"offline:{key}":
+            return PACKAGED_HUB_IDS.get(key)
+    if HUB_ID.match(name_or_path) and not Path(name_or_path).exists():
+        return name_or_path
+    return None
+
+
+def _number(value) -> str:
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
+def _calibration_section(calibration) -> str:
+    if not calibration:
+        return ("No calibration data: the shape parameters come from the analytic initialization (the source norm's "
+                "slope at zero for unit-scale inputs), so the converted model approximates the original only roughly.")
+    if not isinstance(calibration, dict):
+        return f"`{calibration}`"
+    rows = ["| setting | value |", "|---|---|"]
+    for key, value in calibration.items():
+        shown = ", ".join(f"{k}={_number(v)}" for k, v in value.items()) if isinstance(value, dict) else _number(value)
+        rows.append(f"| {key} | {shown} |")
+    return "\n".join(rows)
+
+
+def _evaluation_section(evaluation) -> str | None:
+    if not evaluation:
+        return None
+    metrics = evaluation.get("metrics", {k: v for k, v in evaluation.items() if isinstance(v, dict)})
+    lines = []
+    if evaluation.get("dataset"):
+        lines.append(f"Measured on {evaluation['dataset']}" + (
+            f" ({evaluation['tokens']} tokens)." if evaluation.get("tokens") else "."))
+        lines.append("")
+    lines += ["| metric | original | converted | ratio |", "|---|---|---|---|"]
+    for name, values in metrics.items():
+        original, converted = values.get("original"), values.get("converted")
+        ratio = f"{converted / original:.4g}" if isinstance(original, (int, float)) and isinstance(
+            converted, (int, float)) and original else ""
+        lines.append(f"| {name} | {_number(original)} | {_number(converted)} | {ratio} |")
+    return "\n".join(lines)
+
+
+def render(config: dict) -> str:
+    """The model card text (YAML metadata + Markdown) for a saved ``config.json``."""
+    block = config["normswap"]
+    method = block["method"]
+    title, formula, shape_note = FORMULAS[method]
+    base = block["base"]
+    base_model = block.get("base_model")
+    converted = block["converted"]
+    auto_classes = sorted(k for k in config.get("auto_map", {}) if k != "AutoConfig") or ["AutoModel"]
+    auto = "AutoModelForCausalLM" if "AutoModelForCausalLM" in auto_classes else auto_classes[0]
+
+    data = ModelCardData(
+        base_model=base_model,
+        library_name="transformers",
+        tags=["hf-normswap", method, "normalization-free", base["model_type"], "custom_code"],
+    )
+    kinds = Counter((e["kind"], e.get("role", "?")) for e in converted.values())
+    kind_rows = "\n".join(f"| {kind} | {role} | {n} |" for (kind, role), n in sorted(kinds.items()))
+    names = "\n".join(f"- `{name}` ({e['kind']}, C={e['size']}, amplitude={e['amplitude']:.4g})"
+                      for name, e in converted.items())
+    origin = f"[{base_model}](https://huggingface.co/{base_model})" if base_model else "a local model"
+    evaluation = _evaluation_section(block.get("evaluation"))
+    citations = [CITATIONS["dyt"]] + ([CITATIONS["eln"]] if method == "eln" else [])
+    version = block.get("package", {}).get("version", block.get("version", "?"))
+
+    body = f"""
+# {base["architecture"]} with {method.upper()} instead of LayerNorm / RMSNorm
+
+This checkpoint is {origin} with {len(converted)} normalization layers replaced by element-wise
+**{title}** modules, made with [hf-normswap](https://pypi.org/project/hf-normswap/) {version}.
+
+## Method
+
+Each converted norm computes, per element and without any statistics over the channels,
+
+```
+{formula}
+```
+
+where {shape_note}, and `weight` is the source norm's learned scale times the theory's amplitude
+(`sqrt(C-1)` for LayerNorm, `sqrt(C)` for RMSNorm, `C` the channel count). Shape parameters are computed in fp32.
+ELN is the exact solution of LayerNorm's differential equation once its channel-dependent term becomes one learnable
+constant; DyT additionally assumes a constant standard deviation.
+
+## What was converted
+
+Method `{method}`, per-channel shape parameter: `{block.get("per_channel", False)}`.
+
+| source kind | role | count |
+|---|---|---|
+{kind_rows}
+
+<details><summary>All {len(converted)} converted modules</summary>
+
+{names}
+
+</details>
+
+## Calibration
+
+{_calibration_section(block.get("calibration"))}
+"""
+    if evaluation:
+        body += f"""
+## Evaluation against the original
+
+{evaluation}
+"""
+    body += f"""
+## How to load
+
+With remote code (only `torch` and `transformers` needed; the code is in `modeling_normswap.py`):
+
+```python
+from transformers import {auto}
+model = {auto}.from_pretrained("REPO_OR_PATH", trust_remote_code=True)
+```
+
+With the package, without running remote code:
+
+```python
+import hf_normswap
+model = hf_normswap.load("REPO_OR_PATH")
+```
+
+Without `trust_remote_code=True` the stock loaders refuse this checkpoint (its `model_type` is
+`{config["model_type"]}`): the original `{base["architecture"]}` class would drop the `alpha` / `beta` parameters.
+
+## Citation
+
+```bibtex
+{chr(10).join(citations)}
+```
+"""
+    return ModelCard(f"---\n{data.to_yaml()}\n---\n{body}").content
