@@ -6,6 +6,7 @@ from .convert import ConversionError, ConversionReport, convert, inspect, plan  
 from .discovery import NormInfo, find_norms  # noqa: E402
 from .modules import ELN, DyISRU, DyT, ElementwiseNorm  # noqa: E402
 from .checkpoint import CheckpointError, load, save_pretrained  # noqa: E402
+from . import kernels  # noqa: E402,F401  (installs the fused DyT / ELN path)
 
 __all__ = [
     "ConversionError", "ConversionReport", "DyISRU", "DyT", "ELN", "ElementwiseNorm", "NormInfo",
