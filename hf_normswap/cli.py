@@ -3,21 +3,19 @@
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import sys
-import tempfile
-from pathlib import Path
 
 from .convert import DEFAULT_ROLES, ConversionError, convert, plan
-from .checkpoint import CheckpointError, check_output_dir, save_pretrained
-from .hub import PushError, preflight, push
+from .data import DataError
+from .evaluate import EvaluationError
 from .loading import ModelLoadError, load_model
-from .model_card import hub_id
 from .modules import METHODS
 from .packaged import PackagedModelMissing
 from .roles import ROLES
 
-USER_ERRORS = (ConversionError, ModelLoadError, PackagedModelMissing, CheckpointError, PushError)
+USER_ERRORS = (ConversionError, ModelLoadError, PackagedModelMissing, DataError, EvaluationError)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -52,18 +50,34 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("--per-channel", action="store_true", help="one alpha/beta per channel instead of per module")
     conv.add_argument("--input-scale", type=float, default=1.0,
                       help="typical input RMS for the analytic initialization (default: %(default)s)")
-    conv.add_argument("--output", help="directory to save the converted checkpoint to (written atomically)")
-    conv.add_argument("--overwrite", action="store_true", help="replace --output when it exists and is not empty")
-    conv.add_argument("--push-to-hub", metavar="REPO", help="push the checkpoint to this Hub repo (NAME or OWNER/NAME)")
-    conv.add_argument("--private", action="store_true", help="with --push-to-hub: create the repo private")
+    conv.add_argument("--output", help="directory to save the converted checkpoint to")
     conv.add_argument("--report", help="write the conversion report as JSON to this file")
     _selection_args(conv)
+    conv.add_argument("--eval", metavar="DATA", dest="eval_data",
+                      help="after converting, evaluate against the original on DATA (same forms as `eval --data`) "
+                           "and print the side-by-side table; it is stored in config.json and the model card")
+    _evaluation_args(conv, prefix="eval-")
 
-    hub = commands.add_parser("push", help="upload a saved checkpoint to the Hugging Face Hub")
-    hub.add_argument("directory", help="checkpoint directory written by `normswap convert --output`")
-    hub.add_argument("repo", help="Hub repository, NAME or OWNER/NAME (created if missing)")
-    hub.add_argument("--private", action="store_true", help="create the repo private")
+    ev = commands.add_parser("eval", help="perplexity (token, word, byte) and, with --against, KL / top-1 vs original")
+    ev.add_argument("model", help=model_help + ", or a converted checkpoint")
+    ev.add_argument("--against", metavar="ORIGINAL", help="the original model: adds KL, top-1 agreement, ratios")
+    ev.add_argument("--data", default="builtin",
+                    help="text to score: builtin (held-out half of the offline corpus), local files, or a Hub "
+                         "dataset name[:config[:split]], split defaulting to test (default: %(default)s)")
+    ev.add_argument("--calib", metavar="DATA", help="calibration data used for the model: warn if --data overlaps it "
+                    "(a converted checkpoint's recorded calibration is checked without this)")
+    _evaluation_args(ev)
+    ev.add_argument("--json", action="store_true", help="print JSON instead of a table")
     return parser
+
+
+def _evaluation_args(parser: argparse.ArgumentParser, prefix: str = "") -> None:
+    parser.add_argument(f"--{prefix}max-length", type=int,
+                        help="window length in tokens (default: the model's context, as lm-eval resolves it)")
+    parser.add_argument(f"--{prefix}stride", type=int,
+                        help="score only the last STRIDE tokens of each later window (default: non-overlapping)")
+    parser.add_argument(f"--{prefix}max-tokens", type=int, help="stop after this many tokens (CPU budget)")
+    parser.add_argument(f"--{prefix}batch-size", type=int, default=1, help="windows per forward pass (default: 1)")
 
 
 def _inspect(args) -> None:
@@ -84,41 +98,95 @@ def _inspect(args) -> None:
 
 
 def _convert(args) -> None:
-    if args.output:  # refuse a bad destination before any loading or conversion work
-        check_output_dir(args.output, args.overwrite)
-    if args.push_to_hub:
-        preflight(args.push_to_hub)
-    elif args.private:
-        raise PushError("--private needs --push-to-hub REPO")
     model, tokenizer = load_model(args.model)
+    _check_evaluation_args(args, "eval_")
+    original = copy.deepcopy(model) if args.eval_data else None  # the reference for --eval
     report = convert(model, to=args.to, roles=_roles(args.roles), include=args.include, exclude=args.exclude,
                      per_channel=args.per_channel, input_scale=args.input_scale)
     print(report)
+    if original is not None:
+        _evaluate_conversion(args, model, original, tokenizer)
     if args.report:
         with open(args.report, "w") as f:
             f.write(report.to_json())
-    _save_and_push(args, model, tokenizer)
-
-
-def _save_and_push(args, model, tokenizer) -> None:
     if args.output:
-        save_pretrained(model, args.output, tokenizer=tokenizer, overwrite=args.overwrite, base_model=hub_id(args.model))
+        model.save_pretrained(args.output)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(args.output)
         print(f"saved to {args.output}")
-    if args.push_to_hub:
-        with tempfile.TemporaryDirectory() as scratch:
-            folder = args.output or save_pretrained(model, Path(scratch) / "checkpoint", tokenizer=tokenizer,
-                                                    base_model=hub_id(args.model))
-            print(f"pushed to {push(folder, args.push_to_hub, private=args.private)}")
 
 
-def _push(args) -> None:
-    print(f"pushed to {push(args.directory, args.repo, private=args.private)}")
+def _warn(message: str | None) -> None:
+    if message:
+        print(f"normswap: warning: {message}", file=sys.stderr)
+
+
+def _check_evaluation_args(args, prefix: str = "") -> None:
+    get = lambda name: getattr(args, prefix + name)  # noqa: E731
+    flag = lambda name: "--" + (prefix + name).replace("_", "-")  # noqa: E731
+    for name in ("max_length", "stride", "max_tokens", "batch_size"):
+        if get(name) is not None and get(name) < 1:
+            raise EvaluationError(f"{flag(name)} must be at least 1, got {get(name)}")
+    if get("stride") and get("max_length") and get("stride") > get("max_length"):
+        raise EvaluationError(f"{flag('stride')} {get('stride')} is longer than {flag('max_length')} {get('max_length')}")
+
+
+def _run_evaluation(args, prefix: str, models, tokenizer, against, data: str, texts):
+    from .evaluate import evaluate
+
+    if tokenizer is None:
+        raise EvaluationError(f"{args.model} has no tokenizer: perplexity needs one")
+    get = lambda name: getattr(args, prefix + name)  # noqa: E731
+    return evaluate(models, tokenizer, texts, against=against, data=data, max_length=get("max_length"),
+                    stride=get("stride"), max_tokens=get("max_tokens"), batch_size=get("batch_size"))
+
+
+def _calibration_overlap(calib_spec, recorded, data: str, texts) -> str | None:
+    """Warning text when the evaluation data overlaps the calibration data (given, or recorded in the model)."""
+    from .data import load_texts
+    from .evaluate import overlap_warning
+
+    if calib_spec:
+        return overlap_warning(calib_spec, load_texts(calib_spec, "calibration"), data, texts)
+    if isinstance(recorded, dict):
+        spec = next((recorded[k] for k in ("data", "spec", "dataset", "calib") if isinstance(recorded.get(k), str)), None)
+        if spec or recorded.get("fingerprint"):
+            return overlap_warning(spec, None, data, texts, calib_fingerprint=recorded.get("fingerprint"))
+    return None
+
+
+def _evaluate_conversion(args, model, original, tokenizer) -> None:
+    """``convert --eval``: the side-by-side table, printed and stored for the model card."""
+    from .data import load_texts
+
+    texts = load_texts(args.eval_data, default_split="evaluation")
+    _warn(_calibration_overlap(getattr(args, "calib", None), None, args.eval_data, texts))
+    evaluation = _run_evaluation(args, "eval_", model, tokenizer, original, args.eval_data, texts)
+    print(f"\nevaluation on {evaluation.describe()}\n{evaluation.table()}")
+    if hasattr(model, "config") and isinstance(getattr(model.config, "normswap", None), dict):
+        model.config.normswap["evaluation"] = evaluation.card("converted")
+
+
+def _eval(args) -> None:
+    from .data import load_texts
+
+    _check_evaluation_args(args)
+    model, tokenizer = load_model(args.model)
+    against = load_model(args.against, with_tokenizer=False)[0] if args.against else None
+    texts = load_texts(args.data, default_split="evaluation")
+    recorded = (getattr(getattr(model, "config", None), "normswap", None) or {}).get("calibration")
+    _warn(_calibration_overlap(args.calib, recorded, args.data, texts))
+    evaluation = _run_evaluation(args, "", model, tokenizer, against, args.data, texts)
+    if args.json:
+        print(json.dumps(evaluation.to_dict(), indent=2))
+    else:
+        print(f"{args.model} on {evaluation.describe()}\n{evaluation.table()}")
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        {"inspect": _inspect, "convert": _convert, "push": _push}[args.command](args)
+        {"inspect": _inspect, "convert": _convert, "eval": _eval}[args.command](args)
     except USER_ERRORS as error:
         print(f"normswap: error: {error}", file=sys.stderr)
         return 2

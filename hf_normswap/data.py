@@ -33,7 +33,11 @@ def _builtin(split: str) -> list[str]:
 
     keys = sorted(topics)
     half = keys[BUILTIN_SPLITS.index(split)::2]  # alternating topics: two disjoint halves of similar size
-    return [topics[k] for k in half]
+    texts = [topics[k] for k in half]
+    if split == "evaluation":  # some topics share one text ("if" and "else"): keep it on the calibration side only
+        seen = {topics[k] for k in keys[0::2]}
+        texts = [t for t in texts if t not in seen]
+    return texts
 
 
 def _text_column(dataset) -> str:
