@@ -6,16 +6,22 @@ import argparse
 import copy
 import json
 import sys
+import tempfile
+from pathlib import Path
 
 from .convert import DEFAULT_ROLES, ConversionError, convert, plan
 from .data import DataError
 from .evaluate import EvaluationError
+from .checkpoint import CheckpointError, check_output_dir, save_pretrained
+from .hub import PushError, preflight, push
 from .loading import ModelLoadError, load_model
+from .model_card import hub_id
 from .modules import METHODS
 from .packaged import PackagedModelMissing
 from .roles import ROLES
 
-USER_ERRORS = (ConversionError, ModelLoadError, PackagedModelMissing, DataError, EvaluationError)
+USER_ERRORS = (ConversionError, ModelLoadError, PackagedModelMissing, DataError, EvaluationError, CheckpointError,
+               PushError)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -50,13 +56,21 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("--per-channel", action="store_true", help="one alpha/beta per channel instead of per module")
     conv.add_argument("--input-scale", type=float, default=1.0,
                       help="typical input RMS for the analytic initialization (default: %(default)s)")
-    conv.add_argument("--output", help="directory to save the converted checkpoint to")
+    conv.add_argument("--output", help="directory to save the converted checkpoint to (written atomically)")
+    conv.add_argument("--overwrite", action="store_true", help="replace --output when it exists and is not empty")
+    conv.add_argument("--push-to-hub", metavar="REPO", help="push the checkpoint to this Hub repo (NAME or OWNER/NAME)")
+    conv.add_argument("--private", action="store_true", help="with --push-to-hub: create the repo private")
     conv.add_argument("--report", help="write the conversion report as JSON to this file")
     _selection_args(conv)
     conv.add_argument("--eval", metavar="DATA", dest="eval_data",
                       help="after converting, evaluate against the original on DATA (same forms as `eval --data`) "
                            "and print the side-by-side table; it is stored in config.json and the model card")
     _evaluation_args(conv, prefix="eval-")
+
+    hub = commands.add_parser("push", help="upload a saved checkpoint to the Hugging Face Hub")
+    hub.add_argument("directory", help="checkpoint directory written by `normswap convert --output`")
+    hub.add_argument("repo", help="Hub repository, NAME or OWNER/NAME (created if missing)")
+    hub.add_argument("--private", action="store_true", help="create the repo private")
 
     ev = commands.add_parser("eval", help="perplexity (token, word, byte) and, with --against, KL / top-1 vs original")
     ev.add_argument("model", help=model_help + ", or a converted checkpoint")
@@ -98,6 +112,12 @@ def _inspect(args) -> None:
 
 
 def _convert(args) -> None:
+    if args.output:  # refuse a bad destination before any loading or conversion work
+        check_output_dir(args.output, args.overwrite)
+    if args.push_to_hub:
+        preflight(args.push_to_hub)
+    elif args.private:
+        raise PushError("--private needs --push-to-hub REPO")
     model, tokenizer = load_model(args.model)
     _check_evaluation_args(args, "eval_")
     original = copy.deepcopy(model) if args.eval_data else None  # the reference for --eval
@@ -109,11 +129,22 @@ def _convert(args) -> None:
     if args.report:
         with open(args.report, "w") as f:
             f.write(report.to_json())
+    _save_and_push(args, model, tokenizer)
+
+
+def _save_and_push(args, model, tokenizer) -> None:
     if args.output:
-        model.save_pretrained(args.output)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(args.output)
+        save_pretrained(model, args.output, tokenizer=tokenizer, overwrite=args.overwrite, base_model=hub_id(args.model))
         print(f"saved to {args.output}")
+    if args.push_to_hub:
+        with tempfile.TemporaryDirectory() as scratch:
+            folder = args.output or save_pretrained(model, Path(scratch) / "checkpoint", tokenizer=tokenizer,
+                                                    base_model=hub_id(args.model))
+            print(f"pushed to {push(folder, args.push_to_hub, private=args.private)}")
+
+
+def _push(args) -> None:
+    print(f"pushed to {push(args.directory, args.repo, private=args.private)}")
 
 
 def _warn(message: str | None) -> None:
@@ -186,7 +217,7 @@ def _eval(args) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        {"inspect": _inspect, "convert": _convert, "eval": _eval}[args.command](args)
+        {"inspect": _inspect, "convert": _convert, "push": _push, "eval": _eval}[args.command](args)
     except USER_ERRORS as error:
         print(f"normswap: error: {error}", file=sys.stderr)
         return 2
