@@ -72,7 +72,7 @@ def push(folder: str | os.PathLike, repo_id: str, *, private: bool = False, toke
     api = HfApi(endpoint=url, token=token)
     method = config["normswap"]["method"].upper()
     try:
-        repo = api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
+        repo = api.create_repo(repo_id, private=private or None, exist_ok=True, repo_type="model")  # None: Hub default
         api.upload_folder(folder_path=folder, repo_id=repo.repo_id, repo_type="model",
                           commit_message=commit_message or f"{method} checkpoint converted with hf-normswap")
     except HfHubHTTPError as error:

@@ -1,0 +1,213 @@
+"""Push to the Hub with the real huggingface_hub client against a local HTTP endpoint that records the calls."""
+
+from __future__ import annotations
+
+import base64
+import json
+import socket
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+import torch
+from huggingface_hub import ModelCard, constants
+
+import hf_normswap
+from hf_normswap import cli
+from tiny_models import tiny_model
+
+TOKEN = "hf_local_test_token"
+
+
+class FakeHub:
+    """The few Hub API routes that create_repo + upload_folder use; every request is recorded."""
+
+    def __init__(self):
+        self.calls: list[dict] = []
+        self.repos: dict[str, dict] = {}  # repo id -> create payload
+        self.files: dict[str, dict[str, bytes]] = {}  # repo id -> path -> content
+        self.commits: list[dict] = []
+        hub = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def do_GET(self):
+                self._handle()
+
+            def do_POST(self):
+                self._handle()
+
+            def _reply(self, status: int, body: dict) -> None:
+                data = json.dumps(body).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def _handle(self):
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                path = self.path.split("?")[0]
+                hub.calls.append({"method": self.command, "path": path, "auth": self.headers.get("Authorization")})
+                if self.headers.get("Authorization") != f"Bearer {TOKEN}":
+                    return self._reply(401, {"error": "Invalid credentials in Authorization header"})
+                parts = path.strip("/").split("/")
+                if path == "/api/repos/create":
+                    payload = json.loads(body)
+                    repo_id = f"{payload.get('organization') or 'local-user'}/{payload['name']}"
+                    hub.repos[repo_id] = payload
+                    return self._reply(200, {"url": f"{hub.url}/{repo_id}", "name": repo_id})
+                if path == "/api/validate-yaml":
+                    return self._reply(200, {})
+                if len(parts) == 6 and parts[:2] == ["api", "models"] and parts[4] == "preupload":
+                    files = json.loads(body)["files"]
+                    return self._reply(200, {"files": [{"path": f["path"], "uploadMode": "regular",
+                                                        "shouldIgnore": False} for f in files]})
+                if len(parts) == 6 and parts[:2] == ["api", "models"] and parts[4] == "commit":
+                    repo_id = f"{parts[2]}/{parts[3]}"
+                    if repo_id not in hub.repos:
+                        return self._reply(404, {"error": f"Repository {repo_id} not found"})
+                    lines = [json.loads(line) for line in body.decode().splitlines() if line.strip()]
+                    hub.commits.append({"repo": repo_id, "header": lines[0]["value"]})
+                    stored = hub.files.setdefault(repo_id, {})
+                    for line in lines[1:]:
+                        assert line["key"] == "file" and line["value"]["encoding"] == "base64", line["key"]
+                        stored[line["value"]["path"]] = base64.b64decode(line["value"]["content"])
+                    return self._reply(200, {"commitUrl": f"{hub.url}/{repo_id}/commit/{'1' * 40}",
+                                             "commitOid": "1" * 40, "pullRequestUrl": None})
+                return self._reply(404, {"error": f"no route {self.command} {path}"})
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    def paths(self) -> list[str]:
+        return [c["path"] for c in self.calls]
+
+
+@pytest.fixture
+def hub(monkeypatch):
+    server = FakeHub()
+    server.thread.start()
+    monkeypatch.setenv("HF_ENDPOINT", server.url)
+    monkeypatch.setenv("HF_TOKEN", TOKEN)
+    monkeypatch.setenv("HF_HUB_DISABLE_TELEMETRY", "1")
+    yield server
+    server.server.shutdown()
+    server.server.server_close()
+
+
+@pytest.fixture(scope="module")
+def checkpoint_dir(tmp_path_factory):
+    torch.set_num_threads(1)
+    model = tiny_model("llama")
+    hf_normswap.convert(model, to="eln")
+    directory = tmp_path_factory.mktemp("push") / "tiny-eln"
+    hf_normswap.save_pretrained(model, directory, base_model="HuggingFaceTB/SmolLM2-135M-Instruct")
+    return directory
+
+
+def test_push_command_creates_repo_and_uploads_the_checkpoint(hub, checkpoint_dir, capsys):
+    assert cli.main(["push", str(checkpoint_dir), "someone/tiny-eln", "--private"]) == 0
+    assert f"pushed to {hub.url}/someone/tiny-eln" in capsys.readouterr().out
+    assert hub.repos == {"someone/tiny-eln": {"name": "tiny-eln", "organization": "someone", "visibility": "private",
+                                              "type": "model"}}
+    assert hub.paths()[0] == "/api/repos/create"
+    assert hub.paths()[-1] == "/api/models/someone/tiny-eln/commit/main"
+    assert all(c["auth"] == f"Bearer {TOKEN}" for c in hub.calls)
+    uploaded = hub.files["someone/tiny-eln"]
+    local = {p.name for p in checkpoint_dir.iterdir()}
+    assert set(uploaded) == local
+    assert {"config.json", "model.safetensors", "modeling_normswap.py", "README.md", "generation_config.json"} <= local
+    for name in local:
+        assert uploaded[name] == (checkpoint_dir / name).read_bytes(), name
+    config = json.loads(uploaded["config.json"])
+    assert config["model_type"] == "normswap_llama"
+    assert config["auto_map"]["AutoModelForCausalLM"] == "modeling_normswap.NormSwapLlamaForCausalLM"
+    assert config["normswap"]["method"] == "eln" and "model.norm" in config["normswap"]["converted"]
+    card = ModelCard(uploaded["README.md"].decode())
+    assert card.data.base_model == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert card.data.library_name == "transformers" and "eln" in card.data.tags
+    assert "trust_remote_code=True" in card.text and "Stollenwerk" in card.text
+    assert hub.commits[0]["header"]["summary"] == "ELN checkpoint converted with hf-normswap"
+
+
+def test_convert_push_to_hub_without_output(hub, tmp_path, capsys):
+    source = tmp_path / "source"
+    tiny_model("gpt2").save_pretrained(source)
+    assert cli.main(["convert", str(source), "--to", "dyt", "--push-to-hub", "plain-name"]) == 0
+    assert "pushed to" in capsys.readouterr().out
+    assert hub.repos["local-user/plain-name"]["organization"] is None
+    assert "visibility" not in hub.repos["local-user/plain-name"]
+    uploaded = hub.files["local-user/plain-name"]
+    assert {"config.json", "model.safetensors", "modeling_normswap.py", "README.md"} <= set(uploaded)
+    config = json.loads(uploaded["config.json"])
+    assert config["normswap"]["method"] == "dyt" and config["model_type"] == "normswap_gpt2"
+    assert "tanh(alpha * x)" in uploaded["README.md"].decode()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["source"]  # the scratch checkpoint is gone
+
+
+def _one_line_error(capsys) -> str:
+    err = capsys.readouterr().err
+    assert err.startswith("normswap: error: ") and err.count("\n") == 1, err
+    return err
+
+
+def test_missing_token_is_one_line_and_sends_nothing(hub, checkpoint_dir, monkeypatch, tmp_path, capsys):
+    monkeypatch.delenv("HF_TOKEN")
+    monkeypatch.delenv("HUGGING_FACE_HUB_TOKEN", raising=False)
+    monkeypatch.setattr(constants, "HF_TOKEN_PATH", str(tmp_path / "no-token"))
+    assert cli.main(["push", str(checkpoint_dir), "someone/x"]) == 2
+    assert "no Hugging Face token" in _one_line_error(capsys)
+    # convert checks it before loading anything: the model spec does not even exist
+    assert cli.main(["convert", str(tmp_path / "missing"), "--to", "eln", "--push-to-hub", "someone/x"]) == 2
+    assert "no Hugging Face token" in _one_line_error(capsys)
+    assert hub.calls == []
+
+
+@pytest.mark.parametrize("repo", ["bad name!", "a/b/c", "owner/bad--name", "ends-with-dash-", "x" * 100])
+def test_invalid_repo_name_is_one_line_and_sends_nothing(hub, checkpoint_dir, tmp_path, capsys, repo):
+    assert cli.main(["push", str(checkpoint_dir), repo]) == 2
+    assert "invalid repository name" in _one_line_error(capsys)
+    assert cli.main(["convert", str(tmp_path / "missing"), "--to", "eln", "--push-to-hub", repo]) == 2
+    assert "invalid repository name" in _one_line_error(capsys)
+    assert hub.calls == []
+
+
+def test_unreachable_endpoint_is_one_line(checkpoint_dir, monkeypatch, capsys):
+    with socket.socket() as sock:  # a port nothing listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{port}")
+    monkeypatch.setenv("HF_TOKEN", TOKEN)
+    assert cli.main(["push", str(checkpoint_dir), "someone/x"]) == 2
+    err = _one_line_error(capsys)
+    assert "cannot reach the Hub" in err and str(port) in err
+
+
+def test_rejected_token_is_one_line(hub, checkpoint_dir, monkeypatch, capsys):
+    monkeypatch.setenv("HF_TOKEN", "hf_wrong")
+    assert cli.main(["push", str(checkpoint_dir), "someone/x"]) == 2
+    assert "rejected the token (401)" in _one_line_error(capsys)
+    assert hub.paths()[0] == "/api/repos/create" and hub.files == {} and hub.repos == {}
+
+
+def test_push_refuses_a_directory_that_is_not_a_checkpoint(hub, tmp_path, capsys):
+    (tmp_path / "config.json").write_text("{}")
+    assert cli.main(["push", str(tmp_path), "someone/x"]) == 2
+    assert "not a checkpoint saved by hf_normswap" in _one_line_error(capsys)
+    assert hub.calls == []
+
+
+def test_private_needs_push_to_hub(tmp_path, capsys):
+    assert cli.main(["convert", str(tmp_path / "missing"), "--to", "eln", "--private"]) == 2
+    assert "--private needs --push-to-hub" in _one_line_error(capsys)
+
+
+def test_push_api_returns_repo_url(hub, checkpoint_dir):
+    url = hf_normswap.hub.push(Path(checkpoint_dir), "org/api-push")
+    assert url == f"{hub.url}/org/api-push"
+    assert "config.json" in hub.files["org/api-push"]
