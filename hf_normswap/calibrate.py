@@ -1,0 +1,675 @@
+"""Calibration: fit each new module's alpha / beta (and optionally gamma and bias) to real activations.
+
+``convert(model, to, calibration=CalibrationConfig(...))`` lands here. The driver
+
+1. turns the calibration data (a text spec for ``data.load_texts``, or token ids) into batches;
+2. converts in forward order. Sequentially (the default) it runs the network block by block, GPTQ-style: the
+   inputs of the first repeated block are cached once, then for each block each target norm's input is captured
+   (``capture.py``: bounded reservoir, padding excluded, first-position tokens kept apart) on the model whose
+   earlier norms are already converted, the replacement is fitted (``fitting.py``) against the source norm's
+   output on those very inputs and swapped in, and the block is re-run to give the next block its input. Norms
+   outside the blocks (embedding LayerNorm before, final norm after) are handled before / after the blocks.
+   Without ``sequential`` every norm is fitted on activations of the original model in one pass;
+3. optionally tunes only the new modules' parameters for a few Adam steps to match the original model's output
+   distribution (KL of logits, or MSE of the last hidden state for encoders) on a few calibration blocks;
+4. returns per-norm report rows and a summary that ``convert`` stores in ``model.config.normswap``.
+
+Strategies are presets over the options; see :data:`STRATEGIES`.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import resource
+import time
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from .capture import DEFAULT_MAX_FIRST, DEFAULT_MAX_TOKENS, StopForward, capturing
+from .discovery import NormInfo
+from .fitting import FitStats, analytic_input_scale, fit_module, outlier_mask
+from .roles import block_of
+
+STRATEGIES: dict[str, dict] = {
+    # data-driven analytic initialization only: input scale = median token RMS / std of the captured inputs
+    "analytic": dict(fit=(), per_channel=False, first_token_share=0.0),
+    # the paper's fit: scalar alpha / beta, only elements whose normalized output is an outlier (|z| > threshold)
+    "outliers": dict(fit=("shape",), per_channel=False, outliers_only=True, first_token_share=0.0),
+    # scalar alpha / beta by least squares on all sampled tokens, first positions at their natural frequency
+    "lsq": dict(fit=("shape",), per_channel=False, first_token_share=None),
+    # per-channel alpha / beta and gamma (amplitude) and bias, all tokens at natural frequency
+    "channel": dict(fit=("shape", "weight", "bias"), per_channel=True, first_token_share=None),
+    # as channel, but the first-position (attention-sink) tokens carry half of the loss
+    "sink": dict(fit=("shape", "weight", "bias"), per_channel=True, first_token_share=0.5),
+    # as channel, then a few Adam steps on the new modules' parameters against the original model's outputs
+    "kl": dict(fit=("shape", "weight", "bias"), per_channel=True, first_token_share=None, tune_steps=30),
+}
+DEFAULT_STRATEGY = "kl"
+
+
+@dataclass
+class CalibrationConfig:
+    """How to calibrate. Options left ``None`` take the strategy's value (:data:`STRATEGIES`).
+
+    ``data``: a text spec (``builtin``, files, ``hub_name[:config][:split]``), a LongTensor ``(N, L)`` of token ids,
+    or a dict with ``input_ids`` and ``attention_mask``. Text is cut into ``num_blocks`` blocks of ``block_len``
+    tokens for decoders (packed, no padding), or ``num_blocks`` padded paragraphs of at most ``block_len`` tokens
+    for encoders. Capture keeps at most ``max_tokens_per_norm`` ordinary and ``max_first_per_norm`` first-position
+    token vectors per norm (fp32), so memory is bounded by ``(max_tokens + max_first) * C * 4`` bytes per norm.
+    """
+
+    data: Any = "builtin"
+    num_blocks: int = 64
+    block_len: int = 512
+    batch_size: int = 8
+    max_tokens_per_norm: int = DEFAULT_MAX_TOKENS
+    max_first_per_norm: int = DEFAULT_MAX_FIRST
+    strategy: str = DEFAULT_STRATEGY
+    sequential: bool = True
+    fit: tuple[str, ...] | None = None  # parameters to fit: "shape", "weight" (gamma incl. amplitude), "bias"
+    per_channel: bool | None = None
+    outliers_only: bool | None = None
+    outlier_threshold: float = 3.0
+    first_token_share: float | None | str = "strategy"  # None: natural frequency; 0: excluded; s: share of loss
+    tune_steps: int | None = None
+    tune_blocks: int = 4
+    tune_lr: float = 5e-3
+    max_iter: int = 100
+    seed: int = 0
+    progress: bool = True
+    plots: str | None = None
+    tokenizer: Any = field(default=None, repr=False)
+
+    def resolved(self) -> "CalibrationConfig":
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"unknown calibration strategy {self.strategy!r}: choose from {', '.join(STRATEGIES)}")
+        preset = dict(fit=("shape",), per_channel=False, outliers_only=False, first_token_share=None, tune_steps=0)
+        preset.update(STRATEGIES[self.strategy])
+        out = copy.copy(self)
+        for key, value in preset.items():
+            current = getattr(out, key)
+            if current is None or (key == "first_token_share" and current == "strategy"):
+                setattr(out, key, value)
+        out.fit = tuple(out.fit)
+        return out
+
+    def summary(self) -> dict:
+        skip = {"data", "tokenizer", "progress", "plots"}
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in skip}
+        out["fit"] = list(out["fit"] or ())
+        out["data"] = self.data if isinstance(self.data, str) else f"tensor{tuple(_ids(self.data).shape)}"
+        return out
+
+
+def _ids(data) -> torch.Tensor:
+    return data["input_ids"] if isinstance(data, dict) else data
+
+
+@dataclass
+class NormFit:
+    """One row of the calibration report."""
+
+    name: str
+    kind: str
+    role: str
+    shape_name: str
+    shape_mean: float
+    shape_min: float
+    shape_max: float
+    gamma_mean: float  # mean of weight / amplitude: the source norm's scale as fitted
+    input_scale: float
+    tokens_seen: int
+    tokens_kept: int
+    first_kept: int
+    stats: FitStats
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        out["stats"] = self.stats.to_dict()
+        return out
+
+
+@dataclass
+class CalibrationResult:
+    fits: dict[str, NormFit]
+    summary: dict
+
+
+# ----------------------------------------------------------------------------------------------------- data
+
+
+def calibration_batches(model: nn.Module, config: CalibrationConfig) -> list[dict]:
+    """Model inputs for calibration, as batches on the model's input device."""
+    data = config.data
+    if isinstance(data, (torch.Tensor, dict)):
+        ids = _ids(data)
+        mask = data.get("attention_mask") if isinstance(data, dict) else None
+        mask = torch.ones_like(ids) if mask is None else mask
+    else:
+        from .data import load_texts, token_blocks
+
+        if config.tokenizer is None:
+            raise ValueError("calibration from text needs a tokenizer: pass CalibrationConfig(tokenizer=...)")
+        texts = load_texts(data, "calibration")
+        if _is_decoder(model):
+            ids = token_blocks(config.tokenizer, texts, config.num_blocks, config.block_len)
+            mask = torch.ones_like(ids)
+        else:
+            rows = _paragraphs(texts, config.num_blocks)
+            enc = config.tokenizer(rows, truncation=True, max_length=config.block_len, padding=True,
+                                   return_tensors="pt")
+            ids, mask = enc["input_ids"], enc["attention_mask"]
+    ids, mask = ids[: config.num_blocks], mask[: config.num_blocks]
+    device = _input_device(model)
+    batches = []
+    for start in range(0, ids.shape[0], config.batch_size):
+        batch = {"input_ids": ids[start:start + config.batch_size].to(device),
+                 "attention_mask": mask[start:start + config.batch_size].to(device)}
+        if getattr(model.config, "is_encoder_decoder", False):
+            batch["decoder_input_ids"] = batch["input_ids"]
+        batches.append(batch)
+    return batches
+
+
+def _paragraphs(texts: list[str], count: int) -> list[str]:
+    rows = []
+    for text in texts:
+        for line in text.split("\n"):
+            line = line.strip()
+            if len(line.split()) >= 8 and not line.startswith("="):
+                rows.append(line)
+                if len(rows) >= count:
+                    return rows
+    if not rows:
+        from .data import DataError
+
+        raise DataError("the calibration text has no paragraph of 8 words or more")
+    return rows
+
+
+def _is_decoder(model: nn.Module) -> bool:
+    name = type(model).__name__
+    return "CausalLM" in name or "LMHeadModel" in name
+
+
+def _input_device(model: nn.Module) -> torch.device:
+    try:
+        return model.get_input_embeddings().weight.device
+    except (AttributeError, NotImplementedError):
+        return next(model.parameters()).device
+
+
+def _forward(model: nn.Module, batch: dict):
+    kwargs = {"use_cache": False} if getattr(model.config, "use_cache", None) is not None else {}
+    return model(**batch, **kwargs)
+
+
+# -------------------------------------------------------------------------------------------------- fitting
+
+
+class _Fitter:
+    """Builds, fits and records the replacement for one norm from captured inputs."""
+
+    def __init__(self, method: str, config: CalibrationConfig, build, per_channel: bool):
+        self.method, self.config, self.build, self.per_channel = method, config, build, per_channel
+        self.fits: dict[str, NormFit] = {}
+        self.capture_bytes = 0
+
+    def __call__(self, info: NormInfo, source: nn.Module, sample) -> nn.Module:
+        cfg = self.config
+        x, is_first = sample.data()
+        self.capture_bytes = max(self.capture_bytes, sample.nbytes())
+        scale = analytic_input_scale(x, info.kind, is_first) if x.shape[0] else 1.0
+        replacement = self.build(source, info, input_scale=scale, per_channel=cfg.per_channel or self.per_channel)
+        reference = copy.deepcopy(source).to("cpu", torch.float32)
+        with torch.no_grad():
+            target = torch.cat([reference(chunk) for chunk in x.split(4096)]) if x.shape[0] else x
+        weight = self._weights(info, reference, x, is_first, sample)
+        stats = fit_module(replacement, x, target, weight=weight, params=cfg.fit, is_first=is_first,
+                           max_iter=cfg.max_iter)
+        shape = replacement.shape_parameter().detach().float()
+        self.fits[info.name] = NormFit(
+            name=info.name, kind=info.kind, role=info.role, shape_name=replacement.shape_name,
+            shape_mean=float(shape.mean()), shape_min=float(shape.min()), shape_max=float(shape.max()),
+            gamma_mean=float(replacement.weight.detach().float().mean() / replacement.amplitude),
+            input_scale=scale, tokens_seen=sample.count, tokens_kept=sample.tokens.buffer.shape[0],
+            first_kept=sample.first.buffer.shape[0], stats=stats,
+        )
+        if cfg.plots:
+            plot_fit(Path(cfg.plots), info.name, replacement, reference, x, target, is_first, stats)
+        return replacement
+
+    def _weights(self, info, reference, x, is_first, sample) -> torch.Tensor | None:
+        cfg = self.config
+        rows = torch.ones(x.shape[0], 1, dtype=torch.float64)
+        n_first, n_plain = int(is_first.sum()), int((~is_first).sum())
+        if n_first:
+            share = cfg.first_token_share
+            if share is None:  # natural frequency of first positions among all tokens seen
+                true_ratio = sample.first.seen / max(sample.tokens.seen, 1)
+                w_first = true_ratio * n_plain / n_first
+            elif share >= 1 or n_plain == 0:
+                w_first, rows[~is_first] = 1.0, 0.0
+            else:
+                w_first = share / (1 - share) * n_plain / n_first
+            rows[is_first] = w_first
+        weight = rows
+        if cfg.outliers_only:
+            normalized = _normalized(x, info.kind, info.eps)
+            weight = rows * outlier_mask(normalized, cfg.outlier_threshold)
+            if weight.sum() == 0:  # no outliers at all: fall back to every element
+                weight = rows
+        return weight
+
+
+def _normalized(x: torch.Tensor, kind: str, eps: float) -> torch.Tensor:
+    x = x.double()
+    if kind == "layernorm":
+        return torch.nn.functional.layer_norm(x, x.shape[-1:], eps=eps)
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
+# ---------------------------------------------------------------------------------------------- the driver
+
+
+def calibrate_and_replace(model: nn.Module, selected: list[NormInfo], method: str, config: CalibrationConfig,
+                          build, replace, *, per_channel: bool = False) -> CalibrationResult:
+    """Fit and swap in replacements for ``selected`` norms; ``build(source, info, input_scale=, per_channel=)``
+    makes a module and ``replace(model, name, module)`` sets it (both from ``convert``)."""
+    config = config.resolved()
+    start = time.perf_counter()
+    torch.manual_seed(config.seed)
+    batches = calibration_batches(model, config)
+    fitter = _Fitter(method, config, build, per_channel)
+    was_training = model.training
+    model.eval()
+    teacher = _teacher_outputs(model, batches, config) if config.tune_steps else None
+    plan = _block_plan(model, selected, batches[0]) if config.sequential else None
+    mode = "sequential" if plan is not None else "one-shot"
+    with torch.no_grad():
+        if plan is None:
+            _one_shot(model, selected, batches, fitter, replace, config)
+        else:
+            _sequential(model, plan, batches, fitter, replace, config)
+    tuning = _tune(model, selected, batches, teacher, config) if config.tune_steps else None
+    model.train(was_training)
+    seconds = time.perf_counter() - start
+    summary = dict(config.summary(), mode=mode, seconds=round(seconds, 1),
+                   tokens=int(sum(int(b["attention_mask"].sum()) for b in batches)),
+                   capture_bytes_per_norm=fitter.capture_bytes,
+                   peak_rss_mb=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1))
+    if isinstance(config.data, str):
+        summary["data"] = config.data
+    if tuning is not None:
+        summary["tuning"] = tuning
+    return CalibrationResult(fits=fitter.fits, summary=summary)
+
+
+def _progress(total: int, desc: str, config: CalibrationConfig):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc, disable=not config.progress, leave=False)
+
+
+def _capture_kwargs(config: CalibrationConfig) -> dict:
+    return dict(max_tokens=config.max_tokens_per_norm, max_first=config.max_first_per_norm, seed=config.seed)
+
+
+def _one_shot(model, selected, batches, fitter, replace, config) -> None:
+    """All norms fitted on activations of the original model, captured in one pass over the data."""
+    modules = {info.name: model.get_submodule(info.name) for info in selected}
+    with capturing(modules, **_capture_kwargs(config)) as capture, \
+            _progress(len(batches), "calibration: capture", config) as bar:
+        for batch in batches:
+            capture.mask = batch["attention_mask"]
+            _forward(model, batch)
+            bar.update()
+    for info in _progress_iter(selected, "calibration: fit", config):
+        replace(model, info.name, fitter(info, modules[info.name], capture.samples[info.name]))
+
+
+def _progress_iter(items, desc, config):
+    from tqdm.auto import tqdm
+
+    return tqdm(items, desc=desc, disable=not config.progress, leave=False)
+
+
+@dataclass
+class _Plan:
+    stack: nn.ModuleList
+    pre: list[NormInfo]
+    blocks: list[list[NormInfo]]  # per block, in forward order
+    post: list[NormInfo]
+
+
+def _block_plan(model: nn.Module, selected: list[NormInfo], batch: dict) -> _Plan | None:
+    """Group norms by repeated block, in forward order, or None when they do not sit in one stack of blocks
+    (encoder-decoder models have two stacks: they are calibrated in one shot)."""
+    by_stack: dict[str, list[NormInfo]] = {}
+    outside = []
+    for info in selected:
+        block = block_of(info.name)
+        if block is None:
+            outside.append(info)
+        else:
+            by_stack.setdefault(block.rpartition(".")[0], []).append(info)
+    if len(by_stack) != 1:
+        return None
+    (stack_name, inside), = by_stack.items()
+    stack = model.get_submodule(stack_name)
+    if not isinstance(stack, nn.ModuleList) or len(stack) == 0:
+        return None
+    order: list[str] = []
+    handles = []
+
+    def mark(name):
+        def hook(*_):
+            order.append(name)
+        return hook
+
+    for info in selected:
+        handles.append(model.get_submodule(info.name).register_forward_pre_hook(mark(info.name)))
+    handles.append(stack[0].register_forward_pre_hook(mark("<stack start>")))
+    handles.append(stack[-1].register_forward_hook(mark("<stack end>")))
+    small = {k: v[:1, :16] if v.dim() == 2 else v for k, v in batch.items()}
+    try:
+        with torch.no_grad():
+            _forward(model, small)
+    finally:
+        for h in handles:
+            h.remove()
+    if "<stack start>" not in order or "<stack end>" not in order:
+        return None
+    first_seen = {}
+    for i, name in enumerate(order):
+        first_seen.setdefault(name, i)
+    begin, end = first_seen["<stack start>"], first_seen["<stack end>"]
+    pre = [i for i in outside if first_seen.get(i.name, -1) < begin]
+    post = [i for i in outside if first_seen.get(i.name, -1) > end]
+    if len(pre) + len(post) != len(outside) or any(i.name not in first_seen for i in selected):
+        return None
+    index_of = {id(block): k for k, block in enumerate(stack)}
+    blocks: list[list[NormInfo]] = [[] for _ in stack]
+    for info in sorted(inside, key=lambda i: first_seen[i.name]):
+        block = model.get_submodule(block_of(info.name))
+        if id(block) not in index_of:
+            return None
+        blocks[index_of[id(block)]].append(info)
+    key = lambda i: first_seen[i.name]  # noqa: E731
+    return _Plan(stack=stack, pre=sorted(pre, key=key), blocks=blocks, post=sorted(post, key=key))
+
+
+def _block_inputs(model, stack, batches) -> list[tuple]:
+    """(hidden, other args, kwargs) of the first block for each batch, via a hook that stops the forward there."""
+    cached = []
+
+    def hook(module, args, kwargs):
+        if args:
+            cached.append((args[0], args[1:], dict(kwargs)))
+        else:
+            kwargs = dict(kwargs)
+            cached.append((kwargs.pop("hidden_states"), (), kwargs))
+        raise StopForward
+
+    handle = stack[0].register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        for batch in batches:
+            try:
+                _forward(model, batch)
+            except StopForward:
+                pass
+    finally:
+        handle.remove()
+    return cached
+
+
+def _call_block(block, hidden, args, kwargs):
+    if args or "hidden_states" not in _param_names(block):
+        out = block(hidden, *args, **kwargs)
+    else:
+        out = block(hidden_states=hidden, **kwargs)
+    return out[0] if isinstance(out, (tuple, list)) else out
+
+
+def _param_names(block) -> set[str]:
+    import inspect
+
+    return set(inspect.signature(block.forward).parameters)
+
+
+def _capture_pass(modules, stop_after, batches, run, config, desc):
+    """Capture inputs of ``modules`` while ``run(batch_index)`` executes for every batch; returns the samples."""
+    with capturing(modules, stop_after=stop_after, **_capture_kwargs(config)) as capture:
+        for k, batch in enumerate(batches):
+            capture.mask = batch["attention_mask"]
+            try:
+                run(k)
+            except StopForward:
+                pass
+        return capture.samples
+
+
+def _sequential(model, plan: _Plan, batches, fitter, replace, config) -> None:
+    total = len(plan.pre) + sum(len(b) for b in plan.blocks) + len(plan.post)
+    with _progress(total, "calibration: norms", config) as bar:
+        for info in plan.pre:  # e.g. BERT's embedding LayerNorm: runs before the first block
+            source = model.get_submodule(info.name)
+            samples = _capture_pass({info.name: source}, info.name, batches,
+                                    lambda k: _forward(model, batches[k]), config, info.name)
+            replace(model, info.name, fitter(info, source, samples[info.name]))
+            bar.update()
+        cached = _block_inputs(model, plan.stack, batches)
+        hidden = [c[0] for c in cached]
+        for block, infos in zip(plan.stack, plan.blocks):
+            for info in infos:
+                source = model.get_submodule(info.name)
+                samples = _capture_pass(
+                    {info.name: source}, info.name, batches,
+                    lambda k: _call_block(block, hidden[k], cached[k][1], cached[k][2]), config, info.name)
+                replace(model, info.name, fitter(info, source, samples[info.name]))
+                bar.update()
+            hidden = [_call_block(block, hidden[k], cached[k][1], cached[k][2]) for k in range(len(batches))]
+        for info in plan.post:  # final norm: its input is the last block's output when nothing sits in between
+            source = model.get_submodule(info.name)
+            direct = _post_input_is_stack_output(model, source, batches[0], hidden[0])
+            run = (lambda k: source(hidden[k])) if direct else (lambda k: _forward(model, batches[k]))
+            samples = _capture_pass({info.name: source}, info.name, batches, run, config, info.name)
+            replace(model, info.name, fitter(info, source, samples[info.name]))
+            bar.update()
+
+
+def _post_input_is_stack_output(model, source, batch, hidden) -> bool:
+    seen = []
+
+    def hook(module, args):
+        seen.append(args[0] if args else None)
+        raise StopForward
+
+    handle = source.register_forward_pre_hook(hook)
+    try:
+        _forward(model, batch)
+    except StopForward:
+        pass
+    finally:
+        handle.remove()
+    return bool(seen) and isinstance(seen[0], torch.Tensor) and seen[0].shape == hidden.shape and \
+        torch.allclose(seen[0].float(), hidden.float(), rtol=1e-4, atol=1e-4)
+
+
+# --------------------------------------------------------------------------------------------------- tuning
+
+
+def _output_tensor(output) -> torch.Tensor:
+    from .model_inputs import first_tensor
+
+    return first_tensor(output)
+
+
+def _teacher_outputs(model, batches, config) -> list[torch.Tensor]:
+    """Original model outputs on the tuning blocks (one row each), computed before any norm is replaced."""
+    rows = _tune_rows(batches, config)
+    with torch.no_grad():
+        return [_output_tensor(_forward(model, row)).detach().float() for row in rows]
+
+
+def _tune_rows(batches, config) -> list[dict]:
+    rows = []
+    for batch in batches:
+        for r in range(batch["input_ids"].shape[0]):
+            rows.append({k: v[r:r + 1] for k, v in batch.items()})
+            if len(rows) >= config.tune_blocks:
+                return rows
+    return rows
+
+
+def _tune(model, selected, batches, teacher, config) -> dict:
+    """Adam on the new modules' parameters only: KL(original || converted) of next-token distributions for
+    language models, MSE of the output (scaled by the original's mean square) otherwise."""
+    rows = _tune_rows(batches, config)
+    modules = [model.get_submodule(info.name) for info in selected]
+    params = [p for m in modules for p in m.parameters(recurse=False)]
+    frozen = {id(p) for p in params}
+    saved = {n: p.requires_grad for n, p in model.named_parameters()}
+    for p in model.parameters():
+        p.requires_grad_(id(p) in frozen)
+    best = [p.detach().clone() for p in params]
+    optimizer = torch.optim.Adam(params, lr=config.tune_lr)
+    is_lm = teacher[0].shape[-1] == getattr(model.config.get_text_config() if hasattr(model.config, "get_text_config")
+                                            else model.config, "vocab_size", -1)
+
+    def loss_on(k):
+        mask = rows[k]["attention_mask"].bool()
+        out = _output_tensor(_forward(model, rows[k])).float()
+        if is_lm:
+            t = torch.log_softmax(teacher[k][mask], -1)
+            s = torch.log_softmax(out[mask], -1)
+            return torch.nn.functional.kl_div(s, t, log_target=True, reduction="batchmean")
+        t = teacher[k][mask]
+        return (out[mask] - t).pow(2).mean() / t.pow(2).mean().clamp_min(1e-12)
+
+    history = []
+    try:
+        with torch.no_grad():
+            start_loss = sum(float(loss_on(k)) for k in range(len(rows))) / len(rows)
+        best_loss = start_loss
+        with _progress(config.tune_steps, "calibration: tune", config) as bar:
+            for step in range(config.tune_steps):
+                k = step % len(rows)
+                optimizer.zero_grad()
+                loss = loss_on(k)
+                if not torch.isfinite(loss):
+                    break
+                loss.backward()
+                optimizer.step()
+                history.append(float(loss))
+                bar.update()
+                bar.set_postfix(loss=f"{float(loss):.4g}")
+                if len(rows) == 1 or (step + 1) % len(rows) == 0:  # a full pass over the tuning rows
+                    epoch = sum(history[-len(rows):]) / len(rows)
+                    if epoch < best_loss:
+                        best_loss, best = epoch, [p.detach().clone() for p in params]
+        with torch.no_grad():
+            final = sum(float(loss_on(k)) for k in range(len(rows))) / len(rows)
+            if not math.isfinite(final) or final > best_loss:
+                for p, b in zip(params, best):
+                    p.copy_(b)
+                final = sum(float(loss_on(k)) for k in range(len(rows))) / len(rows)
+    finally:
+        for n, p in model.named_parameters():
+            p.requires_grad_(saved[n])
+    return {"objective": "kl" if is_lm else "relative_mse", "rows": len(rows), "steps": len(history),
+            "loss_before": round(start_loss, 6), "loss_after": round(final, 6)}
+
+
+# ---------------------------------------------------------------------------------------------------- plots
+
+
+def plot_fit(directory: Path, name: str, module, reference, x, target, is_first, stats: FitStats,
+             max_points: int = 20000) -> Path:
+    """The source norm's outputs over its inputs (grey: ordinary tokens, red: first positions) with the fitted
+    module's outputs on the same inputs, all divided by the source's per-channel scale (paper's Figure 3)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    directory.mkdir(parents=True, exist_ok=True)
+    scale = getattr(reference, "weight", None)
+    scale = scale.detach().float() if isinstance(scale, torch.Tensor) else torch.ones(x.shape[-1])
+    scale = torch.where(scale.abs() < 1e-6, torch.ones_like(scale), scale)
+    with torch.no_grad():
+        fitted = copy.deepcopy(module).to("cpu", torch.float32)(x.float()).float() if x.shape[0] else x
+    generator = torch.Generator().manual_seed(0)
+    fig, ax = plt.subplots(figsize=(6, 4.5))
+    for rows, color, label in ((~is_first, "0.6", "source, tokens"), (is_first, "tab:red", "source, first position")):
+        xs, ys, fs = x[rows], (target[rows] - _bias(reference)) / scale, (fitted[rows] - _bias(reference)) / scale
+        flat = xs.numel()
+        if flat == 0:
+            continue
+        pick = torch.randperm(flat, generator=generator)[:max_points]
+        ax.scatter(xs.flatten()[pick], ys.flatten()[pick], s=2, c=color, alpha=0.4, label=label)
+        ax.scatter(xs.flatten()[pick], fs.flatten()[pick], s=1, c="tab:blue", alpha=0.3,
+                   label="fitted" if color == "0.6" else None)
+    ax.set(title=f"{name}\nrel. error {stats.rel_error:.3g}, saturated {stats.saturation:.1%}",
+           xlabel="input x", ylabel="output / source gamma")
+    ax.legend(fontsize=7, markerscale=4)
+    path = directory / f"{name.replace('.', '_')}.png"
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def _bias(reference) -> torch.Tensor | float:
+    bias = getattr(reference, "bias", None)
+    return bias.detach().float() if isinstance(bias, torch.Tensor) else 0.0
+
+
+# ------------------------------------------------------------------------------------------ convert() entry
+
+
+def calibrate_selected(model: nn.Module, selected: list[NormInfo], method: str, calibration, *,
+                       per_channel: bool = False) -> CalibrationResult:
+    """``convert``'s hook: ``calibration`` is a :class:`CalibrationConfig`, token ids, or a dict of inputs."""
+    from .convert import ConversionError, build_replacement, replace_module
+
+    if isinstance(calibration, (torch.Tensor, dict)):
+        calibration = CalibrationConfig(data=calibration)
+    if not isinstance(calibration, CalibrationConfig):
+        raise ConversionError("calibration must be a CalibrationConfig, a token id tensor or a dict of model inputs")
+    try:
+        calibration.resolved()
+    except ValueError as error:
+        raise ConversionError(str(error)) from None
+
+    def build(source, info, *, input_scale, per_channel):
+        return build_replacement(source, info, method, input_scale=input_scale, per_channel=per_channel)
+
+    return calibrate_and_replace(model, selected, method, calibration, build, replace_module, per_channel=per_channel)
+
+
+def fit_table(report) -> str:
+    """The per-norm fit statistics of a calibrated conversion report, as a text table."""
+    header = (f"  {'norm':<45} {'param':>6} {'mean':>10} {'min':>10} {'max':>10} {'gamma':>7} {'resid':>9} "
+              f"{'rel.err':>8} {'rel.err@0':>9} {'sat.':>6}")
+    lines = ["calibration: " + ", ".join(f"{k}={report.calibration[k]}" for k in
+                                         ("strategy", "mode", "tokens", "seconds") if k in report.calibration),
+             header]
+    for c in report.converted:
+        if not c.fit:
+            continue
+        f, st = c.fit, c.fit["stats"]
+        first = st["rel_error_first"]
+        lines.append(f"  {c.name:<45} {f['shape_name']:>6} {f['shape_mean']:>10.4g} {f['shape_min']:>10.4g} "
+                     f"{f['shape_max']:>10.4g} {f['gamma_mean']:>7.3g} {st['loss']:>9.3g} {st['rel_error']:>8.3g} "
+                     f"{'-' if first is None else format(first, '.3g'):>9} {st['saturation']:>6.1%}")
+    tuning = report.calibration.get("tuning")
+    if tuning:
+        lines.append(f"  tuning ({tuning['objective']}, {tuning['steps']} steps on {tuning['rows']} rows): "
+                     f"{tuning['loss_before']:.4g} -> {tuning['loss_after']:.4g}")
+    return "\n".join(lines)

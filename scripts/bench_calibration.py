@@ -1,0 +1,125 @@
+"""Calibration benchmark for BENCHMARKS.md: one (model, method, strategy) per process, so peak memory is its own.
+
+SmolLM2 (causal LM): WikiText-2 test perplexity of the original and the calibrated model over the same
+non-overlapping windows (``hf_normswap.evaluate.evaluate``, lm-eval conventions), plus KL(original || converted)
+and top-1 agreement, after calibrating on WikiText-2 *validation* text. MiniLM (sentence encoder): mean cosine
+similarity of mean-pooled sentence embeddings of the converted model to the original's, on WikiText-2 test lines.
+Appends one JSON line per run to ``--out``.
+
+    python scripts/bench_calibration.py --model offline:smollm2 --to eln --strategy kl --out /tmp/calib.jsonl
+    python scripts/bench_calibration.py --model offline:minilm --to eln --strategy channel --out /tmp/calib.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import resource
+import time
+from pathlib import Path
+
+import torch
+
+from hf_normswap import convert
+from hf_normswap.calibrate import STRATEGIES, CalibrationConfig
+from hf_normswap.data import load_texts
+from hf_normswap.loading import load_model
+
+DATA = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "wikitext-2"
+
+
+def rss_mb() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def peak_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def sentence_similarity(original, converted, tokenizer, texts: list[str], count: int) -> float:
+    """Mean cosine similarity of mean-pooled last hidden states (sentence-transformers' pooling for MiniLM)."""
+    lines = [t.strip() for text in texts for t in text.split("\n") if len(t.split()) >= 5 and not t.strip().startswith("=")]
+    lines = lines[:count]
+    sims = []
+    with torch.no_grad():
+        for start in range(0, len(lines), 32):
+            enc = tokenizer(lines[start:start + 32], padding=True, truncation=True, max_length=256, return_tensors="pt")
+            mask = enc["attention_mask"].unsqueeze(-1).float()
+            pooled = [(m(**enc).last_hidden_state * mask).sum(1) / mask.sum(1) for m in (original, converted)]
+            sims.append(torch.nn.functional.cosine_similarity(pooled[0], pooled[1], dim=-1))
+    return float(torch.cat(sims).mean())
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="offline:smollm2")
+    parser.add_argument("--to", default="eln", choices=("eln", "dyt", "none"))
+    parser.add_argument("--strategy", default="kl", choices=sorted(STRATEGIES))
+    parser.add_argument("--no-sequential", action="store_true", help="fit all norms on the original's activations")
+    parser.add_argument("--first-token-share", type=float, default=None, help="override the strategy's value")
+    parser.add_argument("--tune-steps", type=int, default=None)
+    parser.add_argument("--tune-blocks", type=int, default=4)
+    parser.add_argument("--calib", default=str(DATA / "wiki.valid.tokens"))
+    parser.add_argument("--calib-blocks", type=int, default=64)
+    parser.add_argument("--calib-len", type=int, default=512)
+    parser.add_argument("--eval", default=str(DATA / "wiki.test.raw"))
+    parser.add_argument("--eval-len", type=int, default=512, help="perplexity window (non-overlapping)")
+    parser.add_argument("--max-eval-tokens", type=int, default=8192)
+    parser.add_argument("--sentences", type=int, default=512, help="MiniLM: sentences compared")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--out", default="/tmp/calibration_bench.jsonl")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+
+    model, tokenizer = load_model(args.model)
+    original = copy.deepcopy(model)
+    record = {"model": args.model, "to": args.to, "strategy": args.strategy, "sequential": not args.no_sequential,
+              "calib": args.calib, "calib_blocks": args.calib_blocks, "calib_len": args.calib_len}
+    rss_before = rss_mb()
+    if args.to != "none":
+        options = {}
+        if args.first_token_share is not None:
+            options["first_token_share"] = args.first_token_share
+        config = CalibrationConfig(data=args.calib, num_blocks=args.calib_blocks, block_len=args.calib_len,
+                                   strategy=args.strategy, sequential=not args.no_sequential,
+                                   tune_steps=args.tune_steps, tune_blocks=args.tune_blocks, tokenizer=tokenizer,
+                                   **options)
+        start = time.perf_counter()
+        report = convert(model, args.to, calibration=config)
+        record["calibration_seconds"] = round(time.perf_counter() - start, 1)
+        record["calibration"] = report.calibration
+        record["norms_converted"] = len(report.converted)
+        record["worst_rel_error"] = max(c.fit["stats"]["rel_error"] for c in report.converted)
+    record["rss_before_calibration_mb"] = round(rss_before, 1)
+    record["peak_rss_mb"] = round(peak_mb(), 1)
+
+    texts = load_texts(args.eval, "evaluation")
+    start = time.perf_counter()
+    if "minilm" in args.model:
+        record["mean_cosine_similarity"] = sentence_similarity(original, model, tokenizer, texts, args.sentences)
+        record["sentences"] = args.sentences
+    else:
+        from hf_normswap.evaluate import evaluate
+
+        result = evaluate({"converted": model}, tokenizer, texts, against=original, max_length=args.eval_len,
+                          max_tokens=args.max_eval_tokens, batch_size=4, progress=False)
+        record["ppl_original"] = result.results["original"].token_perplexity
+        record["ppl_converted"] = result.results["converted"].token_perplexity
+        record["kl"] = result.kl["converted"]
+        record["top1"] = result.top1["converted"]
+        record["eval_tokens"] = result.results["original"].tokens
+        record["eval_len"] = args.eval_len
+    record["eval_seconds"] = round(time.perf_counter() - start, 1)
+    print(json.dumps({k: v for k, v in record.items() if k != "calibration"}, indent=1))
+    with open(args.out, "a") as f:
+        f.write(json.dumps(record) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,189 @@
+"""Calibration: bounded capture, least-squares fit, sequential driver, report, CLI flags. Tiny models only."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from tiny_models import tiny_model
+
+from hf_normswap import convert
+from hf_normswap.calibrate import CalibrationConfig
+from hf_normswap.capture import NormSample, Reservoir, capturing
+from hf_normswap.fitting import fit_module
+from hf_normswap.model_inputs import first_tensor
+from hf_normswap.modules import ELN, DyT
+
+
+def _ids(rows=8, length=32, seed=1):
+    return torch.randint(0, 128, (rows, length), generator=torch.Generator().manual_seed(seed))
+
+
+def _kl(reference, model, ids) -> float:
+    with torch.no_grad():
+        p = first_tensor(reference(ids)).float().log_softmax(-1)
+        q = first_tensor(model(ids)).float().log_softmax(-1)
+    return float((p.exp() * (p - q)).sum(-1).mean())
+
+
+def test_reservoir_keeps_cap_and_samples_uniformly():
+    reservoir = Reservoir(200, 1, torch.Generator().manual_seed(0))
+    for start in range(0, 100_000, 1000):  # each row holds its own index
+        reservoir.add(torch.arange(start, start + 1000, dtype=torch.float32)[:, None])
+    kept = reservoir.buffer[:, 0]
+    assert reservoir.buffer.shape == (200, 1) and reservoir.seen == 100_000
+    assert len(kept.unique()) == 200
+    assert abs(float(kept.mean()) / 100_000 - 0.5) < 0.06  # uniform over everything seen, not the latest
+    assert 0.35 < float((kept < 50_000).float().mean()) < 0.65
+
+
+def test_capture_excludes_padding_and_flags_first_positions():
+    model = tiny_model("llama")
+    ids = _ids(4, 16) % 100
+    mask = torch.ones_like(ids)
+    mask[0, 10:] = 0  # right padding
+    mask[1, :5] = 0  # left padding: the first real token is position 5
+    ids[mask == 0] = 120  # a pad id no real token uses
+    name = "model.layers.0.input_layernorm"
+    with capturing({name: model.get_submodule(name)}, max_tokens=1000) as capture:
+        capture.mask = mask
+        model(input_ids=ids, attention_mask=mask)
+    sample = capture.samples[name]
+    assert sample.count == int(mask.sum())
+    assert sample.first.buffer.shape[0] == 4 and sample.tokens.buffer.shape[0] == int(mask.sum()) - 4
+    embeddings = model.get_input_embeddings()(ids)
+    assert torch.allclose(sample.first.buffer[1], embeddings[1, 5])  # first real token of the left-padded row
+    kept = sample.tokens.buffer
+    for pad in (embeddings[0, 12], embeddings[1, 2]):
+        assert not torch.isclose(kept, pad).all(-1).any()
+
+
+def test_memory_stays_under_cap_with_large_calibration_set():
+    model = tiny_model("llama")
+    cap, first_cap = 64, 8
+    ids = _ids(256, 64)  # 16384 tokens through every norm, 256 first positions
+    report = convert(model, "eln", calibration=CalibrationConfig(
+        data=ids, num_blocks=256, batch_size=32, max_tokens_per_norm=cap, max_first_per_norm=first_cap,
+        strategy="lsq", progress=False))
+    summary = report.calibration
+    assert summary["tokens"] == 256 * 64
+    assert summary["capture_bytes_per_norm"] <= (cap + first_cap) * 32 * 4
+    for c in report.converted:
+        assert c.fit["tokens_seen"] == 256 * 64
+        assert c.fit["tokens_kept"] == cap and c.fit["first_kept"] == first_cap
+
+
+def test_sample_running_statistics_cover_everything_seen():
+    sample = NormSample(4, max_tokens=3, max_first=1, seed=0)
+    x = torch.full((2, 5, 4), 2.0)
+    sample.add(x, torch.ones(2, 5))
+    assert sample.count == 10 and abs(sample.summary()["mean_rms"] - 2.0) < 1e-6
+
+
+@pytest.mark.parametrize("cls,kind", [(ELN, "rmsnorm"), (DyT, "layernorm")])
+def test_fit_recovers_known_shape_parameter(cls, kind):
+    truth = cls(16, 3.0 if cls is ELN else 0.4, amplitude=4.0)
+    x = torch.randn(500, 16) * 2
+    with torch.no_grad():
+        y = truth(x)
+    module = cls(16, 50.0 if cls is ELN else 0.05, amplitude=4.0)
+    stats = fit_module(module, x, y, params=("shape",))
+    assert stats.loss < 1e-8 < stats.loss_before
+    assert abs(float(module.shape_parameter()) - float(truth.shape_parameter())) < 1e-3
+
+
+@pytest.mark.parametrize("method", ["eln", "dyt"])
+@pytest.mark.parametrize("arch", ["llama", "bert"])
+def test_calibrated_model_is_closer_than_analytic_init(arch, method):
+    ids = _ids()
+    reference = tiny_model(arch)
+    analytic = tiny_model(arch)
+    convert(analytic, method)
+    calibrated = tiny_model(arch)
+    report = convert(calibrated, method, calibration=CalibrationConfig(data=ids, batch_size=4, strategy="channel",
+                                                                       progress=False))
+    assert report.calibration["mode"] == "sequential"
+    kl_analytic, kl_calibrated = _kl(reference, analytic, ids[:4]), _kl(reference, calibrated, ids[:4])
+    assert kl_calibrated < 0.5 * kl_analytic, (kl_calibrated, kl_analytic)
+    for c in report.converted:  # the fit never ends worse than where it started
+        assert c.fit["stats"]["loss"] <= c.fit["stats"]["loss_before"]
+
+
+def test_sequential_beats_or_matches_one_shot_and_tuning_lowers_kl():
+    ids = _ids()
+    reference = tiny_model("llama")
+    results = {}
+    for label, options in (("one-shot", dict(strategy="lsq", sequential=False)),
+                           ("sequential", dict(strategy="lsq")),
+                           ("kl", dict(strategy="kl", tune_steps=20))):
+        model = tiny_model("llama")
+        report = convert(model, "eln", calibration=CalibrationConfig(data=ids, batch_size=4, progress=False,
+                                                                     **options))
+        results[label] = (_kl(reference, model, ids[:4]), report)
+    assert results["one-shot"][1].calibration["mode"] == "one-shot"
+    tuning = results["kl"][1].calibration["tuning"]
+    assert tuning["objective"] == "kl" and tuning["loss_after"] <= tuning["loss_before"]
+    assert results["kl"][0] < results["sequential"][0] * 1.01
+
+
+def test_report_config_and_plots(tmp_path):
+    model = tiny_model("llama")
+    report = convert(model, "eln", calibration=CalibrationConfig(data=_ids(), batch_size=4, strategy="channel",
+                                                                 plots=str(tmp_path), progress=False))
+    data = json.loads(report.to_json())
+    row = data["converted"][0]["fit"]
+    assert {"shape_mean", "gamma_mean", "stats"} <= set(row)
+    assert {"loss", "rel_error", "rel_error_first", "saturation"} <= set(row["stats"])
+    assert data["calibration"]["strategy"] == "channel"
+    block = model.config.normswap
+    assert block["calibration"]["strategy"] == "channel" and block["per_channel"] is True
+    assert "rel.err" in str(report)
+    pngs = sorted(p.name for p in tmp_path.glob("*.png"))
+    assert len(pngs) == len(report.converted) and pngs[0].endswith(".png")
+
+
+def test_bf16_and_encoder_decoder_fall_back_to_one_shot():
+    model = tiny_model("llama").to(torch.bfloat16)
+    report = convert(model, "eln", calibration=CalibrationConfig(data=_ids(), batch_size=4, strategy="lsq",
+                                                                 progress=False))
+    assert all(p.dtype == torch.bfloat16 for n, p in model.named_parameters() if n.endswith("weight"))
+    assert torch.isfinite(first_tensor(model(_ids()[:2])).float()).all()
+    t5 = tiny_model("t5")
+    report = convert(t5, "eln", calibration=CalibrationConfig(data=_ids(), batch_size=4, strategy="lsq",
+                                                              progress=False))
+    assert report.calibration["mode"] == "one-shot"
+
+
+def test_padded_text_calibration_for_encoder():
+    class Tok:  # minimal tokenizer: words -> ids, right padding
+        eos_token_id = None
+
+        def __call__(self, rows, truncation=True, max_length=16, padding=True, return_tensors="pt"):
+            ids = [[3 + (hash(w) % 100) for w in r.split()][:max_length] for r in rows]
+            width = max(map(len, ids))
+            return {"input_ids": torch.tensor([i + [0] * (width - len(i)) for i in ids]),
+                    "attention_mask": torch.tensor([[1] * len(i) + [0] * (width - len(i)) for i in ids])}
+
+    model = tiny_model("bert")
+    report = convert(model, "eln", calibration=CalibrationConfig(data="builtin", tokenizer=Tok(), num_blocks=6,
+                                                                 block_len=16, strategy="lsq", progress=False))
+    assert report.calibration["tokens"] < 6 * 16 or report.calibration["tokens"] == 6 * 16
+    assert report.converted[0].fit["tokens_seen"] == report.calibration["tokens"]
+
+
+def test_cli_flags_need_calib(capsys):
+    from hf_normswap.cli import USER_ERRORS, main
+    from hf_normswap.data import DataError
+
+    assert DataError in USER_ERRORS
+    with pytest.raises(SystemExit):
+        main(["convert", "x", "--to", "eln", "--strategy", "nonsense"])
+    assert "invalid choice" in capsys.readouterr().err
+
+
+def test_unknown_strategy_is_a_conversion_error():
+    from hf_normswap.convert import ConversionError
+
+    with pytest.raises(ConversionError, match="strategy"):
+        convert(tiny_model("llama"), "eln", calibration=CalibrationConfig(data=_ids(), strategy="magic"))
