@@ -36,6 +36,44 @@ def _selection_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--exclude", help="regular expression: leave norms whose name matches")
 
 
+def _calibration_args(parser: argparse.ArgumentParser) -> None:
+    from .calibrate import DEFAULT_STRATEGY, STRATEGIES, CalibrationConfig
+
+    defaults = CalibrationConfig()
+    group = parser.add_argument_group("calibration (fit alpha/beta to real activations; see calibrate.py)")
+    group.add_argument("--calib", metavar="SPEC",
+                       help="calibration text: 'builtin' (offline, ships with Python), local txt/json/jsonl/parquet "
+                            "files, or a Hub dataset name[:config][:split]; without it the analytic values are used")
+    group.add_argument("--calib-blocks", type=int, default=defaults.num_blocks, metavar="N",
+                       help="calibration blocks (default: %(default)s)")
+    group.add_argument("--calib-len", type=int, default=defaults.block_len, metavar="L",
+                       help="tokens per block (default: %(default)s)")
+    group.add_argument("--strategy", choices=sorted(STRATEGIES),
+                       help=f"calibration strategy (default: {DEFAULT_STRATEGY})")
+    group.add_argument("--max-tokens-per-norm", type=int, default=defaults.max_tokens_per_norm, metavar="K",
+                       help="token vectors kept per norm, the memory cap (default: %(default)s)")
+    group.add_argument("--plots", metavar="DIR", help="write one fit plot per norm (PNG) into DIR")
+
+
+def _calibration(args, tokenizer):
+    if not args.calib:
+        for flag, value in (("--plots", args.plots), ("--strategy", args.strategy)):
+            if value:
+                raise ConversionError(f"{flag} needs --calib SPEC (e.g. --calib builtin)")
+        return None
+    from .calibrate import DEFAULT_STRATEGY, CalibrationConfig
+
+    if tokenizer is None:
+        raise ConversionError("--calib needs a model with a tokenizer")
+    for flag, value in (("--calib-blocks", args.calib_blocks), ("--calib-len", args.calib_len),
+                        ("--max-tokens-per-norm", args.max_tokens_per_norm)):
+        if value < 1:
+            raise ConversionError(f"{flag} must be at least 1, got {value}")
+    return CalibrationConfig(data=args.calib, num_blocks=args.calib_blocks, block_len=args.calib_len,
+                             strategy=args.strategy or DEFAULT_STRATEGY, max_tokens_per_norm=args.max_tokens_per_norm,
+                             plots=args.plots, tokenizer=tokenizer)
+
+
 def _roles(text: str) -> list[str]:
     return [r.strip() for r in text.split(",") if r.strip()]
 
@@ -61,6 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("--push-to-hub", metavar="REPO", help="push the checkpoint to this Hub repo (NAME or OWNER/NAME)")
     conv.add_argument("--private", action="store_true", help="with --push-to-hub: create the repo private")
     conv.add_argument("--report", help="write the conversion report as JSON to this file")
+    _calibration_args(conv)
     _selection_args(conv)
     conv.add_argument("--eval", metavar="DATA", dest="eval_data",
                       help="after converting, evaluate against the original on DATA (same forms as `eval --data`) "
@@ -121,7 +160,8 @@ def _convert(args) -> None:
     model, tokenizer = load_model(args.model)
     _check_evaluation_args(args, "eval_")
     original = copy.deepcopy(model) if args.eval_data else None  # the reference for --eval
-    report = convert(model, to=args.to, roles=_roles(args.roles), include=args.include, exclude=args.exclude,
+    report = convert(model, to=args.to, calibration=_calibration(args, tokenizer),
+                     roles=_roles(args.roles), include=args.include, exclude=args.exclude,
                      per_channel=args.per_channel, input_scale=args.input_scale)
     print(report)
     if original is not None:

@@ -35,6 +35,7 @@ class ConvertedNorm:
     size: int
     amplitude: float
     shape_parameter: dict  # {"beta": ...} or {"alpha": ...}: scalar value or per-channel mean
+    fit: dict | None = None  # calibration: parameters, fit residual, relative error, saturation (calibrate.NormFit)
 
 
 @dataclass
@@ -43,12 +44,14 @@ class ConversionReport:
     converted: list[ConvertedNorm] = field(default_factory=list)
     skipped: list[dict] = field(default_factory=list)  # {"name", "class", "reason"}
     found: list[NormInfo] = field(default_factory=list)
+    calibration: dict | None = None  # calibration summary (data, strategy, time, memory), when calibrated
 
     def to_dict(self) -> dict:
         return {
             "method": self.method,
             "converted": [asdict(c) for c in self.converted],
             "skipped": self.skipped,
+            "calibration": self.calibration,
         }
 
     def to_json(self) -> str:
@@ -59,6 +62,10 @@ class ConversionReport:
         for c in self.converted:
             (key, value), = c.shape_parameter.items()
             lines.append(f"  {c.name:<55} {c.kind:<9} {c.role:<15} C={c.size:<5} A={c.amplitude:<7.4g} {key}={value:.4g}")
+        if self.calibration is not None:
+            from .calibrate import fit_table
+
+            lines.append(fit_table(self))
         for s in self.skipped:
             lines.append(f"  skipped {s['name']} ({s['class']}): {s['reason']}")
         return "\n".join(lines)
@@ -159,20 +166,29 @@ def convert(
 ) -> ConversionReport:
     """Replace the selected norms of ``model`` with DyT or ELN modules, in place.
 
-    Without ``calibration`` the shape parameters come from the theory for inputs of scale ``input_scale``.
+    Without ``calibration`` the shape parameters come from the theory for inputs of scale ``input_scale``. With
+    a :class:`~hf_normswap.calibrate.CalibrationConfig` (or token ids, shorthand for one with default options)
+    each module is fitted to captured activations instead; see ``calibrate.py``.
     Returns a :class:`ConversionReport`; the same summary is stored as ``model.config.normswap``.
     """
     method = to.lower()
     if method not in METHODS:
         raise ConversionError(f"unknown method {to!r}: use --to eln or --to dyt")
-    if calibration is not None:
-        raise ConversionError("calibration is not available in this version; convert without it")
     norms, selected, skipped = plan(model, roles, include, exclude)
     report = ConversionReport(method=method, skipped=skipped, found=norms)
+    fits = {}
+    if calibration is not None:
+        from .calibrate import calibrate_selected
+
+        result = calibrate_selected(model, selected, method, calibration, per_channel=per_channel)
+        fits, report.calibration = result.fits, result.summary
     for info in selected:
-        source = model.get_submodule(info.name)
-        replacement = build_replacement(source, info, method, input_scale=input_scale, per_channel=per_channel)
-        replace_module(model, info.name, replacement)
+        if calibration is not None:
+            replacement = model.get_submodule(info.name)
+        else:
+            source = model.get_submodule(info.name)
+            replacement = build_replacement(source, info, method, input_scale=input_scale, per_channel=per_channel)
+            replace_module(model, info.name, replacement)
         value = replacement.shape_parameter().detach()
         report.converted.append(
             ConvertedNorm(
@@ -183,18 +199,19 @@ def convert(
                 size=info.size,
                 amplitude=replacement.amplitude,
                 shape_parameter={replacement.shape_name: float(value.mean())},
+                fit=fits[info.name].to_dict() if info.name in fits else None,
             )
         )
     if hasattr(model, "config"):
         model.config.normswap = {
             "version": __version__,
             "method": method,
-            "per_channel": per_channel,
+            "per_channel": any(getattr(model.get_submodule(c.name), "per_channel", False) for c in report.converted),
             "converted": {
                 c.name: {"kind": c.kind, "role": c.role, "size": c.size, "amplitude": c.amplitude, "bias": b}
                 for c, b in zip(report.converted, (i.has_bias for i in selected))
             },
-            "calibration": None,
+            "calibration": report.calibration,
         }
         from .checkpoint import enable_save
 
