@@ -44,7 +44,7 @@ class NormInfo:
         return self.normalized_shape[-1]
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        return dict(asdict(self), size=self.size)
 
 
 @dataclass

