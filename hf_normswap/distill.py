@@ -1,0 +1,210 @@
+"""Fine-tuning a converted model with the transformers ``Trainer``: distillation loss, parameter groups, what trains.
+
+Calibration fits each DyT / ELN module to its source norm one at a time; what is left is the error the modules
+make together, which only training on the network's output removes. :class:`NormSwapTrainer` keeps the Trainer's
+machinery (DDP / FSDP / DeepSpeed through accelerate, checkpoints, resume, logging) and changes three things:
+
+- ``compute_loss``: causal-LM cross-entropy plus, optionally, KL divergence to a frozen copy of the original
+  model (knowledge distillation, Hinton et al. 2015: soft targets at temperature ``T``, scaled by ``T^2``);
+- ``create_optimizer``: the element-wise modules' parameters get their own groups (no weight decay; a separate
+  learning rate for the shape parameter alpha / beta and for gamma / bias), because the shape parameter lives on a
+  log scale and wants a much larger step than the weights around it;
+- ``log``: ``eval_loss`` is also logged as ``eval_perplexity``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import Trainer, TrainerCallback
+
+from .modules import ElementwiseNorm
+
+TRAINABLE = ("norms", "all", "lora")
+
+
+def norm_parameter_names(model: nn.Module) -> dict[str, str]:
+    """``{parameter name: "shape" | "gamma" | "bias"}`` for every DyT / ELN parameter in ``model``.
+
+    Names are as ``model.named_parameters()`` gives them, so this works through peft and DDP wrappers.
+    """
+    kinds = {}
+    for module_name, module in model.named_modules():
+        if not isinstance(module, ElementwiseNorm):
+            continue
+        for param_name, _ in module.named_parameters(recurse=False):
+            kind = "shape" if param_name.startswith("log_") else "gamma" if param_name == "weight" else "bias"
+            kinds[f"{module_name}.{param_name}" if module_name else param_name] = kind
+    return kinds
+
+
+def set_trainable(model: nn.Module, which: str) -> int:
+    """``"norms"``: only the DyT / ELN parameters train; ``"all"``: every parameter. Returns the trainable count.
+
+    (``"lora"`` is :func:`apply_lora`, which wraps the model.)
+    """
+    if which not in ("norms", "all"):
+        raise ValueError(f"trainable must be one of {TRAINABLE}, got {which!r}")
+    norm_names = norm_parameter_names(model)
+    for name, param in model.named_parameters():
+        param.requires_grad_(which == "all" or name in norm_names)
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+def apply_lora(model: nn.Module, *, r: int = 16, alpha: int = 32, dropout: float = 0.0,
+               target_modules: list[str] | str = "all-linear"):
+    """Wrap ``model`` with peft LoRA adapters; the DyT / ELN modules train in full (peft ``modules_to_save``).
+
+    The norm modules are small, and they are what changed: adapters alone would leave alpha / beta at their
+    calibrated values. ``merge_lora`` undoes the wrapping for saving.
+    """
+    from peft import LoraConfig, get_peft_model
+
+    norm_modules = sorted({name for name, m in model.named_modules() if isinstance(m, ElementwiseNorm)})
+    config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=target_modules,
+                        modules_to_save=norm_modules,  # matched by name suffix
+                        task_type="CAUSAL_LM")
+    return get_peft_model(model, config)
+
+
+def merge_lora(model: nn.Module) -> nn.Module:
+    """The plain model with LoRA weights merged in and the trained norm copies put back in place."""
+    if not hasattr(model, "merge_and_unload"):
+        return model
+    return model.merge_and_unload()
+
+
+def parameter_groups(model: nn.Module, *, lr: float, weight_decay: float, shape_lr: float | None = None,
+                     gamma_lr: float | None = None, decay_names: set[str] | None = None) -> list[dict]:
+    """Optimizer groups: DyT / ELN shape parameters, DyT / ELN gamma and bias (both without weight decay, each with
+    its own learning rate), then the rest split by ``decay_names`` as the Trainer does. Empty groups are dropped."""
+    kinds = norm_parameter_names(model)
+    groups = {key: [] for key in ("shape", "gamma", "decay", "no_decay")}
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        kind = kinds.get(name)
+        if kind == "shape":
+            groups["shape"].append(param)
+        elif kind in ("gamma", "bias"):
+            groups["gamma"].append(param)
+        elif decay_names is not None and name in decay_names:
+            groups["decay"].append(param)
+        else:
+            groups["no_decay"].append(param)
+    settings = {"shape": dict(lr=shape_lr or lr, weight_decay=0.0),
+                "gamma": dict(lr=gamma_lr or lr, weight_decay=0.0),
+                "decay": dict(lr=lr, weight_decay=weight_decay),
+                "no_decay": dict(lr=lr, weight_decay=0.0)}
+    return [{"params": params, "name": key, **settings[key]} for key, params in groups.items() if params]
+
+
+def distillation_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float = 1.0,
+                      mask: torch.Tensor | None = None, chunk: int = 1024) -> torch.Tensor:
+    """``T^2 * KL(softmax(teacher / T) || softmax(student / T))``, averaged over positions (``mask`` selects them).
+
+    Computed in fp32 over chunks of positions, so a 50k-token vocabulary does not need three full-size copies.
+    """
+    vocab = student_logits.shape[-1]
+    student, teacher = student_logits.reshape(-1, vocab), teacher_logits.reshape(-1, vocab)
+    if mask is not None:
+        keep = mask.reshape(-1).bool()
+        student, teacher = student[keep], teacher[keep]
+    if student.shape[0] == 0:
+        return student_logits.sum() * 0.0
+    total = student.new_zeros((), dtype=torch.float32)
+    for start in range(0, student.shape[0], chunk):
+        s = F.log_softmax(student[start:start + chunk].float() / temperature, dim=-1)
+        t = F.log_softmax(teacher[start:start + chunk].float() / temperature, dim=-1)
+        total = total + F.kl_div(s, t, log_target=True, reduction="sum")
+    return total / student.shape[0] * temperature ** 2
+
+
+class NormSwapTrainer(Trainer):
+    """``Trainer`` with cross-entropy + distillation from a frozen ``teacher`` and DyT / ELN parameter groups.
+
+    ``distill_weight`` w: loss = (1 - w) * CE + w * KD (w = 0: plain fine-tuning, no teacher forward). The
+    teacher is moved to the training device and never wrapped for DDP, so every process holds its own copy.
+    """
+
+    def __init__(self, *args, teacher: nn.Module | None = None, distill_weight: float = 0.0,
+                 temperature: float = 1.0, shape_lr: float | None = None, gamma_lr: float | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        if distill_weight > 0 and teacher is None:
+            raise ValueError("distill_weight > 0 needs the original model as teacher")
+        self.teacher = teacher
+        self.distill_weight = float(distill_weight)
+        self.temperature = float(temperature)
+        self.shape_lr, self.gamma_lr = shape_lr, gamma_lr
+        if self.teacher is not None and self.distill_weight > 0:
+            self.teacher.to(self.args.device).eval().requires_grad_(False)
+            self.loss_is_scaled_for_ga = False  # compute_loss returns a per-batch mean: let the Trainer divide
+        self._component_sums = {"ce_loss": 0.0, "kd_loss": 0.0, "count": 0}
+
+    def create_optimizer(self, model=None):
+        opt_model = self.model if model is None else model
+        if self.optimizer is None:
+            groups = parameter_groups(opt_model, lr=self.args.learning_rate, weight_decay=self.args.weight_decay,
+                                      shape_lr=self.shape_lr, gamma_lr=self.gamma_lr,
+                                      decay_names=set(self.get_decay_parameter_names(opt_model)))
+            optimizer_cls, optimizer_kwargs = self.get_optimizer_cls_and_kwargs(self.args, opt_model)
+            optimizer_kwargs.pop("lr", None)  # each group carries its own
+            self.optimizer = optimizer_cls(groups, lr=self.args.learning_rate, **optimizer_kwargs)
+        return self.optimizer
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        if self.distill_weight == 0 or not model.training:  # evaluation: plain cross-entropy, for perplexity
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        outputs = model(**inputs)
+        ce = outputs.loss
+        with torch.no_grad():
+            teacher_logits = self.teacher(input_ids=inputs["input_ids"],
+                                          attention_mask=inputs.get("attention_mask")).logits
+        mask = inputs.get("attention_mask")
+        kd = distillation_loss(outputs.logits, teacher_logits, self.temperature, mask)
+        loss = (1.0 - self.distill_weight) * ce + self.distill_weight * kd
+        if model.training:
+            self._component_sums["ce_loss"] += float(ce.detach())
+            self._component_sums["kd_loss"] += float(kd.detach())
+            self._component_sums["count"] += 1
+        return (loss, outputs) if return_outputs else loss
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        if "eval_loss" in logs:
+            logs["eval_perplexity"] = math.exp(min(logs["eval_loss"], 700.0))
+        if "loss" in logs and self._component_sums["count"]:
+            count = self._component_sums.pop("count")
+            for key in ("ce_loss", "kd_loss"):
+                logs[key] = round(self._component_sums[key] / count, 6)
+            self._component_sums = {"ce_loss": 0.0, "kd_loss": 0.0, "count": 0}
+        super().log(logs, start_time)
+
+
+class WallClockStop(TrainerCallback):
+    """Stop (and save a checkpoint) once ``minutes`` of training have passed in this launch: a time budget that
+    holds whatever the machine's speed, where ``max_steps`` would have to be guessed."""
+
+    def __init__(self, minutes: float):
+        self.seconds = minutes * 60
+        self.start = None
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        import time
+
+        self.start = time.monotonic()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        import time
+
+        over = self.start is not None and time.monotonic() - self.start > self.seconds
+        if torch.distributed.is_available() and torch.distributed.is_initialized():  # all ranks stop at one step
+            flag = torch.tensor(float(over), device=args.device)
+            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+            over = bool(flag.item())
+        if over:
+            control.should_training_stop = True
+            control.should_save = True
+        return control

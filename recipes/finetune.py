@@ -1,0 +1,346 @@
+"""Fine-tune a DyT / ELN model against its original: convert with calibration, train, evaluate, save.
+
+    accelerate launch recipes/finetune.py --config recipes/configs/smollm2-eln.yaml
+    accelerate launch --config_file recipes/accelerate_configs/multi_gpu.yaml recipes/finetune.py --config ...
+    python recipes/finetune.py --config recipes/configs/smollm2-eln.yaml training.max_steps=50 max_minutes=10
+
+Settings come from the YAML config, then from ``key=value`` overrides (dotted keys reach into sections; values are
+read as YAML). Steps, top to bottom:
+
+1. load the original (Hub id, directory, ``.gguf``, ``offline:smollm2``) and convert a copy with calibration, or
+   load an already converted checkpoint (its original from ``original:``); the calibrated model is cached in
+   ``OUTPUT/calibrated`` so a resumed run does not calibrate again;
+2. evaluate perplexity of the calibrated model against the original (main process);
+3. train with ``hf_normswap.distill.NormSwapTrainer``: cross-entropy plus optional distillation from the frozen
+   original, norm-only / full / LoRA training, optional progressive conversion; resumes from the last checkpoint;
+4. evaluate again, save the checkpoint with remote code and a model card that records the training, check that it
+   reloads with identical logits, draw the loss / perplexity curve, optionally push to the Hub.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import yaml
+
+DEFAULTS = {
+    "model": "offline:smollm2",  # original to convert, or an already converted checkpoint
+    "original": None,            # the original when `model` is already converted (teacher and reference)
+    "method": "eln",
+    "calibration": {"data": "builtin", "strategy": None, "num_blocks": 16, "block_len": 512},
+    "train_data": "builtin:calibration",
+    "eval_data": "builtin:evaluation",
+    "block_len": 256,            # training sequence length (packed, no padding)
+    "max_train_tokens": None,    # cap on training text (tokens)
+    "eval_blocks": 8,            # blocks of eval_data for the Trainer's periodic eval_loss / eval_perplexity
+    "final_eval": {"max_tokens": 8192, "max_length": 512},  # hf_normswap.evaluate, before and after training
+    "trainable": "norms",        # norms | all | lora
+    "lora": {"r": 16, "alpha": 32, "dropout": 0.0, "target_modules": "all-linear"},
+    "distill": {"weight": 0.5, "temperature": 1.0},
+    "lr": {"base": 1.0e-4, "shape": None, "gamma": None},  # alpha / beta, and gamma / bias, default to base
+    "progressive": {"enabled": False, "order": "depth", "every": 20, "ramp": None, "start": 0, "group": 1,
+                    "role_order": None},
+    "max_minutes": None,         # wall-clock budget for this launch; stops with a checkpoint
+    "resume": True,              # continue from the last checkpoint in output_dir
+    "output_dir": "out/finetune",
+    "save_dir": None,            # default: OUTPUT/final
+    "push_to_hub": None,         # Hub repo id
+    "threads": None,             # torch threads per process (CPU)
+    "seed": 0,
+    "training": {"max_steps": 100, "per_device_train_batch_size": 4, "gradient_accumulation_steps": 1,
+                 "lr_scheduler_type": "cosine", "warmup_steps": 10, "weight_decay": 0.0, "max_grad_norm": 1.0,
+                 "logging_steps": 5, "eval_strategy": "steps", "eval_steps": 25, "save_strategy": "steps",
+                 "save_steps": 25, "save_total_limit": 2, "report_to": "none"},
+}
+
+
+# ------------------------------------------------------------------------------------------------ configuration
+
+
+def merge(base: dict, update: dict) -> dict:
+    out = copy.deepcopy(base)
+    for key, value in (update or {}).items():
+        out[key] = merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+def load_config(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", help="YAML file (recipes/configs/*.yaml)")
+    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="e.g. training.max_steps=20 method=dyt")
+    args = parser.parse_args(argv)
+    config = DEFAULTS
+    if args.config:
+        config = merge(config, yaml.safe_load(Path(args.config).read_text()) or {})
+    for item in args.overrides:
+        key, sep, value = item.partition("=")
+        if not sep:
+            parser.error(f"override {item!r} is not KEY=VALUE")
+        *path, last = key.lstrip("-").split(".")
+        section = config = copy.deepcopy(config)
+        for part in path:
+            section = section.setdefault(part, {})
+        section[last] = yaml.safe_load(value)
+    return config
+
+
+# --------------------------------------------------------------------------------------------------------- data
+
+
+def block_dataset(tokenizer, spec: str, split: str, block_len: int, max_tokens: int | None = None,
+                  max_blocks: int | None = None):
+    """Packed causal-LM blocks (``input_ids`` = ``labels``) of a text spec, as a ``datasets.Dataset``."""
+    import datasets
+
+    from hf_normswap.data import load_texts, token_stream
+
+    stream = token_stream(tokenizer, load_texts(spec, split), max_tokens=max_tokens)
+    count = len(stream) // block_len if max_blocks is None else min(max_blocks, len(stream) // block_len)
+    if count == 0:
+        raise SystemExit(f"finetune: {spec} gives {len(stream)} tokens, fewer than one block of {block_len}")
+    blocks = stream[: count * block_len].view(count, block_len).tolist()
+    return datasets.Dataset.from_dict({"input_ids": blocks, "labels": blocks})
+
+
+@torch.no_grad()
+def block_perplexity(model, dataset, batch_size: int = 4) -> float:
+    """exp(mean next-token loss) over the eval blocks: the same number the Trainer logs as eval_perplexity."""
+    model.eval()
+    losses = []
+    for start in range(0, len(dataset), batch_size):
+        ids = torch.tensor(dataset[start:start + batch_size]["input_ids"], device=next(model.parameters()).device)
+        losses.append(float(model(input_ids=ids, labels=ids).loss) * len(ids))
+    return math.exp(sum(losses) / len(dataset))
+
+
+# -------------------------------------------------------------------------------------------------------- models
+
+
+def load_models(config: dict, state):
+    """(student, original, tokenizer). The main process calibrates and caches; the others load its result."""
+    import hf_normswap
+    from hf_normswap.calibrate import CalibrationConfig
+    from hf_normswap.checkpoint import read_config
+    from hf_normswap.loading import load_model
+
+    cache = Path(config["output_dir"]) / "calibrated"
+    converted = read_config(config["model"]) if Path(config["model"]).is_dir() else None
+    if converted is not None:  # an already converted checkpoint
+        student, tokenizer = load_model(config["model"])
+        original_spec = config["original"] or converted["normswap"].get("base_model")
+        if not original_spec:
+            raise SystemExit("finetune: the checkpoint does not name its original; set original: in the config")
+        original, _ = load_model(original_spec, with_tokenizer=False)
+        return student, original, tokenizer
+    original, tokenizer = load_model(config["model"])
+    with state.main_process_first():
+        if read_config(cache) is not None:
+            student = hf_normswap.load(cache)
+            print(f"[finetune] calibrated model from {cache}", flush=True)
+        else:
+            student = copy.deepcopy(original)
+            calib = {k: v for k, v in config["calibration"].items() if v is not None}
+            start = time.time()
+            report = hf_normswap.convert(student, to=config["method"],
+                                         calibration=CalibrationConfig(tokenizer=tokenizer, **calib))
+            print(f"[finetune] converted {len(report.converted)} norms to {config['method'].upper()} with "
+                  f"calibration in {time.time() - start:.0f}s", flush=True)
+            if state.is_main_process:
+                hf_normswap.save_pretrained(student, cache, tokenizer=tokenizer, overwrite=True)
+    return student, original, tokenizer
+
+
+def final_evaluation(model, original, tokenizer, config: dict, name: str):
+    from hf_normswap.data import load_texts
+    from hf_normswap.evaluate import evaluate
+
+    texts = load_texts(config["eval_data"], "evaluation")
+    return evaluate({name: model}, tokenizer, texts, against=original, data=config["eval_data"], progress=False,
+                    **config["final_eval"])
+
+
+# ---------------------------------------------------------------------------------------------------- reporting
+
+
+def plot_history(history: list[dict], path: Path, original_ppl: float | None, title: str) -> Path:
+    """Training loss and learning rate, and eval perplexity, over steps (PNG)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    train = [h for h in history if "loss" in h]
+    evals = [h for h in history if "eval_perplexity" in h]
+    fig, (ax_loss, ax_ppl) = plt.subplots(1, 2, figsize=(11, 4))
+    if train:
+        ax_loss.plot([h["step"] for h in train], [h["loss"] for h in train], label="training loss")
+        for key, label in (("ce_loss", "cross-entropy"), ("kd_loss", "distillation KL")):
+            if any(key in h for h in train):
+                ax_loss.plot([h["step"] for h in train if key in h], [h[key] for h in train if key in h],
+                             lw=0.8, label=label)
+        ax_lr = ax_loss.twinx()
+        ax_lr.plot([h["step"] for h in train], [h.get("learning_rate", float("nan")) for h in train],
+                   c="grey", ls=":", label="learning rate")
+        ax_lr.set_ylabel("learning rate")
+    ax_loss.set(xlabel="step", ylabel="loss", title="training")
+    ax_loss.legend(fontsize=8)
+    if evals:
+        ax_ppl.plot([h["step"] for h in evals], [h["eval_perplexity"] for h in evals], "o-", label="converted")
+    if original_ppl is not None:
+        ax_ppl.axhline(original_ppl, c="k", ls="--", label=f"original ({original_ppl:.4g})")
+        ax_ppl.axhline(1.3 * original_ppl, c="grey", ls=":", label="1.3 x original")
+    ax_ppl.set(xlabel="step", ylabel="perplexity", title="eval perplexity", yscale="log")
+    ax_ppl.legend(fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
+
+@torch.no_grad()
+def reloads_identically(model, directory: Path, tokenizer) -> bool:
+    """Load the saved checkpoint back (hf_normswap.load) and compare logits on a fixed input bit for bit."""
+    import hf_normswap
+
+    reloaded = hf_normswap.load(directory).to(next(model.parameters()).device)
+    ids = tokenizer("Normalization layers can be replaced by element-wise functions.", return_tensors="pt")
+    ids = ids["input_ids"].to(next(model.parameters()).device)
+    model.eval()
+    return torch.equal(model(input_ids=ids).logits, reloaded(input_ids=ids).logits)
+
+
+# ----------------------------------------------------------------------------------------------------------- main
+
+
+def main(argv=None) -> int:
+    config = load_config(argv)
+    if config["threads"]:
+        torch.set_num_threads(int(config["threads"]))
+    from accelerate import PartialState
+    from transformers import TrainingArguments, set_seed
+    from transformers.trainer_utils import get_last_checkpoint
+
+    import hf_normswap
+    from hf_normswap.distill import NormSwapTrainer, WallClockStop, apply_lora, merge_lora, set_trainable
+    from hf_normswap.progressive import ProgressiveSwap, ProgressiveSwapCallback, schedule
+
+    # On a machine without GPU, `accelerate launch --multi_gpu --num_processes N` starts N CPU processes; they
+    # join with gloo only when the state is created with cpu=True (accelerate's --cpu starts a single process).
+    cpu = bool(config["training"].get("use_cpu")) or not torch.cuda.is_available()
+    config["training"]["use_cpu"] = cpu
+    state = PartialState(cpu=cpu)
+    set_seed(config["seed"])
+    out = Path(config["output_dir"])
+    save_dir = Path(config["save_dir"] or out / "final")
+    summary_path = out / "summary.json"
+    summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
+    summary["config"] = config
+    log = (lambda *a: print("[finetune]", *a, flush=True)) if state.is_main_process else (lambda *a: None)
+
+    # 1. models
+    student, original, tokenizer = load_models(config, state)
+    original.eval().requires_grad_(False)
+    converted = dict(student.config.normswap["converted"])
+    log(f"{len(converted)} {student.config.normswap['method'].upper()} norms; original {config['model']}")
+
+    # 2. evaluate the calibrated model (once: a resumed run keeps the first measurement)
+    if state.is_main_process and "calibrated" not in summary:
+        start = time.time()
+        before = final_evaluation(student, original, tokenizer, config, "calibrated")
+        summary["calibrated"] = before.to_dict()
+        log(f"after calibration ({time.time() - start:.0f}s):\n{before.table()}")
+    state.wait_for_everyone()
+
+    # 3. train
+    train_set = block_dataset(tokenizer, config["train_data"], "calibration", config["block_len"],
+                              config["max_train_tokens"])
+    eval_set = block_dataset(tokenizer, config["eval_data"], "evaluation", config["block_len"],
+                             max_blocks=config["eval_blocks"])
+    progressive = config["progressive"]
+    swap = None
+    if progressive["enabled"]:
+        if config["trainable"] == "lora":
+            raise SystemExit("finetune: progressive conversion works with trainable: norms or all, not lora")
+        stages = schedule({name: entry["role"] for name, entry in converted.items()}, start=progressive["start"],
+                          every=progressive["every"], ramp=progressive["ramp"], order=progressive["order"],
+                          role_order=progressive["role_order"], group=progressive["group"])
+        swap = ProgressiveSwap(student, {n: original.get_submodule(n) for n in converted}, stages)
+        log(f"progressive: {len(stages)} stages by {progressive['order']}, every {progressive['every']} steps")
+    if config["trainable"] == "lora":
+        student = apply_lora(student, **config["lora"])
+        trainable = sum(p.numel() for p in student.parameters() if p.requires_grad)
+    else:
+        trainable = set_trainable(student, config["trainable"])
+    log(f"training {trainable:,} parameters ({config['trainable']}) on {len(train_set)} blocks of "
+        f"{config['block_len']} tokens")
+
+    args = TrainingArguments(output_dir=str(out), seed=config["seed"], learning_rate=config["lr"]["base"],
+                             prediction_loss_only=True, eval_on_start=True,
+                             **{"include_num_input_tokens_seen": "all", **config["training"]})
+    distill = config["distill"]
+    callbacks = [WallClockStop(config["max_minutes"])] if config["max_minutes"] else []
+    if swap is not None:
+        callbacks.append(ProgressiveSwapCallback(swap))
+    trainer = NormSwapTrainer(model=student, args=args, train_dataset=train_set, eval_dataset=eval_set,
+                              processing_class=tokenizer, callbacks=callbacks,
+                              teacher=original if distill["weight"] > 0 else None, distill_weight=distill["weight"],
+                              temperature=distill["temperature"], shape_lr=config["lr"]["shape"],
+                              gamma_lr=config["lr"]["gamma"])
+    last = get_last_checkpoint(str(out)) if config["resume"] and out.is_dir() else None
+    log(f"resuming from {last}" if last else "training from the calibrated model")
+    start = time.time()
+    result = trainer.train(resume_from_checkpoint=last)
+    wall = time.time() - start
+
+    # 4. evaluate, save, check, plot, push (main process)
+    if swap is not None:
+        swap.remove()
+    model = merge_lora(trainer.accelerator.unwrap_model(trainer.model))
+    if state.is_main_process:
+        model.eval()
+        after = final_evaluation(model, original, tokenizer, config, "finetuned")
+        log(f"after training:\n{after.table()}")
+        history = trainer.state.log_history
+        tokens = trainer.state.num_input_tokens_seen
+        sessions = summary.get("sessions", []) + [{"resumed_from": last, "wall_seconds": round(wall, 1),
+                                                   "global_step": trainer.state.global_step}]
+        training = {"steps": trainer.state.global_step, "tokens_seen": tokens, "trainable": config["trainable"],
+                    "distill": distill, "lr": config["lr"], "progressive": progressive if swap else None,
+                    "train_data": config["train_data"], "block_len": config["block_len"],
+                    "wall_seconds": round(sum(s["wall_seconds"] for s in sessions), 1),
+                    "world_size": state.num_processes, "train_loss": result.training_loss}
+        model.config.normswap["training"] = training
+        hf_normswap.save_pretrained(model, save_dir, tokenizer=tokenizer, overwrite=True,
+                                    evaluation=after.card("finetuned"))
+        identical = reloads_identically(model, save_dir, tokenizer)
+        original_block_ppl = block_perplexity(original, eval_set)
+        curve = plot_history(history, out / "curve.png", original_block_ppl,
+                             f"{config['model']} -> {config['method'].upper()}, {config['trainable']}, "
+                             f"{tokens:,} tokens")
+        summary.update(finetuned=after.to_dict(), training=training, sessions=sessions, history=history,
+                       reload_identical=identical, curve=str(curve), checkpoint=str(save_dir),
+                       original_eval_block_perplexity=original_block_ppl)
+        summary_path.write_text(json.dumps(summary, indent=1, default=str))
+        ratio = {k: summary[k]["ratio"].get(n) for k, n in (("calibrated", "calibrated"), ("finetuned", "finetuned"))}
+        log(f"perplexity / original: {ratio['calibrated']:.4g} after calibration -> {ratio['finetuned']:.4g} after "
+            f"{trainer.state.global_step} steps ({tokens:,} tokens, {wall / 60:.1f} min); saved {save_dir} "
+            f"(reloads identically: {identical}); curve {curve}")
+        if config["push_to_hub"]:
+            from hf_normswap.hub import push
+
+            log(f"pushed to {push(save_dir, config['push_to_hub'])}")
+    state.wait_for_everyone()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,234 @@
+"""recipes/finetune.py end to end on a tiny llama, and the library pieces it uses (distill.py, progressive.py).
+
+The two-process test is marked ``distributed`` (select with ``-m distributed``, skip with ``-m "not distributed"``);
+it runs in the default suite. Two CPU processes join over gloo: on a machine without GPU,
+``accelerate launch --multi_gpu --num_processes 2`` starts them through torchrun and the recipe creates its
+accelerate state with ``cpu=True`` (accelerate's own ``--cpu`` flag starts a single process unless MPI is used).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+import hf_normswap
+from hf_normswap.distill import distillation_loss, norm_parameter_names, parameter_groups, set_trainable
+from hf_normswap.progressive import ProgressiveSwap, schedule, schedule_length
+from tiny_models import tiny_model
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPE = ROOT / "recipes" / "finetune.py"
+WORDS = ("the model layer norm scale token value input output weight train step loss small large first last "
+         "position channel element wise function learn fit data text tiny network block head sum mean root "
+         "square shape beta alpha gamma bias original converted").split()
+
+
+def tiny_tokenizer(directory: Path, text: str):
+    """A word-level tokenizer trained on ``text`` (fits the tiny model's 128-token vocabulary)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train_from_iterator([text], trainers.WordLevelTrainer(vocab_size=120, special_tokens=["<unk>", "<eos>"]))
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<eos>", pad_token="<eos>")
+    tokenizer.save_pretrained(directory)
+    return tokenizer
+
+
+@pytest.fixture(scope="module")
+def tiny_setup(tmp_path_factory):
+    """A tiny llama with its tokenizer in a directory, and a small text file."""
+    root = tmp_path_factory.mktemp("finetune")
+    rng = random.Random(0)
+    lines = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(8, 20))) + " ." for _ in range(400)]
+    text = "\n".join(lines)
+    (root / "train.txt").write_text("\n".join(lines[:300]))
+    (root / "eval.txt").write_text("\n".join(lines[300:]))
+    model_dir = root / "tiny-llama"
+    tiny_model("llama").save_pretrained(model_dir)
+    tiny_tokenizer(model_dir, text)
+    return root, model_dir
+
+
+def write_config(root: Path, model_dir: Path, output: Path, **extra) -> Path:
+    config = {
+        "model": str(model_dir), "method": "eln",
+        "calibration": {"data": str(root / "train.txt"), "num_blocks": 4, "block_len": 32, "tune_steps": 3,
+                        "progress": False},
+        "train_data": str(root / "train.txt"), "eval_data": str(root / "eval.txt"),
+        "block_len": 32, "eval_blocks": 4, "final_eval": {"max_tokens": 256, "max_length": 32},
+        "distill": {"weight": 0.5, "temperature": 2.0}, "lr": {"base": 1e-3, "shape": 1e-2, "gamma": 1e-3},
+        "progressive": {"enabled": True, "order": "depth", "every": 2, "ramp": 2},
+        "output_dir": str(output), "threads": 1,
+        "training": {"max_steps": 4, "per_device_train_batch_size": 2, "logging_steps": 1, "eval_steps": 2,
+                     "save_steps": 2, "save_total_limit": 2, "warmup_steps": 1, "report_to": "none",
+                     "disable_tqdm": True, "dataloader_num_workers": 0},
+    }
+    config = {**config, **extra}
+    path = root / f"{output.name}.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def launch(config: Path, *overrides: str) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port",
+               "0", str(RECIPE), "--config", str(config), *overrides]
+    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1",
+               CUDA_VISIBLE_DEVICES="")
+    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, f"launch failed:\n{result.stdout[-4000:]}\n{result.stderr[-6000:]}"
+    return result
+
+
+@torch.no_grad()
+def logits(model, ids):
+    return model(input_ids=ids).logits
+
+
+@pytest.mark.distributed
+def test_two_process_training_resumes_and_saves_a_reloadable_checkpoint(tiny_setup):
+    root, model_dir = tiny_setup
+    output = root / "run"
+    config = write_config(root, model_dir, output)
+
+    first = launch(config)
+    assert "training from the calibrated model" in first.stdout
+    assert {p.name for p in output.glob("checkpoint-*")} == {"checkpoint-2", "checkpoint-4"}
+    summary = json.loads((output / "summary.json").read_text())
+    assert summary["training"]["world_size"] == 2 and summary["training"]["steps"] == 4
+
+    second = launch(config, "training.max_steps=6")
+    assert "resuming from" in second.stdout and "checkpoint-4" in second.stdout
+    summary = json.loads((output / "summary.json").read_text())
+    assert [s["global_step"] for s in summary["sessions"]] == [4, 6]
+    assert summary["sessions"][1]["resumed_from"].endswith("checkpoint-4")
+    assert summary["reload_identical"] is True
+    history = summary["history"]
+    assert any("eval_perplexity" in h for h in history) and any("kd_loss" in h for h in history)
+    assert [h["converted_fraction"] for h in history if "converted_fraction" in h][-1] == 1.0
+    assert summary["training"]["tokens_seen"] == 6 * 2 * 2 * 32  # steps * batch * processes * block length
+    for key in ("calibrated", "finetuned"):
+        assert summary[key]["ratio"][key] > 0
+    assert (output / "curve.png").stat().st_size > 1000
+
+    final = output / "final"
+    model = hf_normswap.load(final)
+    ids = torch.randint(0, 120, (2, 24), generator=torch.Generator().manual_seed(1))
+    # the last Trainer checkpoint is the same weights, saved through the same path mid-training
+    assert torch.equal(logits(model, ids), logits(hf_normswap.load(output / "checkpoint-6"), ids))
+    # training changed the calibrated model (only the norm parameters train by default)
+    calibrated = hf_normswap.load(output / "calibrated")
+    changed = {n for n, p in model.named_parameters() if not torch.equal(p, calibrated.get_parameter(n))}
+    assert changed and changed <= set(norm_parameter_names(model))
+    # the checkpoint loads without the package through its remote code, and records the training in its card
+    from transformers import AutoModelForCausalLM
+
+    remote = AutoModelForCausalLM.from_pretrained(final, trust_remote_code=True).eval()
+    torch.testing.assert_close(logits(remote, ids), logits(model, ids), rtol=1e-5, atol=1e-5)
+    saved = json.loads((final / "config.json").read_text())["normswap"]
+    assert saved["training"]["steps"] == 6 and saved["evaluation"]["metrics"]
+
+
+def test_lora_single_process(tiny_setup):
+    """Plain ``python recipes/finetune.py`` with LoRA: adapters merged, norm copies trained, checkpoint saved."""
+    pytest.importorskip("peft")
+    root, model_dir = tiny_setup
+    output = root / "lora"
+    config = write_config(root, model_dir, output, trainable="lora", progressive={"enabled": False},
+                          lora={"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]})
+    command = [sys.executable, str(RECIPE), "--config", str(config), "training.max_steps=2", "training.eval_steps=2"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", CUDA_VISIBLE_DEVICES="")
+    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-6000:]
+    summary = json.loads((output / "summary.json").read_text())
+    assert summary["reload_identical"] is True
+    model = hf_normswap.load(output / "final")
+    calibrated = hf_normswap.load(output / "calibrated")
+    changed = {n for n, p in model.named_parameters() if not torch.equal(p, calibrated.get_parameter(n))}
+    assert any("q_proj" in n for n in changed) and any(n in norm_parameter_names(model) for n in changed)
+    assert not any("k_proj" in n for n in changed)
+
+
+# ------------------------------------------------------------------------------------------ library pieces
+
+
+def converted_tiny(method="eln"):
+    model = tiny_model("llama")
+    original = tiny_model("llama")
+    report = hf_normswap.convert(model, to=method)
+    return model, original, report
+
+
+def test_parameter_groups_separate_shape_and_gamma_without_decay():
+    model, _, _ = converted_tiny()
+    set_trainable(model, "all")
+    groups = {g["name"]: g for g in parameter_groups(model, lr=1e-4, weight_decay=0.1, shape_lr=1e-2, gamma_lr=1e-3,
+                                                     decay_names={n for n, _ in model.named_parameters()
+                                                                  if n.endswith("proj.weight")})}
+    assert groups["shape"]["lr"] == 1e-2 and groups["shape"]["weight_decay"] == 0.0
+    assert groups["gamma"]["lr"] == 1e-3 and groups["gamma"]["weight_decay"] == 0.0
+    assert groups["decay"]["weight_decay"] == 0.1 and groups["no_decay"]["weight_decay"] == 0.0
+    assert len(groups["shape"]["params"]) == 5  # 2 layers x 2 norms + final norm, one beta each
+    assert sum(len(g["params"]) for g in groups.values()) == len(list(model.parameters()))
+    set_trainable(model, "norms")
+    assert {g["name"] for g in parameter_groups(model, lr=1e-4, weight_decay=0.1)} == {"shape", "gamma"}
+
+
+def test_distillation_loss_is_zero_for_equal_logits_and_scales_with_temperature():
+    torch.manual_seed(0)
+    a, b = torch.randn(2, 5, 11), torch.randn(2, 5, 11)
+    assert float(distillation_loss(a, a)) == pytest.approx(0.0, abs=1e-6)
+    reference = torch.nn.functional.kl_div(torch.log_softmax(a, -1).reshape(-1, 11),
+                                           torch.log_softmax(b, -1).reshape(-1, 11), log_target=True,
+                                           reduction="batchmean")
+    assert float(distillation_loss(a, b, chunk=3)) == pytest.approx(float(reference), rel=1e-5)
+    mask = torch.zeros(2, 5)
+    mask[0, :2] = 1
+    masked = torch.nn.functional.kl_div(torch.log_softmax(a[0, :2], -1), torch.log_softmax(b[0, :2], -1),
+                                        log_target=True, reduction="batchmean")
+    assert float(distillation_loss(a, b, mask=mask)) == pytest.approx(float(masked), rel=1e-5)
+
+
+def test_schedule_orders():
+    roles = {"model.layers.0.input_layernorm": "attention_input", "model.layers.0.post_attention_layernorm":
+             "mlp_input", "model.layers.1.input_layernorm": "attention_input",
+             "model.layers.1.post_attention_layernorm": "mlp_input", "model.norm": "final"}
+    by_depth = schedule(roles, every=10)
+    assert [s.names for s in by_depth] == [list(roles)[:2], list(roles)[2:4], ["model.norm"]]
+    assert [s.start for s in by_depth] == [0, 10, 20] and schedule_length(by_depth) == 30
+    by_role = schedule(roles, every=5, ramp=0, order="role", role_order=["mlp_input", "attention_input"])
+    assert [len(s.names) for s in by_role] == [2, 2, 1] and by_role[0].names[0].endswith("post_attention_layernorm")
+    assert by_role[0].mix(0) == 1.0 and by_role[1].mix(4) == 0.0
+    reverse = schedule(roles, order="reverse_depth", group=2)
+    assert set(reverse[0].names) == {"model.norm", *list(roles)[2:4]}
+
+
+@torch.no_grad()
+def test_progressive_swap_blends_from_original_to_converted():
+    model, original, report = converted_tiny()
+    names = [c.name for c in report.converted]
+    ids = torch.randint(0, 128, (1, 12), generator=torch.Generator().manual_seed(0))
+    converted_logits, original_logits = logits(model, ids), logits(original, ids)
+    swap = ProgressiveSwap(model, {n: original.get_submodule(n) for n in names},
+                           schedule({n: "x" for n in names}, every=4, ramp=4))
+    swap.set_step(0)
+    assert not torch.allclose(logits(model, ids), original_logits)  # the first stage has started ramping
+    halfway = logits(model, ids)
+    swap.set_step(-1)
+    torch.testing.assert_close(logits(model, ids), original_logits)
+    swap.set_step(10 ** 6)
+    torch.testing.assert_close(logits(model, ids), converted_logits)
+    assert not torch.allclose(halfway, converted_logits)
+    swap.remove()
+    assert torch.equal(logits(model, ids), converted_logits)
+    assert not any(k.startswith("original") for k in model.state_dict())
