@@ -94,6 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("--per-channel", action="store_true", help="one alpha/beta per channel instead of per module")
     conv.add_argument("--input-scale", type=float, default=1.0,
                       help="typical input RMS for the analytic initialization (default: %(default)s)")
+    conv.add_argument("--fold", action="store_true",
+                      help="for inference: fold each norm's weight and bias into the linear layers it feeds "
+                           "(q/k/v, gate/up), leaving a bare element-wise function; norms feeding anything else skip")
     conv.add_argument("--output", help="directory to save the converted checkpoint to (written atomically)")
     conv.add_argument("--overwrite", action="store_true", help="replace --output when it exists and is not empty")
     conv.add_argument("--push-to-hub", metavar="REPO", help="push the checkpoint to this Hub repo (NAME or OWNER/NAME)")
@@ -164,6 +167,10 @@ def _convert(args) -> None:
                      roles=_roles(args.roles), include=args.include, exclude=args.exclude,
                      per_channel=args.per_channel, input_scale=args.input_scale)
     print(report)
+    if args.fold:
+        from .fold import fold
+
+        print(fold(model))
     if original is not None:
         _evaluate_conversion(args, model, original, tokenizer)
     if args.report:
