@@ -132,9 +132,32 @@ def _saved_block(model: nn.Module, block: dict, base: dict, base_model: str | No
     return saved
 
 
+@contextmanager
+def _dense(model: nn.Module):
+    """Save a model loaded from GGUF as the dense tensors it holds: hide the (non-serializable) GGUF quantizer.
+
+    transformers dequantizes GGUF weights into ordinary ``nn.Linear`` modules unless GGML kernels are available;
+    only then is the model packed, and a dense checkpoint cannot be written from it.
+    """
+    quantizer = getattr(model, "hf_quantizer", None)
+    if quantizer is None or type(quantizer).__name__ != "GgufHfQuantizer":
+        yield
+        return
+    if getattr(quantizer, "packed_modules", None):
+        raise CheckpointError("the model holds packed GGUF weights; load it with quantization_config=GgufConfig("
+                              "dequantize=True) to save a dense checkpoint")
+    model.hf_quantizer = None
+    try:
+        yield
+    finally:
+        model.hf_quantizer = quantizer
+
+
 def _rewrite_config(directory: Path, model: nn.Module, base: dict, block: dict) -> dict:
     path = directory / "config.json"
     config = json.loads(path.read_text())
+    if (config.get("quantization_config") or {}).get("quant_method") == "gguf":
+        del config["quantization_config"]  # the weights were saved dequantized (see _dense)
     config_name, model_name = remote_code.class_names(base["architecture"])
     config["model_type"] = remote_code.MODEL_TYPE_PREFIX + base["model_type"]
     config["architectures"] = [model_name]
@@ -175,8 +198,8 @@ def save_pretrained(
     remote_code.check_remote_modules(modeling)
     kwargs.pop("push_to_hub", None)
     with atomic_directory(save_directory, overwrite) as staging:
-        PreTrainedModel = transformers.PreTrainedModel
-        PreTrainedModel.save_pretrained(model, staging, save_original_format=False, **kwargs)
+        with _dense(model):
+            transformers.PreTrainedModel.save_pretrained(model, staging, save_original_format=False, **kwargs)
         if tokenizer is not None:
             tokenizer.save_pretrained(staging)
         config = _rewrite_config(staging, model, base, saved_block)
@@ -227,10 +250,11 @@ def normswap_class(architecture: str) -> type:
     return type(f"NormSwap{architecture}", (base,), {"__init__": __init__, "__module__": __name__})
 
 
-def load(path: str | os.PathLike, **kwargs) -> nn.Module:
-    """Load a checkpoint saved by :func:`save_pretrained` with the package's modules (no remote code), in eval mode.
+def base_config(path: str | os.PathLike):
+    """The checkpoint's config as the original architecture's config class (no remote code), normswap block kept.
 
-    Keyword arguments go to ``from_pretrained`` (``dtype=``, ``device_map=`` ...).
+    Pass it as ``config=`` to ``AutoTokenizer.from_pretrained`` / ``AutoProcessor.from_pretrained``: without it they
+    look the config up themselves and stop at the remote-code question for the ``normswap_*`` model type.
     """
     config_dict = read_config(path)
     if config_dict is None:
@@ -240,7 +264,15 @@ def load(path: str | os.PathLike, **kwargs) -> nn.Module:
         raise CheckpointError(f"transformers {transformers.__version__} does not know model type {base['model_type']}")
     config_dict = dict(config_dict, model_type=base["model_type"], architectures=[base["architecture"]])
     config_dict.pop("auto_map", None)
-    config = CONFIG_MAPPING[base["model_type"]].from_dict(config_dict)
-    model = normswap_class(base["architecture"]).from_pretrained(path, config=config, **kwargs)
+    return CONFIG_MAPPING[base["model_type"]].from_dict(config_dict)
+
+
+def load(path: str | os.PathLike, **kwargs) -> nn.Module:
+    """Load a checkpoint saved by :func:`save_pretrained` with the package's modules (no remote code), in eval mode.
+
+    Keyword arguments go to ``from_pretrained`` (``dtype=``, ``device_map=`` ...).
+    """
+    config = base_config(path)
+    model = normswap_class(config.normswap["base"]["architecture"]).from_pretrained(path, config=config, **kwargs)
     enable_save(model)
     return model.eval()

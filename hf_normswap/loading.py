@@ -61,7 +61,8 @@ def load_model(spec: str, dtype=None, with_tokenizer: bool = True):
     if with_tokenizer:
         logging.getLogger("transformers").disabled = True
         try:
-            tokenizer = AutoTokenizer.from_pretrained(location, **extra)
+            converted = {"config": checkpoint.base_config(location)} if checkpoint.read_config(location) else {}
+            tokenizer = AutoTokenizer.from_pretrained(location, **extra, **converted)
         except (OSError, ValueError, TypeError):
             tokenizer = None  # vision and audio models have processors instead
         finally:
