@@ -164,15 +164,17 @@ Method `{method}`, per-channel shape parameter: `{block.get("per_channel", False
 With remote code (only `torch` and `transformers` needed; the code is in `modeling_normswap.py`):
 
 ```python
-from transformers import {auto}
+from transformers import {auto}, AutoTokenizer
 model = {auto}.from_pretrained("REPO_OR_PATH", trust_remote_code=True)
+tokenizer = AutoTokenizer.from_pretrained("REPO_OR_PATH", trust_remote_code=True)  # when the model has one
 ```
 
-With the package, without running remote code:
+With the package (`pip install hf-normswap`), without running remote code:
 
 ```python
 import hf_normswap
 model = hf_normswap.load("REPO_OR_PATH")
+model, tokenizer = hf_normswap.loading.load_model("REPO_OR_PATH")  # with the tokenizer
 ```
 
 Without `trust_remote_code=True` the stock loaders refuse this checkpoint (its `model_type` is
