@@ -56,6 +56,8 @@ def hub_id(name_or_path: str | None) -> str | None:
 
 
 def _number(value) -> str:
+    if isinstance(value, (list, tuple)):
+        return ", ".join(_number(v) for v in value)
     return f"{value:.4g}" if isinstance(value, float) else str(value)
 
 
@@ -70,6 +72,25 @@ def _calibration_section(calibration) -> str:
         shown = ", ".join(f"{k}={_number(v)}" for k, v in value.items()) if isinstance(value, dict) else _number(value)
         rows.append(f"| {key} | {shown} |")
     return "\n".join(rows)
+
+
+def _training_section(training) -> str | None:
+    """Fine-tuning after calibration (recipes/finetune.py records this block), or None when there was none."""
+    if not training:
+        return None
+    distill = training.get("distill") or {}
+    loss = "causal-LM cross-entropy"
+    if distill.get("weight"):
+        loss += (f" and KL divergence to the original's logits (weight {distill['weight']}, temperature "
+                 f"{distill.get('temperature', 1.0)})")
+    lines = [f"Fine-tuned after calibration with `recipes/finetune.py` (transformers `Trainer`): {loss}; trained "
+             f"parameters: `{training.get('trainable')}`; {training.get('steps')} steps, "
+             f"{training.get('tokens_seen')} tokens of `{training.get('train_data')}` in "
+             f"{training.get('wall_seconds')} s on {training.get('world_size', 1)} process(es)."]
+    if training.get("progressive"):
+        lines.append("The norms were handed over from the original to the converted modules progressively "
+                     f"({training['progressive'].get('order')} order).")
+    return " ".join(lines)
 
 
 def _evaluation_section(evaluation) -> str | None:
@@ -151,6 +172,13 @@ Method `{method}`, per-channel shape parameter: `{block.get("per_channel", False
 ## Calibration
 
 {_calibration_section(block.get("calibration"))}
+"""
+    training = _training_section(block.get("training"))
+    if training:
+        body += f"""
+## Fine-tuning
+
+{training}
 """
     if evaluation:
         body += f"""
