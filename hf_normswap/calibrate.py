@@ -282,7 +282,7 @@ def calibrate_and_replace(model: nn.Module, selected: list[NormInfo], method: st
     """Fit and swap in replacements for ``selected`` norms; ``build(source, info, input_scale=, per_channel=)``
     makes a module and ``replace(model, name, module)`` sets it (both from ``convert``)."""
     config = config.resolved()
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     torch.manual_seed(config.seed)
     batches = calibration_batches(model, config)
     fitter = _Fitter(method, config, build, per_channel)
@@ -300,11 +300,15 @@ def calibrate_and_replace(model: nn.Module, selected: list[NormInfo], method: st
     model.train(was_training)
     seconds = time.perf_counter() - start
     summary = dict(config.summary(), mode=mode, seconds=round(seconds, 1),
+                   cpu_seconds=round(time.process_time() - cpu_start, 1),
                    tokens=int(sum(int(b["attention_mask"].sum()) for b in batches)),
                    capture_bytes_per_norm=fitter.capture_bytes,
                    peak_rss_mb=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1))
     if isinstance(config.data, str):
+        from .data import fingerprint, load_texts
+
         summary["data"] = config.data
+        summary["fingerprint"] = fingerprint(load_texts(config.data, "calibration"))
     if tuning is not None:
         summary["tuning"] = tuning
     return CalibrationResult(fits=fitter.fits, summary=summary)

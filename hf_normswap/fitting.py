@@ -75,21 +75,24 @@ def fit_module(
     params: tuple[str, ...] = ("shape",),
     is_first: torch.Tensor | None = None,
     max_iter: int = 200,
+    dtype: torch.dtype | None = None,
 ) -> FitStats:
     """Least-squares fit of ``module``'s ``params`` (subset of ``shape``, ``weight``, ``bias``) so that
     ``module(x) ~ target``; ``weight`` broadcasts to ``x`` (per row ``(N, 1)`` or per element ``(N, C)``).
 
     Updates the module in place (its parameters keep their dtype and device) and returns :class:`FitStats`.
+    ``dtype``: arithmetic of the fit; float64 for small problems (the paper's), float32 above a million elements.
     """
     unknown = set(params) - set(FIT_PARAMS)
     if unknown:
         raise ValueError(f"unknown fit parameter(s) {sorted(unknown)}: choose from {FIT_PARAMS}")
-    x = x.detach().to(torch.float64)
-    target = target.detach().to(torch.float64)
-    weight = None if weight is None else weight.detach().to(torch.float64)
+    dtype = dtype or (torch.float64 if x.numel() <= 1_000_000 else torch.float32)
+    x = x.detach().to(dtype)
+    target = target.detach().to(dtype)
+    weight = None if weight is None else weight.detach().to(dtype)
     names = {"shape": f"log_{module.shape_name}", "weight": "weight", "bias": "bias"}
     originals = dict(module.named_parameters(recurse=False))
-    work = {n: p.detach().to("cpu", torch.float64).clone() for n, p in originals.items()}
+    work = {n: p.detach().to("cpu", dtype).clone() for n, p in originals.items()}
     trainable = [work[names[p]] for p in params if names[p] in work]
     for t in trainable:
         t.requires_grad_(True)
@@ -119,7 +122,7 @@ def fit_module(
         loss = float(_weighted_mse(fitted, target, weight))
         if not math.isfinite(loss) or loss > loss_before:  # never leave the module worse than the start
             for name, value in work.items():
-                value.copy_(originals[name].detach().to("cpu", torch.float64))
+                value.copy_(originals[name].detach().to("cpu", dtype))
             fitted, loss = forward(), loss_before
         else:
             for name, value in work.items():

@@ -16,6 +16,10 @@ from hf_normswap.model_inputs import first_tensor
 from hf_normswap.modules import ELN, DyT
 
 
+def _cfg(**options) -> CalibrationConfig:
+    return CalibrationConfig(**{"progress": False, "max_iter": 30, **options})
+
+
 def _ids(rows=8, length=32, seed=1):
     return torch.randint(0, 128, (rows, length), generator=torch.Generator().manual_seed(seed))
 
@@ -63,9 +67,9 @@ def test_memory_stays_under_cap_with_large_calibration_set():
     model = tiny_model("llama")
     cap, first_cap = 64, 8
     ids = _ids(256, 64)  # 16384 tokens through every norm, 256 first positions
-    report = convert(model, "eln", calibration=CalibrationConfig(
+    report = convert(model, "eln", calibration=_cfg(
         data=ids, num_blocks=256, batch_size=32, max_tokens_per_norm=cap, max_first_per_norm=first_cap,
-        strategy="lsq", progress=False))
+        strategy="lsq"))
     summary = report.calibration
     assert summary["tokens"] == 256 * 64
     assert summary["capture_bytes_per_norm"] <= (cap + first_cap) * 32 * 4
@@ -90,19 +94,17 @@ def test_fit_recovers_known_shape_parameter(cls, kind):
     module = cls(16, 50.0 if cls is ELN else 0.05, amplitude=4.0)
     stats = fit_module(module, x, y, params=("shape",))
     assert stats.loss < 1e-8 < stats.loss_before
-    assert abs(float(module.shape_parameter()) - float(truth.shape_parameter())) < 1e-3
+    assert abs(float(module.shape_parameter().detach()) - float(truth.shape_parameter().detach())) < 1e-3
 
 
-@pytest.mark.parametrize("method", ["eln", "dyt"])
-@pytest.mark.parametrize("arch", ["llama", "bert"])
+@pytest.mark.parametrize("arch,method", [("llama", "eln"), ("bert", "dyt")])
 def test_calibrated_model_is_closer_than_analytic_init(arch, method):
     ids = _ids()
     reference = tiny_model(arch)
     analytic = tiny_model(arch)
     convert(analytic, method)
     calibrated = tiny_model(arch)
-    report = convert(calibrated, method, calibration=CalibrationConfig(data=ids, batch_size=4, strategy="channel",
-                                                                       progress=False))
+    report = convert(calibrated, method, calibration=_cfg(data=ids, batch_size=4, strategy="channel"))
     assert report.calibration["mode"] == "sequential"
     kl_analytic, kl_calibrated = _kl(reference, analytic, ids[:4]), _kl(reference, calibrated, ids[:4])
     assert kl_calibrated < 0.5 * kl_analytic, (kl_calibrated, kl_analytic)
@@ -116,10 +118,9 @@ def test_sequential_beats_or_matches_one_shot_and_tuning_lowers_kl():
     results = {}
     for label, options in (("one-shot", dict(strategy="lsq", sequential=False)),
                            ("sequential", dict(strategy="lsq")),
-                           ("kl", dict(strategy="kl", tune_steps=20))):
+                           ("kl", dict(strategy="kl", tune_steps=12))):
         model = tiny_model("llama")
-        report = convert(model, "eln", calibration=CalibrationConfig(data=ids, batch_size=4, progress=False,
-                                                                     **options))
+        report = convert(model, "eln", calibration=_cfg(data=ids, batch_size=4, **options))
         results[label] = (_kl(reference, model, ids[:4]), report)
     assert results["one-shot"][1].calibration["mode"] == "one-shot"
     tuning = results["kl"][1].calibration["tuning"]
@@ -129,8 +130,8 @@ def test_sequential_beats_or_matches_one_shot_and_tuning_lowers_kl():
 
 def test_report_config_and_plots(tmp_path):
     model = tiny_model("llama")
-    report = convert(model, "eln", calibration=CalibrationConfig(data=_ids(), batch_size=4, strategy="channel",
-                                                                 plots=str(tmp_path), progress=False))
+    report = convert(model, "eln", calibration=_cfg(data=_ids(), batch_size=4, strategy="channel",
+                                                                 plots=str(tmp_path)))
     data = json.loads(report.to_json())
     row = data["converted"][0]["fit"]
     assert {"shape_mean", "gamma_mean", "stats"} <= set(row)
@@ -145,13 +146,11 @@ def test_report_config_and_plots(tmp_path):
 
 def test_bf16_and_encoder_decoder_fall_back_to_one_shot():
     model = tiny_model("llama").to(torch.bfloat16)
-    report = convert(model, "eln", calibration=CalibrationConfig(data=_ids(), batch_size=4, strategy="lsq",
-                                                                 progress=False))
+    report = convert(model, "eln", calibration=_cfg(data=_ids(), batch_size=4, strategy="lsq"))
     assert all(p.dtype == torch.bfloat16 for n, p in model.named_parameters() if n.endswith("weight"))
     assert torch.isfinite(first_tensor(model(_ids()[:2])).float()).all()
     t5 = tiny_model("t5")
-    report = convert(t5, "eln", calibration=CalibrationConfig(data=_ids(), batch_size=4, strategy="lsq",
-                                                              progress=False))
+    report = convert(t5, "eln", calibration=_cfg(data=_ids(), batch_size=4, strategy="lsq"))
     assert report.calibration["mode"] == "one-shot"
 
 
@@ -166,8 +165,8 @@ def test_padded_text_calibration_for_encoder():
                     "attention_mask": torch.tensor([[1] * len(i) + [0] * (width - len(i)) for i in ids])}
 
     model = tiny_model("bert")
-    report = convert(model, "eln", calibration=CalibrationConfig(data="builtin", tokenizer=Tok(), num_blocks=6,
-                                                                 block_len=16, strategy="lsq", progress=False))
+    report = convert(model, "eln", calibration=_cfg(data="builtin", tokenizer=Tok(), num_blocks=6,
+                                                                 block_len=16, strategy="lsq"))
     assert report.calibration["tokens"] < 6 * 16 or report.calibration["tokens"] == 6 * 16
     assert report.converted[0].fit["tokens_seen"] == report.calibration["tokens"]
 
@@ -186,4 +185,4 @@ def test_unknown_strategy_is_a_conversion_error():
     from hf_normswap.convert import ConversionError
 
     with pytest.raises(ConversionError, match="strategy"):
-        convert(tiny_model("llama"), "eln", calibration=CalibrationConfig(data=_ids(), strategy="magic"))
+        convert(tiny_model("llama"), "eln", calibration=_cfg(data=_ids(), strategy="magic"))
