@@ -1,0 +1,353 @@
+"""Speed of DyT / ELN against the norms they replace, as side-by-side ratios taken in one run.
+
+Every comparison interleaves its candidates (A B C A B C ...) and reports medians, so that a noisy shared machine
+slows all candidates alike and the ratios stay meaningful. Sections:
+
+* module: tokens x C in fp32 / bf16, forward (no grad) and forward+backward: DyT and ELN (default fused path and
+  the eager fallback) against a memory copy (``x.clone()``, the physical floor of a forward that reads x and writes
+  y), ``nn.LayerNorm`` and transformers' ``LlamaRMSNorm``;
+* model: SmolLM2-135M (packaged GGUF) and a small GPT-2, batch x 512 tokens: forward tokens/s and training step
+  (forward + loss + backward, no optimizer) time, original versus converted, eager and ``torch.compile``;
+* calibration: ``convert(..., calibration=...)`` time and peak RSS against plain forward passes over the same data.
+
+    python scripts/bench_speed.py                 # everything (~10 minutes on 2 idle cores)
+    python scripts/bench_speed.py --quick         # a smoke run: one size, tiny GPT-2, no compile
+    python scripts/bench_speed.py --sections module --sizes 576,4096 --dtypes fp32
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+from hf_normswap import convert, kernels  # noqa: E402
+from hf_normswap.modules import DyT, ELN  # noqa: E402
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def log(*args):
+    print(*args, flush=True)
+
+
+def interleaved(candidates: dict, reps: int, warmup: int = 1) -> dict[str, float]:
+    """Median seconds per call of each candidate, calls interleaved round-robin."""
+    for fn in candidates.values():
+        for _ in range(warmup):
+            fn()
+    times = {name: [] for name in candidates}
+    for _ in range(reps):
+        for name, fn in candidates.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
+def eager(fn):
+    """``fn`` with the fused path switched off: the plain formula, as in remote code or without a compiler."""
+    def run():
+        with kernels.fallback():
+            return fn()
+    return run
+
+
+# ------------------------------------------------------------------------------------------------ module level
+def module_section(args) -> list[dict]:
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    rows = []
+    for size in args.sizes:
+        for dtype_name in args.dtypes:
+            dtype = DTYPES[dtype_name]
+            torch.manual_seed(0)
+            x = (4 * torch.randn(args.tokens, size)).to(dtype)
+            x[0] *= 100  # a massive activation
+            grad = torch.randn(args.tokens, size).to(dtype)
+            norms = {
+                "layernorm": nn.LayerNorm(size),
+                "rmsnorm": LlamaRMSNorm(size),
+                "eln": ELN(size, float(size), amplitude=size ** 0.5),
+                "dyt": DyT(size, 1.0 / size ** 0.5, amplitude=size ** 0.5),
+            }
+            norms = {k: v.to(dtype) for k, v in norms.items()}
+            for mode in ("forward", "forward+backward"):
+                candidates = {"copy": lambda: x.clone()} if mode == "forward" else {}
+                if mode == "forward+backward":
+                    xg = x.detach().clone().requires_grad_()
+
+                    def copy_step():
+                        xg.clone().backward(grad)
+                        xg.grad = None
+                    candidates["copy"] = copy_step
+                for name, norm in norms.items():
+                    if mode == "forward":
+                        call = (lambda n: lambda: n(x))(norm)
+                    else:
+                        def call(n=norm):
+                            n(xg).backward(grad)
+                            xg.grad = None
+                            n.zero_grad(set_to_none=True)
+                    candidates[name] = call
+                    if name in ("eln", "dyt"):
+                        candidates[name + "-eager"] = eager(call)
+                grad_context = torch.no_grad() if mode == "forward" else torch.enable_grad()
+                with grad_context:
+                    med = interleaved(candidates, args.reps, warmup=2)
+                for name, seconds in med.items():
+                    row = dict(section="module", C=size, dtype=dtype_name, mode=mode, impl=name, ms=seconds * 1e3,
+                               vs_copy=seconds / med["copy"], vs_layernorm=seconds / med["layernorm"],
+                               vs_rmsnorm=seconds / med["rmsnorm"])
+                    rows.append(row)
+                log(f"C={size:<5} {dtype_name} {mode:<17} " + "  ".join(
+                    f"{n}={s * 1e3:.2f}ms ({s / med['copy']:.2f}x copy)" for n, s in med.items()))
+    return rows
+
+
+# ------------------------------------------------------------------------------------------------- model level
+def gpt2_model():
+    import transformers
+
+    config = transformers.GPT2Config(vocab_size=8192, n_embd=256, n_layer=4, n_head=4, n_positions=512)
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(config).eval(), config.vocab_size
+
+
+def smollm2_model():
+    from hf_normswap.loading import load_model
+
+    model, _ = load_model("offline:smollm2", with_tokenizer=False)
+    return model, model.config.vocab_size
+
+
+def model_variants(original, method: str):
+    from hf_normswap.fold import fold
+
+    converted = copy.deepcopy(original)
+    convert(converted, to=method)
+    folded = copy.deepcopy(converted)
+    fold(folded)
+    return converted, folded
+
+
+def model_section(args) -> list[dict]:
+    rows = []
+    for model_name in args.models:
+        start = time.perf_counter()
+        original, vocab = {"smollm2": smollm2_model, "gpt2": gpt2_model}[model_name]()
+        original.config.use_cache = False
+        log(f"{model_name}: loaded in {time.perf_counter() - start:.1f}s")
+        torch.manual_seed(1)
+        ids = torch.randint(0, vocab, (args.batch, args.seq))
+        tokens = ids.numel()
+        for method in args.methods:
+            converted, folded = model_variants(original, method)
+
+            def forward(m):
+                return lambda: m(input_ids=ids)
+
+            candidates = {"original": forward(original), method: forward(converted),
+                          f"{method}-eager": eager(forward(converted)), f"{method}-folded": forward(folded)}
+            with torch.no_grad():
+                med = interleaved(candidates, args.model_reps)
+            rows += _model_rows(model_name, method, "forward", "eager", med, tokens)
+
+            def train_step(m):
+                m.train()
+
+                def step():
+                    out = m(input_ids=ids, labels=ids)
+                    out.loss.backward()
+                    m.zero_grad(set_to_none=True)
+                return step
+
+            candidates = {"original": train_step(original), method: train_step(converted),
+                          f"{method}-eager": eager(train_step(converted))}
+            med = interleaved(candidates, args.train_reps)
+            rows += _model_rows(model_name, method, "train step", "eager", med, tokens)
+            original.eval(), converted.eval()
+            if args.compile:
+                rows += _compiled_rows(model_name, method, original, converted, ids, args, forward, train_step)
+            del converted, folded
+    return rows
+
+
+def _compiled_rows(model_name, method, original, converted, ids, args, forward, train_step) -> list[dict]:
+    rows = []
+    torch._dynamo.reset()
+    compiled = {"original": torch.compile(original), method: torch.compile(converted)}
+    with torch.no_grad():
+        for name, m in compiled.items():
+            start = time.perf_counter()
+            m(input_ids=ids)
+            log(f"{model_name}: torch.compile {name} forward warm-up {time.perf_counter() - start:.1f}s")
+        med = interleaved({n: forward(m) for n, m in compiled.items()}, args.model_reps)
+    rows += _model_rows(model_name, method, "forward", "compile", med, ids.numel())
+    if args.compile_train:
+        for name, m in compiled.items():
+            start = time.perf_counter()
+            train_step(m)()
+            log(f"{model_name}: torch.compile {name} train-step warm-up {time.perf_counter() - start:.1f}s")
+        med = interleaved({n: train_step(m) for n, m in compiled.items()}, args.train_reps)
+        rows += _model_rows(model_name, method, "train step", "compile", med, ids.numel())
+        for m in (original, converted):
+            m.eval()
+    return rows
+
+
+def _model_rows(model_name, method, mode, execution, med, tokens) -> list[dict]:
+    base = med["original"]
+    rows = []
+    for name, seconds in med.items():
+        rows.append(dict(section="model", model=model_name, method=method, mode=mode, execution=execution,
+                         variant=name, ms=seconds * 1e3, tokens_per_s=tokens / seconds, speedup=base / seconds))
+    log(f"{model_name} {mode:<10} {execution:<7} " + "  ".join(
+        f"{n}={s * 1e3:.0f}ms {tokens / s:.0f}tok/s ({base / s:.3f}x)" for n, s in med.items()))
+    return rows
+
+
+# ------------------------------------------------------------------------------------------------- calibration
+class PeakRSS:
+    """Peak resident memory of this process above its level at start, sampled every 2 ms in a thread."""
+
+    def __init__(self):
+        import psutil
+
+        self.process, self.peak, self.running = psutil.Process(), 0, False
+
+    def __enter__(self):
+        self.base = self.peak = self.process.memory_info().rss
+        self.running = True
+        self.thread = threading.Thread(target=self._sample, daemon=True)
+        self.thread.start()
+        return self
+
+    def _sample(self):
+        while self.running:
+            self.peak = max(self.peak, self.process.memory_info().rss)
+            time.sleep(0.002)
+
+    def __exit__(self, *exc):
+        self.running = False
+        self.thread.join()
+        self.peak = max(self.peak, self.process.memory_info().rss)
+
+    @property
+    def mib(self) -> float:
+        return (self.peak - self.base) / 2 ** 20
+
+
+def calibration_section(args) -> list[dict]:
+    try:
+        from hf_normswap.calibrate import CalibrationConfig
+    except ImportError as error:
+        log(f"calibration: skipped, no calibration API ({error})")
+        return []
+    rows = []
+    for model_name in args.models:
+        original, vocab = {"smollm2": smollm2_model, "gpt2": gpt2_model}[model_name]()
+        original.config.use_cache = False
+        torch.manual_seed(2)
+        ids = torch.randint(0, vocab, (args.calib_blocks, args.seq))
+        for strategy in args.calib_strategies:
+            config = CalibrationConfig(data=ids, num_blocks=args.calib_blocks, block_len=args.seq,
+                                       batch_size=args.batch, strategy=strategy, progress=False)
+            forward_times, calib_times = [], []
+            for _ in range(args.calib_reps):  # interleaved: forward passes, then a calibration, and again
+                with torch.no_grad(), PeakRSS() as forward_mem:
+                    start = time.perf_counter()
+                    for i in range(0, ids.shape[0], args.batch):
+                        original(input_ids=ids[i:i + args.batch])
+                    forward_times.append(time.perf_counter() - start)
+                model = copy.deepcopy(original)
+                with PeakRSS() as calib_mem:
+                    start = time.perf_counter()
+                    convert(model, to=args.methods[0], calibration=config)
+                    calib_times.append(time.perf_counter() - start)
+                del model
+            forward_s, calib_s = statistics.median(forward_times), statistics.median(calib_times)
+            rows.append(dict(section="calibration", model=model_name, method=args.methods[0], strategy=strategy,
+                             tokens=ids.numel(), forward_s=forward_s, calibration_s=calib_s,
+                             ratio=calib_s / forward_s, forward_peak_mib=forward_mem.mib,
+                             calibration_peak_mib=calib_mem.mib))
+            log(f"{model_name} calibration {strategy:<9} {ids.numel()} tokens: forward passes {forward_s:.2f}s, "
+                f"calibration {calib_s:.2f}s ({calib_s / forward_s:.2f}x), peak RSS above start: forward "
+                f"{forward_mem.mib:.0f} MiB, calibration {calib_mem.mib:.0f} MiB")
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------------------- main
+def machine() -> dict:
+    try:
+        lscpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+        cpu = next((l.split(":", 1)[1].strip() for l in lscpu.splitlines() if l.startswith("Model name")), "?")
+    except OSError:
+        cpu = platform.processor()
+    return dict(cpu=cpu, cores=os.cpu_count(), threads=torch.get_num_threads(), torch=torch.__version__,
+                load_average=os.getloadavg()[0])
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="smoke run: C=576 fp32, tiny GPT-2, few reps, no compile")
+    parser.add_argument("--sections", default="module,model,calibration")
+    parser.add_argument("--sizes", default="576,2048,4096")
+    parser.add_argument("--dtypes", default="fp32,bf16")
+    parser.add_argument("--tokens", type=int, default=8192)
+    parser.add_argument("--reps", type=int, default=15, help="module-level repetitions per candidate")
+    parser.add_argument("--models", default="smollm2,gpt2")
+    parser.add_argument("--methods", default="eln", help="comma-separated: eln, dyt")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--seq", type=int, default=512)
+    parser.add_argument("--model-reps", type=int, default=5)
+    parser.add_argument("--train-reps", type=int, default=3)
+    parser.add_argument("--no-compile", dest="compile", action="store_false", help="skip torch.compile runs")
+    parser.add_argument("--compile-train", action="store_true", help="also time compiled training steps (slow)")
+    parser.add_argument("--calib-blocks", type=int, default=4)
+    parser.add_argument("--calib-strategies", default="lsq")
+    parser.add_argument("--calib-reps", type=int, default=1)
+    parser.add_argument("--json", help="write all rows to this file")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.sizes, args.dtypes, args.reps, args.models = "576", "fp32", 5, "gpt2"
+        args.model_reps, args.train_reps, args.compile, args.calib_blocks = 3, 2, False, 2
+    for name in ("sections", "dtypes", "models", "methods", "calib_strategies"):
+        setattr(args, name, [s.strip() for s in getattr(args, name).split(",") if s.strip()])
+    args.sizes = [int(s) for s in args.sizes.split(",")]
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    info = machine()
+    log(f"machine: {info}")
+    log(f"command: python scripts/bench_speed.py {' '.join(sys.argv[1:] if argv is None else argv)}")
+    rows = []
+    sections = {"module": module_section, "model": model_section, "calibration": calibration_section}
+    for name in args.sections:
+        start = time.perf_counter()
+        rows += sections[name](args)
+        log(f"[{name} section: {time.perf_counter() - start:.0f}s]")
+    info["load_average_end"] = os.getloadavg()[0]
+    if args.json:
+        Path(args.json).write_text(json.dumps(dict(machine=info, args=vars(args), rows=rows), indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
