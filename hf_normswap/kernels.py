@@ -15,7 +15,8 @@ When is it used? Only where it is safe and worth it; everything else runs the pl
 
 Values: the forward is the same sequence of fp32 operations, so ELN is bit-identical to the fallback; DyT may
 differ in the last bit of ``tanh`` (the compiled kernel uses SLEEF, eager may use MKL). Gradients agree to fp32
-rounding (different summation order). ``HF_NORMSWAP_FALLBACK=1`` in the environment, :func:`set_fast_path`
+rounding (different summation order). The fused backward is not differentiable again: for second-order
+gradients use the fallback. ``HF_NORMSWAP_FALLBACK=1`` in the environment, :func:`set_fast_path`
 or the :func:`fallback` context manager force the plain formula, e.g. in tests.
 
 The first compile in a process costs ~10-20 s (inductor start-up) and ~1 s per further key (method, C, dtypes,
@@ -31,6 +32,7 @@ import threading
 import types
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from .modules import ElementwiseNorm
 
@@ -156,6 +158,7 @@ class _FusedNorm(torch.autograd.Function):
         return y
 
     @staticmethod
+    @once_differentiable  # double backward (gradient penalties): set HF_NORMSWAP_FALLBACK=1
     def backward(ctx, grad_out):
         x2d, shape, weight = ctx.saved_tensors
         grad_x, grad_shape, grad_weight, grad_bias = ctx.backward_kernel(
