@@ -137,6 +137,8 @@ def test_two_process_training_resumes_and_saves_a_reloadable_checkpoint(tiny_set
     torch.testing.assert_close(logits(remote, ids), logits(model, ids), rtol=1e-5, atol=1e-5)
     saved = json.loads((final / "config.json").read_text())["normswap"]
     assert saved["training"]["steps"] == 6 and saved["evaluation"]["metrics"]
+    card = (final / "README.md").read_text()
+    assert "## Fine-tuning" in card and "6 steps" in card and "Evaluation against the original" in card
 
 
 def test_lora_single_process(tiny_setup):
