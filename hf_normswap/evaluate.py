@@ -60,6 +60,14 @@ def count_bytes(text: str) -> int:
     return len(text.encode("utf-8"))
 
 
+def _exp(x: float) -> float:
+    """``exp`` that returns inf instead of raising: broken conversions reach perplexities beyond 1e308."""
+    try:
+        return math.exp(x)
+    except OverflowError:
+        return math.inf
+
+
 def documents(tokenizer, texts: Iterable[str], max_tokens: int | None = None) -> list[Document]:
     """Tokenize texts into :class:`Document` s, stopping at ``max_tokens`` tokens in all.
 
@@ -158,15 +166,15 @@ class Perplexity:
 
     @property
     def token_perplexity(self) -> float:
-        return math.exp(self.nll / self.tokens)
+        return _exp(self.nll / self.tokens)
 
     @property
     def word_perplexity(self) -> float:
-        return math.exp(self.nll / self.words)
+        return _exp(self.nll / self.words)
 
     @property
     def byte_perplexity(self) -> float:
-        return math.exp(self.nll / self.bytes)
+        return _exp(self.nll / self.bytes)
 
     @property
     def bits_per_byte(self) -> float:
@@ -421,6 +429,8 @@ def overlap_warning(calib_spec: str | None, calib_texts: list[str] | None,
 
     Compares the resolved specs (``builtin`` means ``builtin:calibration`` for calibration and ``builtin:evaluation``
     for evaluation) and the documents' content hashes, so the same file under two names is caught too.
+    ``calib_fingerprint`` (``data.fingerprint`` of the calibration texts, as a checkpoint may record it) stands in
+    for calibration texts that are not at hand.
     """
     import hashlib
 

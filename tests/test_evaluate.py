@@ -213,3 +213,45 @@ def test_cli_convert_eval_prints_and_stores_the_table(saved_model, capsys, monke
     assert "| metric | original | converted | ratio |" in out
     assert stored["tokens"] == len(TEXTS[1].split()) and stored["table"] in out
     assert set(stored["metrics"]["word perplexity"]) == {"original", "converted"}
+
+
+def test_converted_checkpoint_runs_in_lm_eval_with_the_same_perplexity(tmp_path):
+    """``lm_eval --model hf --model_args pretrained=DIR,trust_remote_code=True`` on a local rolling-loglikelihood task
+    gives the word / byte perplexity that ``evaluate`` gives for the same checkpoint and text."""
+    lm_eval = pytest.importorskip("lm_eval")
+    from lm_eval.tasks import TaskManager
+
+    import hf_normswap
+
+    model, tokenizer = tiny_model("llama"), word_tokenizer()
+    convert(model, to="eln")
+    directory = tmp_path / "ckpt"
+    hf_normswap.save_pretrained(model, directory, tokenizer=tokenizer)
+    texts = TEXTS + ["the cat " * 70 + "end"]  # 141 tokens: three windows of the 64-token context
+    rows = tmp_path / "docs.jsonl"
+    rows.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    (tasks / "local_ppl.yaml").write_text(f"""task: normswap_local_ppl
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {rows}
+test_split: test
+output_type: loglikelihood_rolling
+doc_to_text: ""
+doc_to_target: "{{{{text}}}}"
+metric_list:
+  - metric: word_perplexity
+  - metric: byte_perplexity
+  - metric: bits_per_byte
+""")
+    out = lm_eval.simple_evaluate(model="hf", model_args=f"pretrained={directory},trust_remote_code=True",
+                                  tasks=["normswap_local_ppl"], task_manager=TaskManager(include_path=str(tasks)),
+                                  batch_size=1, device="cpu")
+    theirs = out["results"]["normswap_local_ppl"]
+    reloaded = hf_normswap.load(directory)
+    ours = evaluate(reloaded, tokenizer, texts, progress=False).results["model"]  # default window: 64, as lm-eval
+    assert theirs["word_perplexity,none"] == pytest.approx(ours.word_perplexity, rel=1e-4)
+    assert theirs["byte_perplexity,none"] == pytest.approx(ours.byte_perplexity, rel=1e-4)
+    assert theirs["bits_per_byte,none"] == pytest.approx(ours.bits_per_byte, rel=1e-4)
