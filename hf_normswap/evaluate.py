@@ -194,7 +194,7 @@ METRICS = (  # (label, Perplexity attribute)
     ("byte perplexity", "byte_perplexity"),
     ("bits per byte", "bits_per_byte"),
 )
-KL_LABEL = "KL(original || converted), nats/token"
+KL_LABEL = "KL(original ‖ converted), nats/token"  # not "||": a Markdown table cell
 TOP1_LABEL = "top-1 agreement"
 
 
@@ -287,7 +287,9 @@ class Evaluation:
         metrics[KL_LABEL] = {"original": "-", "converted": self.kl[converted]}
         metrics[TOP1_LABEL] = {"original": "-", "converted": self.top1[converted]}
         return {
-            "dataset": self.describe(), "data": self.data, "fingerprint": self.fingerprint, "tokens": self.tokens,
+            "dataset": f"{self.data or 'text'}, lm-eval rolling windows of {self.max_length} tokens"
+                       + (f", stride {self.stride}" if self.stride else ", non-overlapping"),
+            "data": self.data, "fingerprint": self.fingerprint, "tokens": self.tokens,
             "max_length": self.max_length, "stride": self.stride, "metrics": metrics,
             "table": self._pair(converted).table(),
         }
