@@ -255,3 +255,18 @@ metric_list:
     assert theirs["word_perplexity,none"] == pytest.approx(ours.word_perplexity, rel=1e-4)
     assert theirs["byte_perplexity,none"] == pytest.approx(ours.byte_perplexity, rel=1e-4)
     assert theirs["bits_per_byte,none"] == pytest.approx(ours.bits_per_byte, rel=1e-4)
+
+
+def test_recorded_calibration_of_a_checkpoint_is_checked(tmp_path):
+    from hf_normswap.cli import _calibration_overlap
+
+    data = tmp_path / "t.txt"
+    data.write_text(TEXTS[0])
+    texts = load_texts(str(data), "evaluation")
+    same = {"data": str(data), "fingerprint": fingerprint(texts)}
+    assert "not on held-out text" in _calibration_overlap(None, same, str(data), texts)
+    renamed = {"data": "/elsewhere/copy.txt", "fingerprint": fingerprint(texts)}  # same content, other name
+    assert "same content" in _calibration_overlap(None, renamed, str(data), texts)
+    builtin = {"data": "builtin", "fingerprint": fingerprint(load_texts("builtin", "calibration"))}
+    assert _calibration_overlap(None, builtin, "builtin", load_texts("builtin", "evaluation")) is None
+    assert _calibration_overlap(None, None, str(data), texts) is None  # analytic conversion: nothing to compare
