@@ -570,7 +570,7 @@ def _tune(model, selected, batches, teacher, config) -> dict:
                     break
                 loss.backward()
                 optimizer.step()
-                history.append(float(loss))
+                history.append(float(loss.detach()))
                 bar.update()
                 bar.set_postfix(loss=f"{float(loss):.4g}")
                 if len(rows) == 1 or (step + 1) % len(rows) == 0:  # a full pass over the tuning rows
