@@ -406,7 +406,8 @@ def evaluate(
         logits = {}
         for name, m in models.items():
             out = m(input_ids=inputs.to(_device(m)), use_cache=False).logits
-            logits[name] = torch.cat([out[b, n - k:] for b, (_, _, n, k) in enumerate(batch)])
+            rows = [out[b, n - k:] for b, (_, _, n, k) in enumerate(batch)]
+            logits[name] = rows[0] if len(rows) == 1 else torch.cat(rows)  # a view when it can: logits are big
             del out
         scorer.add(logits, targets)
         bar.update(sum(k for *_, k in batch))
