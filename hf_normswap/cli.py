@@ -26,7 +26,7 @@ USER_ERRORS = (ConversionError, ModelLoadError, PackagedModelMissing, DataError,
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # one line instead of usage + message
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+        self.exit(2, f"normswap: error: {message} (see `{self.prog} --help`)\n")
 
 
 def _selection_args(parser: argparse.ArgumentParser) -> None:
@@ -264,7 +264,7 @@ def _eval(args) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        {"inspect": _inspect, "convert": _convert, "push": _push, "eval": _eval}[args.command](args)
+        {"inspect": _inspect, "convert": _convert, "eval": _eval, "push": _push}[args.command](args)
     except USER_ERRORS as error:
         print(f"normswap: error: {error}", file=sys.stderr)
         return 2
