@@ -155,7 +155,20 @@ def load_models(config: dict, state):
                   f"calibration in {time.time() - start:.0f}s", flush=True)
             if state.is_main_process:
                 hf_normswap.save_pretrained(student, cache, tokenizer=tokenizer, overwrite=True)
-    return student, original, tokenizer
+    return trainable_dense(student), original, tokenizer
+
+
+def trainable_dense(model):
+    """A GGUF model is loaded dequantized into ordinary tensors but keeps its (inference-only) quantizer, and the
+    Trainer refuses quantized models: drop the quantizer when no weight is still packed."""
+    quantizer = getattr(model, "hf_quantizer", None)
+    if quantizer is not None and type(quantizer).__name__ == "GgufHfQuantizer":
+        if getattr(quantizer, "packed_modules", None):
+            raise SystemExit("finetune: the GGUF model holds packed weights; it cannot be trained")
+        model.hf_quantizer = None
+        if getattr(model.config, "quantization_config", None) is not None:
+            del model.config.quantization_config
+    return model
 
 
 def final_evaluation(model, original, tokenizer, config: dict, name: str):
@@ -257,6 +270,8 @@ def main(argv=None) -> int:
         start = time.time()
         before = final_evaluation(student, original, tokenizer, config, "calibrated")
         summary["calibrated"] = before.to_dict()
+        out.mkdir(parents=True, exist_ok=True)
+        summary_path.write_text(json.dumps(summary, indent=1, default=str))
         log(f"after calibration ({time.time() - start:.0f}s):\n{before.table()}")
     state.wait_for_everyone()
 
