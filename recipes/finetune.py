@@ -166,6 +166,7 @@ def trainable_dense(model):
         if getattr(quantizer, "packed_modules", None):
             raise SystemExit("finetune: the GGUF model holds packed weights; it cannot be trained")
         model.hf_quantizer = None
+        model.is_quantized = False  # set as an instance attribute at load time
         if getattr(model.config, "quantization_config", None) is not None:
             del model.config.quantization_config
     return model
