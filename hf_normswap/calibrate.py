@@ -572,7 +572,7 @@ def _tune(model, selected, batches, teacher, config) -> dict:
                 optimizer.step()
                 history.append(float(loss.detach()))
                 bar.update()
-                bar.set_postfix(loss=f"{float(loss):.4g}")
+                bar.set_postfix(loss=f"{history[-1]:.4g}")
                 if len(rows) == 1 or (step + 1) % len(rows) == 0:  # a full pass over the tuning rows
                     epoch = sum(history[-len(rows):]) / len(rows)
                     if epoch < best_loss:
