@@ -111,7 +111,7 @@ The same with the command line (one model per command):
 Next:
   fine-tune against the original (distillation):  .venv/bin/python recipes/finetune.py --config recipes/configs/smollm2-eln.yaml
   load without hf_normswap:  AutoModelForCausalLM.from_pretrained("{out}/smollm2-eln", trust_remote_code=True)
-  push to the Hub (needs `huggingface-cli login` or HF_TOKEN):  normswap push {out}/smollm2-eln YOUR_NAME/smollm2-eln""")
+  push to the Hub (needs `hf auth login` or HF_TOKEN):  normswap push {out}/smollm2-eln YOUR_NAME/smollm2-eln""")
     return 0
 
 
