@@ -52,10 +52,8 @@ def parse_args(argv=None):
 def calibration_config(args, tokenizer):
     if args.no_calib:
         return None
-    try:
-        from hf_normswap.calibrate import DEFAULT_STRATEGY, CalibrationConfig
-    except ImportError:  # a version without calibration: say so instead of pretending
-        sys.exit("main_job: this version of hf_normswap has no calibration; rerun with --no-calib")
+    from hf_normswap.calibrate import DEFAULT_STRATEGY, CalibrationConfig
+
     return CalibrationConfig(data=args.calib, num_blocks=args.calib_blocks, block_len=args.calib_len,
                              tune_blocks=args.tune_blocks, strategy=args.strategy or DEFAULT_STRATEGY,
                              tokenizer=tokenizer)
