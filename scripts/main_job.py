@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from hf_normswap import convert
+from hf_normswap.calibrate import DEFAULT_STRATEGY, CalibrationConfig
 from hf_normswap.data import load_texts
 from hf_normswap.evaluate import evaluate, overlap_warning
 from hf_normswap.loading import load_model
@@ -52,8 +53,6 @@ def parse_args(argv=None):
 def calibration_config(args, tokenizer):
     if args.no_calib:
         return None
-    from hf_normswap.calibrate import DEFAULT_STRATEGY, CalibrationConfig
-
     return CalibrationConfig(data=args.calib, num_blocks=args.calib_blocks, block_len=args.calib_len,
                              tune_blocks=args.tune_blocks, strategy=args.strategy or DEFAULT_STRATEGY,
                              tokenizer=tokenizer)
