@@ -12,6 +12,7 @@ from pathlib import Path
 from .convert import DEFAULT_ROLES, ConversionError, convert, plan
 from .data import DataError
 from .evaluate import EvaluationError
+from .fold import FoldError, fold
 from .checkpoint import CheckpointError, check_output_dir, save_pretrained
 from .hub import PushError, preflight, push
 from .loading import ModelLoadError, load_model
@@ -21,7 +22,7 @@ from .packaged import PackagedModelMissing
 from .roles import ROLES
 
 USER_ERRORS = (ConversionError, ModelLoadError, PackagedModelMissing, DataError, EvaluationError, CheckpointError,
-               PushError)
+               PushError, FoldError)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -153,9 +154,17 @@ def _inspect(args) -> None:
               f"{'yes' if n.weight_offset else 'no':<4} {n.size:>5}  {n.role:<15} {action}")
 
 
+def _check_report_path(path: str | None) -> None:
+    if path and not Path(path).resolve().parent.is_dir():
+        raise ConversionError(f"--report {path}: its directory does not exist; create it or pick another path")
+
+
 def _convert(args) -> None:
     if args.output:  # refuse a bad destination before any loading or conversion work
         check_output_dir(args.output, args.overwrite)
+    _check_report_path(args.report)
+    if args.input_scale <= 0:
+        raise ConversionError(f"--input-scale must be positive (a typical input RMS), got {args.input_scale}")
     if args.push_to_hub:
         preflight(args.push_to_hub)
     elif args.private:
@@ -168,14 +177,14 @@ def _convert(args) -> None:
                      per_channel=args.per_channel, input_scale=args.input_scale)
     print(report)
     if args.fold:
-        from .fold import fold
-
         print(fold(model))
     if original is not None:
         _evaluate_conversion(args, model, original, tokenizer)
     if args.report:
-        with open(args.report, "w") as f:
-            f.write(report.to_json())
+        try:
+            Path(args.report).write_text(report.to_json())
+        except OSError as error:
+            raise ConversionError(f"cannot write --report {args.report}: {error.strerror}") from None
     _save_and_push(args, model, tokenizer)
 
 
@@ -227,7 +236,7 @@ def _calibration_overlap(calib_spec, recorded, data: str, texts) -> str | None:
     if calib_spec:
         return overlap_warning(calib_spec, load_texts(calib_spec, "calibration"), data, texts)
     if isinstance(recorded, dict):
-        spec = next((recorded[k] for k in ("data", "spec", "dataset", "calib") if isinstance(recorded.get(k), str)), None)
+        spec = recorded.get("data") if isinstance(recorded.get("data"), str) else None
         if spec or recorded.get("fingerprint"):
             return overlap_warning(spec, None, data, texts, calib_fingerprint=recorded.get("fingerprint"))
     return None
@@ -238,7 +247,7 @@ def _evaluate_conversion(args, model, original, tokenizer) -> None:
     from .data import load_texts
 
     texts = load_texts(args.eval_data, default_split="evaluation")
-    _warn(_calibration_overlap(getattr(args, "calib", None), None, args.eval_data, texts))
+    _warn(_calibration_overlap(args.calib, None, args.eval_data, texts))
     evaluation = _run_evaluation(args, "eval_", model, tokenizer, original, args.eval_data, texts)
     print(f"\nevaluation on {evaluation.describe()}\n{evaluation.table()}")
     if hasattr(model, "config") and isinstance(getattr(model.config, "normswap", None), dict):

@@ -40,6 +40,10 @@ def _builtin(split: str) -> list[str]:
     return texts
 
 
+def _first_line(error: Exception) -> str:
+    return (str(error).strip().splitlines() or [type(error).__name__])[0]
+
+
 def _text_column(dataset) -> str:
     if "text" in dataset.column_names:
         return "text"
@@ -60,7 +64,10 @@ def _local(paths: list[Path]) -> list[str]:
         raise DataError("mixed file types: pass text, json/jsonl or parquet files, one kind at a time")
     loader = loaders.pop()
     kwargs = {"sample_by": "document"} if loader == "text" else {}  # one text per file
-    dataset = datasets.load_dataset(loader, data_files=[str(f) for f in files], split="train", **kwargs)
+    try:
+        dataset = datasets.load_dataset(loader, data_files=[str(f) for f in files], split="train", **kwargs)
+    except Exception as error:  # datasets raises many types for malformed json / parquet
+        raise DataError(f"cannot read {', '.join(map(str, paths))} as {loader}: {_first_line(error)}") from None
     return [t for t in dataset[_text_column(dataset)] if t and t.strip()]
 
 
@@ -71,8 +78,7 @@ def _hub(spec: str, default_split: str) -> list[str]:
     try:
         dataset = datasets.load_dataset(name, config or None, split=split or default_split)
     except Exception as error:  # datasets raises many types for missing names, configs and network failures
-        first = (str(error).strip().splitlines() or [type(error).__name__])[0]
-        raise DataError(f"cannot load dataset {spec!r}: {first}") from None
+        raise DataError(f"cannot load dataset {spec!r}: {_first_line(error)}") from None
     return [t for t in dataset[_text_column(dataset)] if t and t.strip()]
 
 

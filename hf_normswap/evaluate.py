@@ -368,6 +368,11 @@ def evaluate(
     for name, m in models.items():
         _check_causal(name, m)
         m.eval()
+    vocab_sizes = {name: m.get_output_embeddings().weight.shape[0] for name, m in models.items()
+                   if getattr(m, "get_output_embeddings", None) and m.get_output_embeddings() is not None}
+    if len(set(vocab_sizes.values())) > 1:
+        raise EvaluationError(f"the models have different vocabularies ({vocab_sizes}): compare a converted model "
+                              "only with the original it came from")
     first = next(iter(models.values()))
     fingerprint = None
     if docs is None:

@@ -99,11 +99,14 @@ def main(argv=None) -> int:
     print(f"checkpoints: {', '.join(str(p) for p in saved)}")
     print(f"[main job] {minutes:.1f} min wall, {cpu:.1f} min CPU time (all threads), torch threads: "
           f"{torch.get_num_threads()}")
-    calib = "" if args.no_calib else f" --calib {args.calib}"
+    calib = "" if args.no_calib else (f" --calib {args.calib} --calib-blocks {args.calib_blocks} "
+                                      f"--calib-len {args.calib_len}")
+    window = f"max-length {args.eval_len} --{{}}max-tokens {args.eval_tokens}"
     print(f"""
-The same with the command line (one model per command):
-  normswap convert {MODEL} --to eln{calib} --eval {args.data} --eval-max-tokens {args.eval_tokens} --output {out}/smollm2-eln
-  normswap eval {out}/smollm2-eln --against {MODEL} --data {args.data} --max-tokens {args.eval_tokens}
+Much the same with the command line, one model per command (the CLI's calibration tunes on its default number of
+blocks, where this job uses {args.tune_blocks}):
+  normswap convert {MODEL} --to eln{calib} --eval {args.data} --eval-{window.format("eval-")} --output {out}/smollm2-eln
+  normswap eval {out}/smollm2-eln --against {MODEL} --data {args.data} --{window.format("")}
 
 Next:
   fine-tune against the original (distillation):  .venv/bin/python recipes/finetune.py --config recipes/configs/smollm2-eln.yaml
