@@ -10,7 +10,7 @@ import tempfile
 from pathlib import Path
 
 from .convert import DEFAULT_ROLES, ConversionError, convert, plan
-from .data import DataError
+from .data import DataError, local_paths
 from .evaluate import EvaluationError
 from .fold import FoldError, fold
 from .checkpoint import CheckpointError, check_output_dir, save_pretrained
@@ -163,6 +163,9 @@ def _convert(args) -> None:
     if args.output:  # refuse a bad destination before any loading or conversion work
         check_output_dir(args.output, args.overwrite)
     _check_report_path(args.report)
+    for spec in (args.calib, args.eval_data):  # a mistyped data path fails before the model loads
+        if spec:
+            local_paths(spec)
     if args.input_scale <= 0:
         raise ConversionError(f"--input-scale must be positive (a typical input RMS), got {args.input_scale}")
     if args.push_to_hub:

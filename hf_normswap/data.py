@@ -82,17 +82,30 @@ def _hub(spec: str, default_split: str) -> list[str]:
     return [t for t in dataset[_text_column(dataset)] if t and t.strip()]
 
 
+def local_paths(spec: str) -> list[Path] | None:
+    """The files a spec names, ``None`` for builtin and Hub specs; ``DataError`` for a path that does not exist.
+
+    Cheap, so the CLI can refuse a mistyped path before loading a model.
+    """
+    if spec == BUILTIN or spec.startswith(BUILTIN + ":"):
+        return None
+    paths = [Path(p).expanduser() for p in spec.split(",")]
+    if all(p.exists() for p in paths):
+        return paths
+    if any(p.exists() for p in paths) or spec.startswith((".", "/", "~")) or Path(spec).suffix:
+        missing = ", ".join(str(p) for p in paths if not p.exists())
+        raise DataError(f"data file not found: {missing}")
+    return None
+
+
 def load_texts(spec: str | None, default_split: str = "calibration") -> list[str]:
     """Documents of a text source. ``default_split`` picks the builtin half (and the Hub split, as train/test)."""
     spec = spec or BUILTIN
     if spec == BUILTIN or spec.startswith(BUILTIN + ":"):
         return _builtin(spec.partition(":")[2] or default_split)
-    paths = [Path(p).expanduser() for p in spec.split(",")]
-    if all(p.exists() for p in paths):
+    paths = local_paths(spec)
+    if paths is not None:
         return _local(paths)
-    if any(p.exists() for p in paths) or spec.startswith((".", "/", "~")) or Path(spec).suffix:
-        missing = ", ".join(str(p) for p in paths if not p.exists())
-        raise DataError(f"data file not found: {missing}")
     hub_split = {"calibration": "train", "evaluation": "test"}.get(default_split, default_split)
     return _hub(spec, hub_split)
 

@@ -23,7 +23,6 @@ import argparse
 import copy
 import json
 import math
-import os
 import sys
 import time
 from pathlib import Path
@@ -77,7 +76,7 @@ def load_config(argv=None) -> dict:
     parser.add_argument("--config", help="YAML file (recipes/configs/*.yaml)")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="e.g. training.max_steps=20 method=dyt")
     args = parser.parse_args(argv)
-    config = DEFAULTS
+    config = copy.deepcopy(DEFAULTS)
     if args.config:
         config = merge(config, yaml.safe_load(Path(args.config).read_text()) or {})
     for item in args.overrides:
@@ -85,10 +84,13 @@ def load_config(argv=None) -> dict:
         if not sep:
             parser.error(f"override {item!r} is not KEY=VALUE")
         *path, last = key.lstrip("-").split(".")
-        section = config = copy.deepcopy(config)
+        section = config
         for part in path:
             section = section.setdefault(part, {})
         section[last] = yaml.safe_load(value)
+    unknown = sorted(set(config) - set(DEFAULTS))
+    if unknown:  # a typo would otherwise be ignored silently
+        parser.error(f"unknown setting(s) {', '.join(unknown)}: choose from {', '.join(sorted(DEFAULTS))}")
     return config
 
 

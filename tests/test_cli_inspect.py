@@ -58,6 +58,8 @@ def test_convert_writes_report(llama_dir, tmp_path, capsys):
         (["inspect", "LLAMA", "--include", "no_such_layer"], "matches no norm"),
         (["inspect", "LLAMA", "--include", "("], "not a valid regular expression"),
         (["inspect", "LLAMA", "--roles", "attention"], "unknown role"),
+        (["convert", "LLAMA", "--to", "eln", "--input-scale", "0"], "--input-scale must be positive"),
+        (["convert", "LLAMA", "--to", "eln", "--report", "/nonexistent/dir/r.json"], "directory does not exist"),
     ],
 )
 def test_user_errors_are_one_line_and_nonzero(argv, message, llama_dir, capsys):

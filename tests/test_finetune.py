@@ -199,6 +199,10 @@ def test_distillation_loss_is_zero_for_equal_logits_and_scales_with_temperature(
     masked = torch.nn.functional.kl_div(torch.log_softmax(a[0, :2], -1), torch.log_softmax(b[0, :2], -1),
                                         log_target=True, reduction="batchmean")
     assert float(distillation_loss(a, b, mask=mask)) == pytest.approx(float(masked), rel=1e-5)
+    softened = torch.nn.functional.kl_div(torch.log_softmax(a / 2, -1).reshape(-1, 11),
+                                          torch.log_softmax(b / 2, -1).reshape(-1, 11), log_target=True,
+                                          reduction="batchmean")
+    assert float(distillation_loss(a, b, temperature=2.0)) == pytest.approx(4 * float(softened), rel=1e-5)
 
 
 def test_schedule_orders():
