@@ -273,7 +273,8 @@ class Evaluation:
             "data": self.data, "fingerprint": self.fingerprint, "documents": self.documents, "tokens": self.tokens,
             "max_length": self.max_length, "stride": self.stride, "reference": self.reference,
             "results": {name: r.to_dict() for name, r in self.results.items()},
-            "kl": self.kl, "top1_agreement": self.top1,
+            # against a reference only: without one there is nothing to agree with
+            "kl": self.kl if self.reference else {}, "top1_agreement": self.top1 if self.reference else {},
             "ratio": {name: self.ratio(name) for name in self.candidates()} if self.reference else {},
         }
 
