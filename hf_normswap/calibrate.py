@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .capture import DEFAULT_MAX_FIRST, DEFAULT_MAX_TOKENS, StopForward, capturing
+from .capture import DEFAULT_MAX_FIRST, DEFAULT_MAX_TOKENS, StopForward, capturing, first_call_inputs
 from .discovery import NormInfo
 from .fitting import FitStats, analytic_input_scale, fit_module, outlier_mask
 from .roles import block_of
@@ -409,26 +409,11 @@ def _block_plan(model: nn.Module, selected: list[NormInfo], batch: dict) -> _Pla
 
 
 def _block_inputs(model, stack, batches) -> list[tuple]:
-    """(hidden, other args, kwargs) of the first block for each batch, via a hook that stops the forward there."""
+    """(hidden, other args, kwargs) of the first block for each batch; each forward stops at that block."""
     cached = []
-
-    def hook(module, args, kwargs):
-        if args:
-            cached.append((args[0], args[1:], dict(kwargs)))
-        else:
-            kwargs = dict(kwargs)
-            cached.append((kwargs.pop("hidden_states"), (), kwargs))
-        raise StopForward
-
-    handle = stack[0].register_forward_pre_hook(hook, with_kwargs=True)
-    try:
-        for batch in batches:
-            try:
-                _forward(model, batch)
-            except StopForward:
-                pass
-    finally:
-        handle.remove()
+    for batch in batches:
+        args, kwargs = first_call_inputs(stack[0], lambda: _forward(model, batch))
+        cached.append((args[0], args[1:], kwargs) if args else (kwargs.pop("hidden_states"), (), kwargs))
     return cached
 
 
@@ -488,21 +473,10 @@ def _sequential(model, plan: _Plan, batches, fitter, replace, config) -> None:
 
 
 def _post_input_is_stack_output(model, source, batch, hidden) -> bool:
-    seen = []
-
-    def hook(module, args):
-        seen.append(args[0] if args else None)
-        raise StopForward
-
-    handle = source.register_forward_pre_hook(hook)
-    try:
-        _forward(model, batch)
-    except StopForward:
-        pass
-    finally:
-        handle.remove()
-    return bool(seen) and isinstance(seen[0], torch.Tensor) and seen[0].shape == hidden.shape and \
-        torch.allclose(seen[0].float(), hidden.float(), rtol=1e-4, atol=1e-4)
+    call = first_call_inputs(source, lambda: _forward(model, batch))
+    seen = call[0][0] if call and call[0] else None
+    return isinstance(seen, torch.Tensor) and seen.shape == hidden.shape and \
+        torch.allclose(seen.float(), hidden.float(), rtol=1e-4, atol=1e-4)
 
 
 # --------------------------------------------------------------------------------------------------- tuning

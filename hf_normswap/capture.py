@@ -150,6 +150,24 @@ class StopForward(Exception):
     """Raised by a hook to end a forward pass early once everything needed is captured."""
 
 
+def first_call_inputs(module: nn.Module, run) -> tuple[tuple, dict] | None:
+    """``(args, kwargs)`` of ``module``'s first call while ``run()`` executes; the forward stops right there."""
+    seen = []
+
+    def hook(module, args, kwargs):
+        seen.append((args, dict(kwargs)))
+        raise StopForward
+
+    handle = module.register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        run()
+    except StopForward:
+        pass
+    finally:
+        handle.remove()
+    return seen[0] if seen else None
+
+
 @contextmanager
 def capturing(modules: dict[str, nn.Module], **kwargs):
     capture = Capture(modules, **kwargs)

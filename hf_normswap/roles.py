@@ -16,6 +16,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
+from .capture import StopForward
 from .discovery import NormInfo
 from .model_inputs import dummy_inputs, first_tensor, text_config
 
@@ -92,10 +93,6 @@ def _trace(model: nn.Module, norms: list[NormInfo], inputs: dict) -> tuple[list[
     return order, consumer
 
 
-class _BlockDone(Exception):
-    """Raised once the block under test has produced its output: the rest of the model need not run."""
-
-
 def _on_residual_path(model: nn.Module, norm: str, block: str, inputs: dict) -> bool:
     """True when, with the norm's output zeroed, the block's output no longer depends on the block's input."""
     modules = dict(model.named_modules())
@@ -106,7 +103,7 @@ def _on_residual_path(model: nn.Module, norm: str, block: str, inputs: dict) -> 
 
     def capture(module, args, output):
         captured.append(first_tensor(output).detach().float().clone())
-        raise _BlockDone
+        raise StopForward  # the rest of the model need not run
 
     def perturb(module, args, kwargs):
         if args:
@@ -121,7 +118,7 @@ def _on_residual_path(model: nn.Module, norm: str, block: str, inputs: dict) -> 
         with _hooks(handles), torch.no_grad():
             try:
                 model(**inputs)
-            except _BlockDone:
+            except StopForward:
                 pass
     return torch.allclose(captured[0], captured[1], atol=1e-5, rtol=1e-4)
 
