@@ -23,6 +23,7 @@ import copy
 import math
 import resource
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -32,7 +33,7 @@ from torch import nn
 
 from .capture import DEFAULT_MAX_FIRST, DEFAULT_MAX_TOKENS, StopForward, capturing, first_call_inputs
 from .discovery import NormInfo
-from .fitting import FitStats, analytic_input_scale, fit_module, outlier_mask
+from .fitting import FitStats, analytic_input_scale, fit_module, outlier_mask, saturating_init
 from .roles import block_of
 
 STRATEGIES: dict[str, dict] = {
@@ -48,8 +49,11 @@ STRATEGIES: dict[str, dict] = {
     "sink": dict(fit=("shape", "weight", "bias"), per_channel=True, first_token_share=0.5),
     # as channel, then a few Adam steps on the new modules' parameters against the original model's outputs
     "kl": dict(fit=("shape", "weight", "bias"), per_channel=True, first_token_share=None, tune_steps=30),
+    # per-channel saturating start (fitting.saturating_init), then each block's new modules tuned so the block
+    # reproduces the original block's output (sequential only), then the kl strategy's end-to-end steps
+    "block": dict(fit=(), per_channel=True, init="saturating", block_steps=40, tune_steps=30),
 }
-DEFAULT_STRATEGY = "kl"
+DEFAULT_STRATEGY = "block"
 
 
 @dataclass
@@ -76,6 +80,11 @@ class CalibrationConfig:
     outliers_only: bool | None = None
     outlier_threshold: float = 3.0
     first_token_share: float | None | str = "strategy"  # None: natural frequency; 0: excluded; s: share of loss
+    init: str | None = None  # "analytic" (the theory's scalar start) or "saturating" (fitting.saturating_init)
+    knee: float = 0.7  # saturating init: output ceiling per channel, in units of the channel's typical value
+    block_steps: int | None = None  # Adam steps per block on the block-output error (sequential only)
+    block_rows: int = 4  # sequences per block-tuning step
+    block_lr: float = 1e-2
     tune_steps: int | None = None
     tune_blocks: int = 4
     tune_lr: float = 5e-3
@@ -88,7 +97,8 @@ class CalibrationConfig:
     def resolved(self) -> "CalibrationConfig":
         if self.strategy not in STRATEGIES:
             raise ValueError(f"unknown calibration strategy {self.strategy!r}: choose from {', '.join(STRATEGIES)}")
-        preset = dict(fit=("shape",), per_channel=False, outliers_only=False, first_token_share=None, tune_steps=0)
+        preset = dict(fit=("shape",), per_channel=False, outliers_only=False, first_token_share=None, tune_steps=0,
+                      init="analytic", block_steps=0)
         preset.update(STRATEGIES[self.strategy])
         out = copy.copy(self)
         for key, value in preset.items():
@@ -96,6 +106,8 @@ class CalibrationConfig:
             if current is None or (key == "first_token_share" and current == "strategy"):
                 setattr(out, key, value)
         out.fit = tuple(out.fit)
+        if out.init not in ("analytic", "saturating"):
+            raise ValueError(f"unknown calibration init {out.init!r}: choose 'analytic' or 'saturating'")
         return out
 
     def summary(self) -> dict:
@@ -226,6 +238,8 @@ class _Fitter:
         self.capture_bytes = max(self.capture_bytes, sample.nbytes())
         scale = analytic_input_scale(x, info.kind, is_first) if x.shape[0] else 1.0
         replacement = self.build(source, info, input_scale=scale, per_channel=cfg.per_channel or self.per_channel)
+        if cfg.init == "saturating" and x.shape[0]:
+            saturating_init(replacement, x, info.kind, is_first, cfg.knee)
         reference = copy.deepcopy(source).to("cpu", torch.float32)
         with torch.no_grad():
             target = torch.cat([reference(chunk) for chunk in x.split(4096)]) if x.shape[0] else x
@@ -291,11 +305,12 @@ def calibrate_and_replace(model: nn.Module, selected: list[NormInfo], method: st
     teacher = _teacher_outputs(model, batches, config) if config.tune_steps else None
     plan = _block_plan(model, selected, batches[0]) if config.sequential else None
     mode = "sequential" if plan is not None else "one-shot"
+    block_tuning = []
     with torch.no_grad():
         if plan is None:
             _one_shot(model, selected, batches, fitter, replace, config)
         else:
-            _sequential(model, plan, batches, fitter, replace, config)
+            block_tuning = _sequential(model, plan, batches, fitter, replace, config)
     tuning = _tune(model, selected, batches, teacher, config) if config.tune_steps else None
     model.train(was_training)
     seconds = time.perf_counter() - start
@@ -309,6 +324,8 @@ def calibrate_and_replace(model: nn.Module, selected: list[NormInfo], method: st
 
         summary["data"] = config.data
         summary["fingerprint"] = fingerprint(load_texts(config.data, "calibration"))
+    if block_tuning:
+        summary["block_tuning"] = block_tuning
     if tuning is not None:
         summary["tuning"] = tuning
     return CalibrationResult(fits=fitter.fits, summary=summary)
@@ -443,8 +460,12 @@ def _capture_pass(modules, stop_after, batches, run, config, desc):
         return capture.samples
 
 
-def _sequential(model, plan: _Plan, batches, fitter, replace, config) -> None:
+def _sequential(model, plan: _Plan, batches, fitter, replace, config) -> list[dict]:
+    """Convert in forward order; returns the block-tuning record (empty without ``block_steps``)."""
     total = len(plan.pre) + sum(len(b) for b in plan.blocks) + len(plan.post)
+    tuning = []
+    # the original model's trajectory, which block tuning steers each converted block back onto
+    reference = [c[0] for c in _block_inputs(model, plan.stack, batches)] if config.block_steps else None
     with _progress(total, "calibration: norms", config) as bar:
         for info in plan.pre:  # e.g. BERT's embedding LayerNorm: runs before the first block
             source = model.get_submodule(info.name)
@@ -454,7 +475,9 @@ def _sequential(model, plan: _Plan, batches, fitter, replace, config) -> None:
             bar.update()
         cached = _block_inputs(model, plan.stack, batches)
         hidden = [c[0] for c in cached]
-        for block, infos in zip(plan.stack, plan.blocks):
+        for index, (block, infos) in enumerate(zip(plan.stack, plan.blocks)):
+            if reference is not None and infos:
+                reference = [_call_block(block, reference[k], cached[k][1], cached[k][2]) for k in range(len(batches))]
             for info in infos:
                 source = model.get_submodule(info.name)
                 samples = _capture_pass(
@@ -462,7 +485,14 @@ def _sequential(model, plan: _Plan, batches, fitter, replace, config) -> None:
                     lambda k: _call_block(block, hidden[k], cached[k][1], cached[k][2]), config, info.name)
                 replace(model, info.name, fitter(info, source, samples[info.name]))
                 bar.update()
+            if reference is not None and infos:
+                modules = [model.get_submodule(info.name) for info in infos]
+                tuning.append(dict(block=index, **_tune_block(block, modules, hidden, reference, cached, batches,
+                                                              config)))
+                bar.set_postfix(block_error=f"{tuning[-1]['error_after']:.3g}")
             hidden = [_call_block(block, hidden[k], cached[k][1], cached[k][2]) for k in range(len(batches))]
+            if reference is not None and not infos:
+                reference = [_call_block(block, reference[k], cached[k][1], cached[k][2]) for k in range(len(batches))]
         for info in plan.post:  # final norm: its input is the last block's output when nothing sits in between
             source = model.get_submodule(info.name)
             direct = _post_input_is_stack_output(model, source, batches[0], hidden[0])
@@ -470,6 +500,79 @@ def _sequential(model, plan: _Plan, batches, fitter, replace, config) -> None:
             samples = _capture_pass({info.name: source}, info.name, batches, run, config, info.name)
             replace(model, info.name, fitter(info, source, samples[info.name]))
             bar.update()
+    return tuning
+
+
+def _rows(value, rows: slice, batch_size: int):
+    """``value`` (a tensor, or tuples / dicts of them) cut to ``rows`` along every leading batch dimension."""
+    if isinstance(value, torch.Tensor):
+        return value[rows] if value.dim() and value.shape[0] == batch_size and batch_size > 1 else value
+    if isinstance(value, (tuple, list)):
+        return type(value)(_rows(v, rows, batch_size) for v in value)
+    if isinstance(value, dict):
+        return {k: _rows(v, rows, batch_size) for k, v in value.items()}
+    return value
+
+
+def _relative_error(out: torch.Tensor, target: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """Mean over tokens of ||out - target||^2 / ||target||^2: every token counts alike, sinks at RMS 1000 too."""
+    per_token = (out.float() - target.float()).pow(2).sum(-1) / target.float().pow(2).sum(-1).clamp_min(1e-12)
+    if mask is not None and mask.shape == per_token.shape:
+        return per_token[mask.bool()].mean()
+    return per_token.mean()
+
+
+@contextmanager
+def _training_only(model: nn.Module, params: list[nn.Parameter]):
+    """Gradients for ``params`` alone, restoring every parameter's requires_grad afterwards."""
+    chosen = {id(p) for p in params}
+    saved = {n: p.requires_grad for n, p in model.named_parameters()}
+    for p in model.parameters():
+        p.requires_grad_(id(p) in chosen)
+    try:
+        with torch.enable_grad():
+            yield
+    finally:
+        for n, p in model.named_parameters():
+            p.requires_grad_(saved[n])
+
+
+def _tune_block(block, modules, hidden, reference, cached, batches, config) -> dict:
+    """Adam on one block's new modules: fed the converted model's hidden states, the block should reproduce the
+    original block's output on the original's hidden states. Fitting each norm's own output leaves the error a
+    block inherits to grow over 30 blocks; matching the block output makes each block compensate for it."""
+    params = [p for m in modules for p in m.parameters(recurse=False)]
+    chunks = [(k, slice(s, s + config.block_rows)) for k, h in enumerate(hidden)
+              for s in range(0, h.shape[0], config.block_rows)]
+
+    def error(k, rows):
+        size = hidden[k].shape[0]
+        args, kwargs = _rows(cached[k][1], rows, size), _rows(cached[k][2], rows, size)
+        out = _call_block(block, hidden[k][rows], args, kwargs)
+        return _relative_error(out, reference[k][rows], batches[k]["attention_mask"][rows])
+
+    def mean_error():
+        with torch.no_grad():
+            return sum(float(error(k, rows)) for k, rows in chunks) / len(chunks)
+
+    before = mean_error()
+    start = [p.detach().clone() for p in params]
+    optimizer = torch.optim.Adam(params, lr=config.block_lr)
+    with _training_only(block, params):
+        for step in range(config.block_steps):
+            optimizer.zero_grad()
+            loss = error(*chunks[step % len(chunks)])
+            if not torch.isfinite(loss):
+                break
+            loss.backward()
+            optimizer.step()
+    after = mean_error()
+    if not math.isfinite(after) or after > before:  # never leave the block worse than its start
+        with torch.no_grad():
+            for p, s in zip(params, start):
+                p.copy_(s)
+        after = before
+    return {"error_before": round(before, 6), "error_after": round(after, 6)}
 
 
 def _post_input_is_stack_output(model, source, batch, hidden) -> bool:
@@ -511,10 +614,6 @@ def _tune(model, selected, batches, teacher, config) -> dict:
     rows = _tune_rows(batches, config)
     modules = [model.get_submodule(info.name) for info in selected]
     params = [p for m in modules for p in m.parameters(recurse=False)]
-    frozen = {id(p) for p in params}
-    saved = {n: p.requires_grad for n, p in model.named_parameters()}
-    for p in model.parameters():
-        p.requires_grad_(id(p) in frozen)
     best = [p.detach().clone() for p in params]
     optimizer = torch.optim.Adam(params, lr=config.tune_lr)
     is_lm = teacher[0].shape[-1] == getattr(model.config.get_text_config() if hasattr(model.config, "get_text_config")
@@ -531,7 +630,7 @@ def _tune(model, selected, batches, teacher, config) -> dict:
         return (out[mask] - t).pow(2).mean() / t.pow(2).mean().clamp_min(1e-12)
 
     history = []
-    try:
+    with _training_only(model, params):
         with torch.no_grad():
             start_loss = sum(float(loss_on(k)) for k in range(len(rows))) / len(rows)
         best_loss = start_loss
@@ -557,9 +656,6 @@ def _tune(model, selected, batches, teacher, config) -> dict:
                 for p, b in zip(params, best):
                     p.copy_(b)
                 final = sum(float(loss_on(k)) for k in range(len(rows))) / len(rows)
-    finally:
-        for n, p in model.named_parameters():
-            p.requires_grad_(saved[n])
     return {"objective": "kl" if is_lm else "relative_mse", "rows": len(rows), "steps": len(history),
             "loss_before": round(start_loss, 6), "loss_after": round(final, 6)}
 

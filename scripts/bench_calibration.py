@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from hf_normswap import convert
-from hf_normswap.calibrate import STRATEGIES, CalibrationConfig
+from hf_normswap.calibrate import DEFAULT_STRATEGY, STRATEGIES, CalibrationConfig
 from hf_normswap.data import load_texts
 from hf_normswap.loading import load_model
 
@@ -59,7 +59,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="offline:smollm2")
     parser.add_argument("--to", default="eln", choices=("eln", "dyt", "none"))
-    parser.add_argument("--strategy", default="kl", choices=sorted(STRATEGIES))
+    parser.add_argument("--strategy", default=DEFAULT_STRATEGY, choices=sorted(STRATEGIES))
     parser.add_argument("--no-sequential", action="store_true", help="fit all norms on the original's activations")
     parser.add_argument("--first-token-share", type=float, default=None, help="override the strategy's value")
     parser.add_argument("--tune-steps", type=int, default=None)

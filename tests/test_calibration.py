@@ -11,7 +11,7 @@ from tiny_models import tiny_model
 from hf_normswap import convert
 from hf_normswap.calibrate import CalibrationConfig
 from hf_normswap.capture import NormSample, Reservoir, capturing
-from hf_normswap.fitting import fit_module
+from hf_normswap.fitting import fit_module, saturating_init
 from hf_normswap.model_inputs import first_tensor
 from hf_normswap.modules import ELN, DyT
 
@@ -127,6 +127,49 @@ def test_sequential_beats_or_matches_one_shot_and_tuning_lowers_kl():
     tuning = results["kl"][1].calibration["tuning"]
     assert tuning["objective"] == "kl" and tuning["loss_after"] <= tuning["loss_before"]
     assert results["kl"][0] < results["sequential"][0] * 1.01
+
+
+@pytest.mark.parametrize("cls", [ELN, DyT])
+def test_saturating_init_keeps_the_slope_and_bounds_large_tokens(cls):
+    x = torch.randn(400, 16, generator=torch.Generator().manual_seed(0)) * 2.0
+    x[:, 3] += 6.0  # a channel that is large in every token
+    w = torch.linspace(0.5, 1.5, 16)
+    module = cls.from_norm(w, None, kind="rmsnorm", normalized_shape=(16,), per_channel=True)
+    saturating_init(module, x, "rmsnorm", knee=0.7)
+    median_rms = x.pow(2).mean(-1).sqrt().median()
+    eps = 1e-3
+    with torch.no_grad():
+        slope = (module(torch.full((1, 16), eps)) - module(torch.full((1, 16), -eps)))[0] / (2 * eps)
+        huge = module(x[:8] * 1000)  # an attention-sink-like token: 1000x the typical scale
+    torch.testing.assert_close(slope, w / median_rms, rtol=1e-3, atol=1e-6)  # the norm's slope at zero
+    ceiling = module.weight.detach()  # |f| < 1, so the output never exceeds weight = w * knee * s_c
+    assert (huge.abs() <= ceiling * (1 + 1e-6)).all() and (huge.abs() > 0.9 * ceiling).float().mean() > 0.9
+    relative = ceiling / w
+    assert relative[3] > 2 * relative.median()  # the always-large channel gets a higher ceiling
+    with pytest.raises(ValueError, match="per-channel"):
+        saturating_init(cls(16, 1.0), x, "rmsnorm")
+
+
+@pytest.mark.parametrize("arch", ["llama", "bert"])
+def test_block_tuning_lowers_every_block_error_and_the_output_error(arch):
+    ids = _ids()
+    reference = tiny_model(arch)
+    start = tiny_model(arch)
+    convert(start, "eln", calibration=_cfg(data=ids, batch_size=4, strategy="block", block_steps=0, tune_steps=0))
+    tuned = tiny_model(arch)
+    report = convert(tuned, "eln", calibration=_cfg(data=ids, batch_size=4, strategy="block", block_steps=25,
+                                                    block_rows=2, tune_steps=0))
+    rows = report.calibration["block_tuning"]
+    assert [r["block"] for r in rows] == list(range(tuned.config.num_hidden_layers))
+    assert all(r["error_after"] <= r["error_before"] for r in rows)
+    assert all(r["error_after"] < 0.9 * r["error_before"] for r in rows), rows
+    if arch == "llama":
+        assert _kl(reference, tuned, ids[:4]) < _kl(reference, start, ids[:4])
+    else:
+        with torch.no_grad():
+            target = first_tensor(reference(ids[:4]))
+            errors = [(first_tensor(m(ids[:4])) - target).norm() for m in (start, tuned)]
+        assert errors[1] < errors[0]
 
 
 def test_report_config_and_plots(tmp_path):
