@@ -52,8 +52,15 @@ STRATEGIES: dict[str, dict] = {
     # per-channel saturating start (fitting.saturating_init), then each block's new modules tuned so the block
     # reproduces the original block's output (sequential only), then the kl strategy's end-to-end steps
     "block": dict(fit=(), per_channel=True, init="saturating", block_steps=40, tune_steps=30),
+    # block where any target norm is an RMSNorm, else kl: measured best on SmolLM2 (block, perplexity 722 against
+    # kl's 1e84) and on MiniLM's LayerNorms (kl, embedding cosine 0.79 against block's 0.22); see BENCHMARKS.md
+    "auto": {},
 }
-DEFAULT_STRATEGY = "block"
+DEFAULT_STRATEGY = "auto"
+
+
+def auto_strategy(selected: list[NormInfo]) -> str:
+    return "block" if any(info.kind == "rmsnorm" for info in selected) else "kl"
 
 
 @dataclass
@@ -295,6 +302,9 @@ def calibrate_and_replace(model: nn.Module, selected: list[NormInfo], method: st
                           build, replace, *, per_channel: bool = False) -> CalibrationResult:
     """Fit and swap in replacements for ``selected`` norms; ``build(source, info, input_scale=, per_channel=)``
     makes a module and ``replace(model, name, module)`` sets it (both from ``convert``)."""
+    if config.strategy == "auto":
+        config = copy.copy(config)
+        config.strategy = auto_strategy(selected)
     config = config.resolved()
     start, cpu_start = time.perf_counter(), time.process_time()
     torch.manual_seed(config.seed)

@@ -62,7 +62,8 @@ def main(argv=None) -> int:
     parser.add_argument("--strategy", default=DEFAULT_STRATEGY, choices=sorted(STRATEGIES))
     parser.add_argument("--no-sequential", action="store_true", help="fit all norms on the original's activations")
     parser.add_argument("--first-token-share", type=float, default=None, help="override the strategy's value")
-    parser.add_argument("--tune-steps", type=int, default=None)
+    parser.add_argument("--tune-steps", type=int, default=None, help="override the strategy's end-to-end steps")
+    parser.add_argument("--block-steps", type=int, default=None, help="override the strategy's per-block steps")
     parser.add_argument("--tune-blocks", type=int, default=4)
     parser.add_argument("--calib", default=str(DATA / "wiki.valid.tokens"))
     parser.add_argument("--calib-blocks", type=int, default=64)
@@ -79,6 +80,7 @@ def main(argv=None) -> int:
     model, tokenizer = load_model(args.model)
     original = copy.deepcopy(model)
     record = {"model": args.model, "to": args.to, "strategy": args.strategy, "sequential": not args.no_sequential,
+              "block_steps": args.block_steps, "tune_steps": args.tune_steps,
               "calib": args.calib, "calib_blocks": args.calib_blocks, "calib_len": args.calib_len}
     rss_before = rss_mb()
     if args.to != "none":
@@ -87,7 +89,8 @@ def main(argv=None) -> int:
             options["first_token_share"] = args.first_token_share
         config = CalibrationConfig(data=args.calib, num_blocks=args.calib_blocks, block_len=args.calib_len,
                                    strategy=args.strategy, sequential=not args.no_sequential,
-                                   tune_steps=args.tune_steps, tune_blocks=args.tune_blocks, tokenizer=tokenizer,
+                                   tune_steps=args.tune_steps, tune_blocks=args.tune_blocks,
+                                   block_steps=args.block_steps, tokenizer=tokenizer,
                                    **options)
         start = time.perf_counter()
         report = convert(model, args.to, calibration=config)

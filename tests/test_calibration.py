@@ -172,6 +172,13 @@ def test_block_tuning_lowers_every_block_error_and_the_output_error(arch):
         assert errors[1] < errors[0]
 
 
+def test_default_strategy_is_block_for_rmsnorm_models_and_kl_for_layernorm_ones():
+    llama, bert = tiny_model("llama"), tiny_model("bert")
+    small = dict(data=_ids(), batch_size=4, block_steps=2, tune_steps=2)
+    assert convert(llama, "eln", calibration=_cfg(**small)).calibration["strategy"] == "block"
+    assert convert(bert, "eln", calibration=_cfg(**small)).calibration["strategy"] == "kl"
+
+
 def test_report_config_and_plots(tmp_path):
     model = tiny_model("llama")
     report = convert(model, "eln", calibration=_cfg(data=_ids(), batch_size=4, strategy="channel",
