@@ -9,7 +9,9 @@
    earlier norms are already converted, the replacement is fitted (``fitting.py``) against the source norm's
    output on those very inputs and swapped in, and the block is re-run to give the next block its input. Norms
    outside the blocks (embedding LayerNorm before, final norm after) are handled before / after the blocks.
-   Without ``sequential`` every norm is fitted on activations of the original model in one pass;
+   With ``block_steps`` each block's new modules are then tuned so that the block reproduces the original
+   block's output (``_tune_block``). Without ``sequential`` every norm is fitted on activations of the original
+   model in one pass;
 3. optionally tunes only the new modules' parameters for a few Adam steps to match the original model's output
    distribution (KL of logits, or MSE of the last hidden state for encoders) on a few calibration blocks;
 4. returns per-norm report rows and a summary that ``convert`` stores in ``model.config.normswap``.
@@ -486,7 +488,7 @@ def _sequential(model, plan: _Plan, batches, fitter, replace, config) -> list[di
         cached = _block_inputs(model, plan.stack, batches)
         hidden = [c[0] for c in cached]
         for index, (block, infos) in enumerate(zip(plan.stack, plan.blocks)):
-            if reference is not None and infos:
+            if reference is not None:  # the original block, before its norms are replaced
                 reference = [_call_block(block, reference[k], cached[k][1], cached[k][2]) for k in range(len(batches))]
             for info in infos:
                 source = model.get_submodule(info.name)
@@ -501,8 +503,6 @@ def _sequential(model, plan: _Plan, batches, fitter, replace, config) -> list[di
                                                               config)))
                 bar.set_postfix(block_error=f"{tuning[-1]['error_after']:.3g}")
             hidden = [_call_block(block, hidden[k], cached[k][1], cached[k][2]) for k in range(len(batches))]
-            if reference is not None and not infos:
-                reference = [_call_block(block, reference[k], cached[k][1], cached[k][2]) for k in range(len(batches))]
         for info in plan.post:  # final norm: its input is the last block's output when nothing sits in between
             source = model.get_submodule(info.name)
             direct = _post_input_is_stack_output(model, source, batches[0], hidden[0])
