@@ -4,6 +4,7 @@ import math
 
 import pytest
 import torch
+from tiny_models import random_elementwise
 
 from hf_normswap.modules import DyT, ELN, DyISRU, amplitude_for
 
@@ -11,14 +12,8 @@ METHODS = [DyT, ELN]
 
 
 def _module(cls, per_channel, bias=True, size=6):
-    torch.manual_seed(0)
-    module = cls(size, 0.7 if cls is DyT else 3.0, per_channel=per_channel, bias=bias, amplitude=2.0)
-    with torch.no_grad():
-        module.weight.copy_(torch.randn(size))
-        if bias:
-            module.bias.copy_(torch.randn(size))
-        module.set_shape_parameter(torch.rand(size if per_channel else ()) + 0.5)
-    return module
+    return random_elementwise(cls, size, shape=0.7 if cls is DyT else 3.0, amplitude=2.0, per_channel=per_channel,
+                              bias=bias)
 
 
 def test_dyisru_is_eln():

@@ -5,6 +5,7 @@ The inputs are just above ``kernels.MIN_NUMEL`` so the fused path really runs; e
 
 import pytest
 import torch
+from tiny_models import random_elementwise
 
 from hf_normswap import kernels
 from hf_normswap.modules import DyT, ELN
@@ -14,14 +15,8 @@ TOKENS = kernels.MIN_NUMEL // C + 8  # the smallest size that takes the fused pa
 
 
 def _module(cls, per_channel=False, bias=True, dtype=torch.float32):
-    torch.manual_seed(0)
-    module = cls(C, 0.3 if cls is DyT else 40.0, per_channel=per_channel, bias=bias, amplitude=16.0)
-    with torch.no_grad():
-        module.weight.add_(torch.randn(C))
-        if bias:
-            module.bias.copy_(torch.randn(C))
-        module.set_shape_parameter(module.shape_parameter() * (torch.rand(C if per_channel else ()) + 0.5))
-    return module.to(dtype)
+    return random_elementwise(cls, C, shape=0.3 if cls is DyT else 40.0, amplitude=16.0, per_channel=per_channel,
+                              bias=bias, dtype=dtype)
 
 
 def _input(dtype=torch.float32, shape=(2, TOKENS // 2 + 4, C)):

@@ -1,4 +1,5 @@
-"""Tiny random models from configs, one per architecture family the tool must handle (no Hub access)."""
+"""Tiny random models from configs, one per architecture family the tool must handle (no Hub access), and random
+DyT / ELN modules."""
 
 from __future__ import annotations
 
@@ -68,3 +69,17 @@ def tiny_model(model_type: str, seed: int = 0, randomize_norms: bool = True):
                     for param in module.parameters(recurse=False):
                         param.add_(0.1 * torch.randn_like(param))
     return model
+
+
+def random_elementwise(cls, size: int, *, shape: float, amplitude: float, per_channel: bool = False,
+                       bias: bool = True, dtype: torch.dtype = torch.float32):
+    """A ``cls`` (DyT / ELN) module with weight amplitude + N(0, 1), bias N(0, 1) and shape parameter(s) drawn
+    from ``shape`` x U(0.5, 1.5): no parameter at a special value that could hide a wrong formula."""
+    torch.manual_seed(0)
+    module = cls(size, shape, per_channel=per_channel, bias=bias, amplitude=amplitude)
+    with torch.no_grad():
+        module.weight.add_(torch.randn(size))
+        if bias:
+            module.bias.copy_(torch.randn(size))
+        module.set_shape_parameter(shape * (torch.rand(size if per_channel else ()) + 0.5))
+    return module.to(dtype)
