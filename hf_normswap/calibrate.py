@@ -22,6 +22,8 @@ Strategies are presets over the options; see :data:`STRATEGIES`.
 from __future__ import annotations
 
 import copy
+import functools
+import inspect
 import math
 import resource
 import time
@@ -34,8 +36,9 @@ import torch
 from torch import nn
 
 from .capture import DEFAULT_MAX_FIRST, DEFAULT_MAX_TOKENS, StopForward, capturing, first_call_inputs
-from .discovery import NormInfo
+from .discovery import NormInfo, normalized_reference
 from .fitting import FitStats, analytic_input_scale, fit_module, outlier_mask, saturating_init
+from .model_inputs import first_tensor, text_config
 from .roles import block_of
 
 STRATEGIES: dict[str, dict] = {
@@ -236,8 +239,8 @@ def _forward(model: nn.Module, batch: dict):
 class _Fitter:
     """Builds, fits and records the replacement for one norm from captured inputs."""
 
-    def __init__(self, method: str, config: CalibrationConfig, build, per_channel: bool):
-        self.method, self.config, self.build, self.per_channel = method, config, build, per_channel
+    def __init__(self, config: CalibrationConfig, build, per_channel: bool):
+        self.config, self.build, self.per_channel = config, build, per_channel
         self.fits: dict[str, NormFit] = {}
         self.capture_bytes = 0
 
@@ -248,11 +251,11 @@ class _Fitter:
         scale = analytic_input_scale(x, info.kind, is_first) if x.shape[0] else 1.0
         replacement = self.build(source, info, input_scale=scale, per_channel=cfg.per_channel or self.per_channel)
         if cfg.init == "saturating" and x.shape[0]:
-            saturating_init(replacement, x, info.kind, is_first, cfg.knee)
+            saturating_init(replacement, x, info.kind, scale, is_first, cfg.knee)
         reference = copy.deepcopy(source).to("cpu", torch.float32)
         with torch.no_grad():
             target = torch.cat([reference(chunk) for chunk in x.split(4096)]) if x.shape[0] else x
-        weight = self._weights(info, reference, x, is_first, sample)
+        weight = self._weights(info, x, is_first, sample)
         stats = fit_module(replacement, x, target, weight=weight, params=cfg.fit, is_first=is_first,
                            max_iter=cfg.max_iter)
         shape = replacement.shape_parameter().detach().float()
@@ -267,7 +270,7 @@ class _Fitter:
             plot_fit(Path(cfg.plots), info.name, replacement, reference, x, target, is_first, stats)
         return replacement
 
-    def _weights(self, info, reference, x, is_first, sample) -> torch.Tensor | None:
+    def _weights(self, info, x, is_first, sample) -> torch.Tensor | None:
         cfg = self.config
         rows = torch.ones(x.shape[0], 1, dtype=torch.float64)
         n_first, n_plain = int(is_first.sum()), int((~is_first).sum())
@@ -283,18 +286,11 @@ class _Fitter:
             rows[is_first] = w_first
         weight = rows
         if cfg.outliers_only:
-            normalized = _normalized(x, info.kind, info.eps)
+            normalized = normalized_reference(x.double(), info.kind, info.eps)
             weight = rows * outlier_mask(normalized, cfg.outlier_threshold)
             if weight.sum() == 0:  # no outliers at all: fall back to every element
                 weight = rows
         return weight
-
-
-def _normalized(x: torch.Tensor, kind: str, eps: float) -> torch.Tensor:
-    x = x.double()
-    if kind == "layernorm":
-        return torch.nn.functional.layer_norm(x, x.shape[-1:], eps=eps)
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
 
 
 # ---------------------------------------------------------------------------------------------- the driver
@@ -311,7 +307,7 @@ def calibrate_and_replace(model: nn.Module, selected: list[NormInfo], method: st
     start, cpu_start = time.perf_counter(), time.process_time()
     torch.manual_seed(config.seed)
     batches = calibration_batches(model, config)
-    fitter = _Fitter(method, config, build, per_channel)
+    fitter = _Fitter(config, build, per_channel)
     was_training = model.training
     model.eval()
     teacher = _teacher_outputs(model, batches, config) if config.tune_steps else None
@@ -447,17 +443,16 @@ def _block_inputs(model, stack, batches) -> list[tuple]:
 
 
 def _call_block(block, hidden, args, kwargs):
-    if args or "hidden_states" not in _param_names(block):
-        out = block(hidden, *args, **kwargs)
-    else:
-        out = block(hidden_states=hidden, **kwargs)
-    return out[0] if isinstance(out, (tuple, list)) else out
+    if args or not _takes_hidden_states_keyword(type(block)):
+        return first_tensor(block(hidden, *args, **kwargs))
+    return first_tensor(block(hidden_states=hidden, **kwargs))
 
 
-def _param_names(block) -> set[str]:
-    import inspect
-
-    return set(inspect.signature(block.forward).parameters)
+@functools.cache
+def _takes_hidden_states_keyword(block_class: type) -> bool:
+    """Whether the block's forward names ``hidden_states`` (looked up once per class: block tuning calls blocks
+    thousands of times)."""
+    return "hidden_states" in inspect.signature(block_class.forward).parameters
 
 
 def _capture_pass(modules, stop_after, batches, run, config, desc):
@@ -595,17 +590,11 @@ def _post_input_is_stack_output(model, source, batch, hidden) -> bool:
 # --------------------------------------------------------------------------------------------------- tuning
 
 
-def _output_tensor(output) -> torch.Tensor:
-    from .model_inputs import first_tensor
-
-    return first_tensor(output)
-
-
 def _teacher_outputs(model, batches, config) -> list[torch.Tensor]:
     """Original model outputs on the tuning blocks (one row each), computed before any norm is replaced."""
     rows = _tune_rows(batches, config)
     with torch.no_grad():
-        return [_output_tensor(_forward(model, row)).detach().float() for row in rows]
+        return [first_tensor(_forward(model, row)).detach().float() for row in rows]
 
 
 def _tune_rows(batches, config) -> list[dict]:
@@ -626,12 +615,11 @@ def _tune(model, selected, batches, teacher, config) -> dict:
     params = [p for m in modules for p in m.parameters(recurse=False)]
     best = [p.detach().clone() for p in params]
     optimizer = torch.optim.Adam(params, lr=config.tune_lr)
-    is_lm = teacher[0].shape[-1] == getattr(model.config.get_text_config() if hasattr(model.config, "get_text_config")
-                                            else model.config, "vocab_size", -1)
+    is_lm = teacher[0].shape[-1] == getattr(text_config(model), "vocab_size", -1)
 
     def loss_on(k):
         mask = rows[k]["attention_mask"].bool()
-        out = _output_tensor(_forward(model, rows[k])).float()
+        out = first_tensor(_forward(model, rows[k])).float()
         if is_lm:
             t = torch.log_softmax(teacher[k][mask], -1)
             s = torch.log_softmax(out[mask], -1)

@@ -53,16 +53,17 @@ class Reservoir:
 
 
 class NormSample:
-    """What is kept for one norm: token reservoir, first-position reservoir, running statistics."""
+    """What is kept for one norm: a reservoir of ordinary tokens and one of first-position tokens."""
 
     def __init__(self, size: int, max_tokens: int, max_first: int, seed: int):
         generator = torch.Generator().manual_seed(seed)
         self.tokens = Reservoir(max_tokens, size, generator)
         self.first = Reservoir(max_first, size, generator)
-        self.count = 0
-        self.sum_sq_rms = 0.0
-        self.sum_rms = 0.0
-        self.max_abs = 0.0
+
+    @property
+    def count(self) -> int:
+        """Real (non-padding) tokens seen, kept or not."""
+        return self.tokens.seen + self.first.seen
 
     def add(self, x: torch.Tensor, mask: torch.Tensor | None) -> None:
         """``x`` (..., C); ``mask`` (B, T) of 1 for real tokens, 0 for padding, when x is (B, T, ..., C)."""
@@ -76,13 +77,6 @@ class NormSample:
             x = x[mask & (position > 0)].reshape(-1, size)
         else:
             x = x.reshape(-1, size)
-        for part in (x, first) if first is not None else (x,):
-            rms = part.float().pow(2).mean(-1).sqrt()
-            self.count += part.shape[0]
-            self.sum_sq_rms += float(rms.pow(2).sum())
-            self.sum_rms += float(rms.sum())
-            if part.numel():
-                self.max_abs = max(self.max_abs, float(part.float().abs().max()))
         self.tokens.add(x)
         if first is not None:
             self.first.add(first)
@@ -97,15 +91,6 @@ class NormSample:
     def nbytes(self) -> int:
         return self.tokens.nbytes() + self.first.nbytes()
 
-    def summary(self) -> dict:
-        return {
-            "tokens_seen": self.count,
-            "tokens_kept": self.tokens.buffer.shape[0],
-            "first_kept": self.first.buffer.shape[0],
-            "mean_rms": self.sum_rms / max(self.count, 1),
-            "max_abs": self.max_abs,
-        }
-
 
 class Capture:
     """Forward pre-hooks that feed the inputs of named modules into bounded samples.
@@ -119,7 +104,6 @@ class Capture:
                  max_first: int = DEFAULT_MAX_FIRST, seed: int = 0, stop_after: str | None = None):
         self.samples = {}
         self.mask: torch.Tensor | None = None
-        self.order: list[str] = []  # names in the order their modules first ran
         self._handles = []
         for i, (name, module) in enumerate(modules.items()):
             size = _feature_size(module)
@@ -130,8 +114,6 @@ class Capture:
         def hook(module, args):
             x = args[0] if args else None
             if isinstance(x, torch.Tensor):
-                if name not in self.order:
-                    self.order.append(name)
                 self.samples[name].add(x, self.mask)
             if stop:
                 raise StopForward
@@ -141,9 +123,6 @@ class Capture:
         for handle in self._handles:
             handle.remove()
         self._handles = []
-
-    def nbytes(self) -> int:
-        return sum(s.nbytes() for s in self.samples.values())
 
 
 class StopForward(Exception):

@@ -90,7 +90,8 @@ def _eps(module: nn.Module) -> float:
     return 1e-5
 
 
-def _reference(x: torch.Tensor, kind: str, eps: float) -> torch.Tensor:
+def normalized_reference(x: torch.Tensor, kind: str, eps: float) -> torch.Tensor:
+    """The source norm's output before its affine map: layer_norm, or x / rms for RMSNorm."""
     if kind == "layernorm":
         return F.layer_norm(x, x.shape[-1:], eps=eps)
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
@@ -119,7 +120,7 @@ def probe(candidate: _Candidate) -> tuple[str | None, bool, str | None]:
             return None, False, "probe output has an unexpected shape"
         eps = _eps(module)
         for kind in ("layernorm", "rmsnorm"):
-            normalized = _reference(x, kind, eps)
+            normalized = normalized_reference(x, kind, eps)
             for weight_offset in (False, True) if weight is not None else (False,):
                 expected = normalized
                 if weight is not None:

@@ -52,16 +52,17 @@ def analytic_input_scale(x: torch.Tensor, kind: str, is_first: torch.Tensor | No
     return max(float(scale.median()), 1e-6)
 
 
-def saturating_init(module: ElementwiseNorm, x: torch.Tensor, kind: str, is_first: torch.Tensor | None = None,
-                    knee: float = 0.7) -> None:
+def saturating_init(module: ElementwiseNorm, x: torch.Tensor, kind: str, input_scale: float,
+                    is_first: torch.Tensor | None = None, knee: float = 0.7) -> None:
     """Per-channel start that squashes tokens far above the typical scale instead of passing them through.
 
     The theory's initialization is linear up to ``amplitude * sigma``: a token with 10x the median RMS (SmolLM2's
     secondary sinks, layers 3-9) or 200x (its attention sinks, layer 12 on) comes out 10-200x too large, and the
     error compounds over 61 norms to perplexity above 1e100. Here channel ``c`` keeps the norm's slope at zero for
-    a token of median scale ``sigma`` but saturates at ``knee * s_c`` times the source weight, where ``s_c`` is the
-    RMS of the channel's normalized value over ordinary tokens (about 1, larger for channels that are large in
-    every token). The module must be per-channel; its ``weight`` becomes ``w * knee * s_c``.
+    a token of the typical scale ``input_scale`` (:func:`analytic_input_scale`) but saturates at ``knee * s_c``
+    times the source weight, where ``s_c`` is the RMS of the channel's normalized value over ordinary tokens (about
+    1, larger for channels that are large in every token). The module must be per-channel; its ``weight`` becomes
+    ``w * knee * s_c``.
     """
     if not module.per_channel:
         raise ValueError("saturating_init needs a per-channel module (per_channel=True)")
@@ -70,13 +71,12 @@ def saturating_init(module: ElementwiseNorm, x: torch.Tensor, kind: str, is_firs
     x = x.double()
     centred = x - x.mean(-1, keepdim=True) if kind == "layernorm" else x
     token_scale = centred.pow(2).mean(-1, keepdim=True).sqrt().clamp_min(1e-12)
-    sigma = max(float(token_scale.median()), 1e-6)
     ceiling = knee * (centred / token_scale).pow(2).mean(0).sqrt().clamp_min(1e-3)
     with torch.no_grad():
         source_weight = module.weight.detach().double() / module.amplitude
         module.weight.copy_((source_weight * ceiling).to(module.weight.dtype))
-        # slope at zero weight * f'(0) = source_weight / sigma, i.e. f'(0) = 1 / (ceiling * sigma)
-        knee_input = ceiling * sigma
+        # slope at zero weight * f'(0) = source_weight / input_scale, i.e. f'(0) = 1 / (ceiling * input_scale)
+        knee_input = ceiling * input_scale
         module.set_shape_parameter(knee_input.pow(2) if module.shape_name == "beta" else 1.0 / knee_input)
 
 

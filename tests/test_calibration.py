@@ -11,7 +11,7 @@ from tiny_models import tiny_model
 from hf_normswap import convert
 from hf_normswap.calibrate import CalibrationConfig
 from hf_normswap.capture import NormSample, Reservoir, capturing
-from hf_normswap.fitting import fit_module, saturating_init
+from hf_normswap.fitting import analytic_input_scale, fit_module, saturating_init
 from hf_normswap.model_inputs import first_tensor
 from hf_normswap.modules import ELN, DyT
 
@@ -78,11 +78,12 @@ def test_memory_stays_under_cap_with_large_calibration_set():
         assert c.fit["tokens_kept"] == cap and c.fit["first_kept"] == first_cap
 
 
-def test_sample_running_statistics_cover_everything_seen():
+def test_sample_count_covers_everything_seen_not_just_what_is_kept():
     sample = NormSample(4, max_tokens=3, max_first=1, seed=0)
     x = torch.full((2, 5, 4), 2.0)
-    sample.add(x, torch.ones(2, 5))
-    assert sample.count == 10 and abs(sample.summary()["mean_rms"] - 2.0) < 1e-6
+    sample.add(x, torch.tensor([[1, 1, 1, 1, 1], [0, 1, 1, 1, 1]]))
+    assert sample.count == 9 and (sample.tokens.seen, sample.first.seen) == (7, 2)
+    assert sample.tokens.buffer.shape[0] == 3 and sample.first.buffer.shape[0] == 1
 
 
 @pytest.mark.parametrize("cls,kind", [(ELN, "rmsnorm"), (DyT, "layernorm")])
@@ -135,8 +136,8 @@ def test_saturating_init_keeps_the_slope_and_bounds_large_tokens(cls):
     x[:, 3] += 6.0  # a channel that is large in every token
     w = torch.linspace(0.5, 1.5, 16)
     module = cls.from_norm(w, None, kind="rmsnorm", normalized_shape=(16,), per_channel=True)
-    saturating_init(module, x, "rmsnorm", knee=0.7)
     median_rms = x.pow(2).mean(-1).sqrt().median()
+    saturating_init(module, x, "rmsnorm", analytic_input_scale(x, "rmsnorm"), knee=0.7)
     eps = 1e-3
     with torch.no_grad():
         slope = (module(torch.full((1, 16), eps)) - module(torch.full((1, 16), -eps)))[0] / (2 * eps)
@@ -147,7 +148,7 @@ def test_saturating_init_keeps_the_slope_and_bounds_large_tokens(cls):
     relative = ceiling / w
     assert relative[3] > 2 * relative.median()  # the always-large channel gets a higher ceiling
     with pytest.raises(ValueError, match="per-channel"):
-        saturating_init(cls(16, 1.0), x, "rmsnorm")
+        saturating_init(cls(16, 1.0), x, "rmsnorm", 1.0)
 
 
 @pytest.mark.parametrize("arch", ["llama", "bert"])
