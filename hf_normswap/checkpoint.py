@@ -153,7 +153,7 @@ def _dense(model: nn.Module):
         model.hf_quantizer = quantizer
 
 
-def _rewrite_config(directory: Path, model: nn.Module, base: dict, block: dict) -> dict:
+def _rewrite_config(directory: Path, base: dict, block: dict) -> dict:
     path = directory / "config.json"
     config = json.loads(path.read_text())
     if (config.get("quantization_config") or {}).get("quant_method") == "gguf":
@@ -202,7 +202,7 @@ def save_pretrained(
             transformers.PreTrainedModel.save_pretrained(model, staging, save_original_format=False, **kwargs)
         if tokenizer is not None:
             tokenizer.save_pretrained(staging)
-        config = _rewrite_config(staging, model, base, saved_block)
+        config = _rewrite_config(staging, base, saved_block)
         (staging / remote_code.FILE_NAME).write_text(modeling)
         (staging / "README.md").write_text(model_card.render(config))
     return Path(save_directory)

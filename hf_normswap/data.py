@@ -40,7 +40,8 @@ def _builtin(split: str) -> list[str]:
     return texts
 
 
-def _first_line(error: Exception) -> str:
+def first_line(error: BaseException) -> str:
+    """The first line of an exception's message, for one-line user errors."""
     return (str(error).strip().splitlines() or [type(error).__name__])[0]
 
 
@@ -67,7 +68,7 @@ def _local(paths: list[Path]) -> list[str]:
     try:
         dataset = datasets.load_dataset(loader, data_files=[str(f) for f in files], split="train", **kwargs)
     except Exception as error:  # datasets raises many types for malformed json / parquet
-        raise DataError(f"cannot read {', '.join(map(str, paths))} as {loader}: {_first_line(error)}") from None
+        raise DataError(f"cannot read {', '.join(map(str, paths))} as {loader}: {first_line(error)}") from None
     return [t for t in dataset[_text_column(dataset)] if t and t.strip()]
 
 
@@ -78,7 +79,7 @@ def _hub(spec: str, default_split: str) -> list[str]:
     try:
         dataset = datasets.load_dataset(name, config or None, split=split or default_split)
     except Exception as error:  # datasets raises many types for missing names, configs and network failures
-        raise DataError(f"cannot load dataset {spec!r}: {_first_line(error)}") from None
+        raise DataError(f"cannot load dataset {spec!r}: {first_line(error)}") from None
     return [t for t in dataset[_text_column(dataset)] if t and t.strip()]
 
 

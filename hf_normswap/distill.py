@@ -166,10 +166,9 @@ class NormSwapTrainer(Trainer):
         mask = inputs.get("attention_mask")
         kd = distillation_loss(outputs.logits, teacher_logits, self.temperature, mask)
         loss = (1.0 - self.distill_weight) * ce + self.distill_weight * kd
-        if model.training:
-            self._component_sums["ce_loss"] += float(ce.detach())
-            self._component_sums["kd_loss"] += float(kd.detach())
-            self._component_sums["count"] += 1
+        self._component_sums["ce_loss"] += float(ce.detach())
+        self._component_sums["kd_loss"] += float(kd.detach())
+        self._component_sums["count"] += 1
         return (loss, outputs) if return_outputs else loss
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:

@@ -15,6 +15,7 @@ from huggingface_hub.errors import HFValidationError, HfHubHTTPError
 from huggingface_hub.utils import validate_repo_id
 
 from . import checkpoint
+from .data import first_line
 
 try:  # the HTTP client huggingface_hub uses; its transport errors mean "could not talk to the endpoint"
     from httpx2 import TransportError as _TransportError
@@ -31,10 +32,6 @@ class PushError(Exception):
     """A user-facing problem pushing to the Hub; the message is one line saying what to change."""
 
 
-def _first_line(error: BaseException) -> str:
-    return (str(error).strip().splitlines() or [type(error).__name__])[0]
-
-
 def endpoint() -> str:
     return (os.environ.get("HF_ENDPOINT") or constants.ENDPOINT).rstrip("/")
 
@@ -44,7 +41,7 @@ def check_repo_id(repo_id: str) -> None:
     try:
         validate_repo_id(repo_id)
     except HFValidationError as error:
-        raise PushError(f"invalid repository name {repo_id!r}: {_first_line(error)}") from None
+        raise PushError(f"invalid repository name {repo_id!r}: {first_line(error)}") from None
 
 
 def resolve_token(token: str | None = None) -> str:
@@ -81,7 +78,7 @@ def push(folder: str | os.PathLike, repo_id: str, *, private: bool = False, toke
             raise PushError(f"the Hub at {url} rejected the token (401): set a valid HF_TOKEN or run `hf auth login`") from None
         if status == 403:
             raise PushError(f"the token cannot write to {repo_id} at {url} (403): use a write token or another owner") from None
-        raise PushError(f"the Hub at {url} refused the push to {repo_id}: {_first_line(error)}") from None
+        raise PushError(f"the Hub at {url} refused the push to {repo_id}: {first_line(error)}") from None
     except UNREACHABLE as error:
         raise PushError(f"cannot reach the Hub at {url} ({type(error).__name__}): check your network or HF_ENDPOINT") from None
     return str(repo)

@@ -9,6 +9,7 @@ import transformers
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer
 
 from . import checkpoint
+from .data import first_line
 from .packaged import PREFIX, packaged_path
 
 
@@ -22,10 +23,6 @@ def _model_class(config):
         if cls is not None:
             return cls
     return AutoModel
-
-
-def _first_line(error: Exception) -> str:
-    return (str(error).strip().splitlines() or [type(error).__name__])[0]
 
 
 def resolve(spec: str) -> tuple[str, dict]:
@@ -56,7 +53,7 @@ def load_model(spec: str, dtype=None, with_tokenizer: bool = True):
             config = AutoConfig.from_pretrained(location)
             model = _model_class(config).from_pretrained(location, **kwargs)
     except (OSError, ValueError) as error:
-        raise ModelLoadError(f"model not found or unreadable: {spec} ({_first_line(error)})") from None
+        raise ModelLoadError(f"model not found or unreadable: {spec} ({first_line(error)})") from None
     tokenizer = None
     if with_tokenizer:
         logging.getLogger("transformers").disabled = True

@@ -144,3 +144,4 @@ class ProgressiveSwapCallback(TrainerCallback):
 
     def on_train_end(self, args, state, control, **kwargs):
         self.swap.set_step(10 ** 12)  # fully converted, whatever the budget allowed
+        self.swap.remove()

@@ -320,8 +320,6 @@ def main(argv=None) -> int:
     wall = time.time() - start
 
     # 4. evaluate, save, check, plot, push (main process)
-    if swap is not None:
-        swap.remove()
     model = merge_lora(trainer.accelerator.unwrap_model(trainer.model))
     if state.is_main_process:
         model.eval()

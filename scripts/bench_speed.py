@@ -33,7 +33,6 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from hf_normswap import convert, kernels  # noqa: E402
 from hf_normswap.modules import DyT, ELN  # noqa: E402
