@@ -109,8 +109,8 @@ def test_calibrated_model_is_closer_than_analytic_init(arch, method):
     assert report.calibration["mode"] == "sequential"
     kl_analytic, kl_calibrated = _kl(reference, analytic, ids[:4]), _kl(reference, calibrated, ids[:4])
     assert kl_calibrated < 0.5 * kl_analytic, (kl_calibrated, kl_analytic)
-    for c in report.converted:  # the fit never ends worse than where it started
-        assert c.fit["stats"]["loss"] <= c.fit["stats"]["loss_before"]
+    for c in report.converted:  # every fit improves on its start (measured: 5-52 % lower)
+        assert c.fit["stats"]["loss"] < 0.98 * c.fit["stats"]["loss_before"], c.fit["stats"]
 
 
 def test_sequential_beats_or_matches_one_shot_and_tuning_lowers_kl():
@@ -196,9 +196,10 @@ def test_report_config_and_plots(tmp_path):
     assert len(pngs) == len(report.converted) and pngs[0].endswith(".png")
 
 
-def test_bf16_and_encoder_decoder_fall_back_to_one_shot():
+def test_bf16_model_calibrates_sequentially_and_encoder_decoder_falls_back_to_one_shot():
     model = tiny_model("llama").to(torch.bfloat16)
     report = convert(model, "eln", calibration=_cfg(data=_ids(), batch_size=4, strategy="lsq"))
+    assert report.calibration["mode"] == "sequential"
     assert all(p.dtype == torch.bfloat16 for n, p in model.named_parameters() if n.endswith("weight"))
     assert torch.isfinite(first_tensor(model(_ids()[:2])).float()).all()
     t5 = tiny_model("t5")

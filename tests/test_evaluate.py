@@ -142,6 +142,8 @@ def test_kl_is_zero_against_itself_and_positive_after_conversion():
         q = torch.log_softmax(converted(ids[:, :-1]).logits[0].double(), -1)
     kl = (p.exp() * (p - q)).sum(-1).mean().item()
     assert one.kl["converted"] == pytest.approx(kl, rel=1e-4)
+    top1 = (p.argmax(-1) == q.argmax(-1)).double().mean().item()
+    assert one.top1["converted"] == pytest.approx(top1)
     card = result.card("converted")
     assert card["metrics"]["token perplexity"]["original"] == result.results["original"].token_perplexity
     assert "| token perplexity |" in card["table"] and "ratio" in card["table"]
