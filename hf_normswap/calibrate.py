@@ -106,13 +106,16 @@ class CalibrationConfig:
     plots: str | None = None
     tokenizer: Any = field(default=None, repr=False)
 
-    def resolved(self) -> "CalibrationConfig":
+    def resolved(self, selected: list[NormInfo] = ()) -> "CalibrationConfig":
+        """The options with the strategy's presets filled in; ``auto`` becomes a strategy for ``selected``."""
         if self.strategy not in STRATEGIES:
             raise ValueError(f"unknown calibration strategy {self.strategy!r}: choose from {', '.join(STRATEGIES)}")
+        out = copy.copy(self)
+        if out.strategy == "auto":
+            out.strategy = auto_strategy(selected)
         preset = dict(fit=("shape",), per_channel=False, outliers_only=False, first_token_share=None, tune_steps=0,
                       init="analytic", block_steps=0)
-        preset.update(STRATEGIES[self.strategy])
-        out = copy.copy(self)
+        preset.update(STRATEGIES[out.strategy])
         for key, value in preset.items():
             current = getattr(out, key)
             if current is None or (key == "first_token_share" and current == "strategy"):
@@ -300,10 +303,7 @@ def calibrate_and_replace(model: nn.Module, selected: list[NormInfo], method: st
                           build, replace, *, per_channel: bool = False) -> CalibrationResult:
     """Fit and swap in replacements for ``selected`` norms; ``build(source, info, input_scale=, per_channel=)``
     makes a module and ``replace(model, name, module)`` sets it (both from ``convert``)."""
-    if config.strategy == "auto":
-        config = copy.copy(config)
-        config.strategy = auto_strategy(selected)
-    config = config.resolved()
+    config = config.resolved(selected)
     start, cpu_start = time.perf_counter(), time.process_time()
     torch.manual_seed(config.seed)
     batches = calibration_batches(model, config)
@@ -471,8 +471,9 @@ def _sequential(model, plan: _Plan, batches, fitter, replace, config) -> list[di
     """Convert in forward order; returns the block-tuning record (empty without ``block_steps``)."""
     total = len(plan.pre) + sum(len(b) for b in plan.blocks) + len(plan.post)
     tuning = []
+    cached = _block_inputs(model, plan.stack, batches)
     # the original model's trajectory, which block tuning steers each converted block back onto
-    reference = [c[0] for c in _block_inputs(model, plan.stack, batches)] if config.block_steps else None
+    reference = [c[0] for c in cached] if config.block_steps else None
     with _progress(total, "calibration: norms", config) as bar:
         for info in plan.pre:  # e.g. BERT's embedding LayerNorm: runs before the first block
             source = model.get_submodule(info.name)
@@ -480,7 +481,8 @@ def _sequential(model, plan: _Plan, batches, fitter, replace, config) -> list[di
                                     lambda k: _forward(model, batches[k]), config, info.name)
             replace(model, info.name, fitter(info, source, samples[info.name]))
             bar.update()
-        cached = _block_inputs(model, plan.stack, batches)
+        if plan.pre:  # the blocks' inputs changed with the converted norms before them
+            cached = _block_inputs(model, plan.stack, batches)
         hidden = [c[0] for c in cached]
         for index, (block, infos) in enumerate(zip(plan.stack, plan.blocks)):
             if reference is not None:  # the original block, before its norms are replaced
