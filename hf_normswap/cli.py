@@ -56,20 +56,26 @@ def _calibration_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--plots", metavar="DIR", help="write one fit plot per norm (PNG) into DIR")
 
 
-def _calibration(args, tokenizer):
+def _check_calibration_args(args) -> None:
+    """Flag mistakes that need no model, so they fail before the (slow) load."""
     if not args.calib:
         for flag, value in (("--plots", args.plots), ("--strategy", args.strategy)):
             if value:
                 raise ConversionError(f"{flag} needs --calib SPEC (e.g. --calib builtin)")
+        return
+    for flag, value in (("--calib-blocks", args.calib_blocks), ("--calib-len", args.calib_len),
+                        ("--max-tokens-per-norm", args.max_tokens_per_norm)):
+        if value < 1:
+            raise ConversionError(f"{flag} must be at least 1, got {value}")
+
+
+def _calibration(args, tokenizer):
+    if not args.calib:
         return None
     from .calibrate import DEFAULT_STRATEGY, CalibrationConfig
 
     if tokenizer is None:
         raise ConversionError("--calib needs a model with a tokenizer")
-    for flag, value in (("--calib-blocks", args.calib_blocks), ("--calib-len", args.calib_len),
-                        ("--max-tokens-per-norm", args.max_tokens_per_norm)):
-        if value < 1:
-            raise ConversionError(f"{flag} must be at least 1, got {value}")
     return CalibrationConfig(data=args.calib, num_blocks=args.calib_blocks, block_len=args.calib_len,
                              strategy=args.strategy or DEFAULT_STRATEGY, max_tokens_per_norm=args.max_tokens_per_norm,
                              plots=args.plots, tokenizer=tokenizer)
@@ -168,12 +174,13 @@ def _convert(args) -> None:
             local_paths(spec)
     if args.input_scale <= 0:
         raise ConversionError(f"--input-scale must be positive (a typical input RMS), got {args.input_scale}")
+    _check_calibration_args(args)
+    _check_evaluation_args(args, "eval_")
     if args.push_to_hub:
         preflight(args.push_to_hub)
     elif args.private:
         raise PushError("--private needs --push-to-hub REPO")
     model, tokenizer = load_model(args.model)
-    _check_evaluation_args(args, "eval_")
     original = copy.deepcopy(model) if args.eval_data else None  # the reference for --eval
     report = convert(model, to=args.to, calibration=_calibration(args, tokenizer),
                      roles=_roles(args.roles), include=args.include, exclude=args.exclude,

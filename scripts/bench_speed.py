@@ -8,7 +8,8 @@ slows all candidates alike and the ratios stay meaningful. Sections:
   y), ``nn.LayerNorm`` and transformers' ``LlamaRMSNorm``;
 * model: SmolLM2-135M (packaged GGUF) and a small GPT-2, batch x 512 tokens: forward tokens/s and training step
   (forward + loss + backward, no optimizer) time, original versus converted, eager and ``torch.compile``;
-* calibration: ``convert(..., calibration=...)`` time and peak RSS against plain forward passes over the same data.
+* calibration: ``convert(..., calibration=...)`` time and peak RSS against plain forward passes over the same data,
+  each measured in a fresh process.
 
     python scripts/bench_speed.py                 # everything (~10 minutes on 2 idle cores)
     python scripts/bench_speed.py --quick         # a smoke run: one size, tiny GPT-2, no compile
@@ -222,7 +223,11 @@ def _model_rows(model_name, method, mode, execution, med, tokens) -> list[dict]:
 
 # ------------------------------------------------------------------------------------------------- calibration
 class PeakRSS:
-    """Peak resident memory of this process above its level at start, sampled every 2 ms in a thread."""
+    """Peak resident memory of this process above its level at start, sampled every 2 ms in a thread.
+
+    Only meaningful in a fresh process (see :func:`calibration_job`): a warm one serves new tensors from memory it
+    freed earlier without growing, which is why an in-process reading came out near 0 MiB.
+    """
 
     def __init__(self):
         import psutil
@@ -251,42 +256,62 @@ class PeakRSS:
         return (self.peak - self.base) / 2 ** 20
 
 
+def calibration_job(args) -> dict:
+    """One measurement in this (fresh) process: the plain forward passes over the calibration data, or one
+    ``convert`` with calibration (``--calib-job forward`` / ``--calib-job STRATEGY``). Time and peak RSS above the
+    loaded model."""
+    import gc
+
+    from hf_normswap.calibrate import CalibrationConfig
+
+    original, vocab = {"smollm2": smollm2_model, "gpt2": gpt2_model}[args.models[0]]()
+    original.config.use_cache = False
+    torch.manual_seed(2)
+    ids = torch.randint(0, vocab, (args.calib_blocks, args.seq))
+    gc.collect()
+    with PeakRSS() as memory:
+        start = time.perf_counter()
+        if args.calib_job == "forward":
+            with torch.no_grad():
+                for i in range(0, ids.shape[0], args.batch):
+                    original(input_ids=ids[i:i + args.batch])
+        else:
+            config = CalibrationConfig(data=ids, num_blocks=args.calib_blocks, block_len=args.seq,
+                                       batch_size=args.batch, strategy=args.calib_job, progress=False)
+            convert(original, to=args.methods[0], calibration=config)
+        seconds = time.perf_counter() - start
+    return dict(seconds=seconds, peak_mib=memory.mib, tokens=ids.numel())
+
+
+def run_calibration_job(args, model_name: str, job: str) -> dict:
+    """:func:`calibration_job` in a child process, so its peak memory is its own."""
+    command = [sys.executable, __file__, "--calib-job", job, "--models", model_name, "--methods", args.methods[0],
+               "--calib-blocks", str(args.calib_blocks), "--seq", str(args.seq), "--batch", str(args.batch)]
+    result = subprocess.run(command, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise RuntimeError(f"calibration job {job} failed:\n{result.stderr[-2000:]}")
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
 def calibration_section(args) -> list[dict]:
-    try:
-        from hf_normswap.calibrate import CalibrationConfig
-    except ImportError as error:
-        log(f"calibration: skipped, no calibration API ({error})")
-        return []
     rows = []
     for model_name in args.models:
-        original, vocab = {"smollm2": smollm2_model, "gpt2": gpt2_model}[model_name]()
-        original.config.use_cache = False
-        torch.manual_seed(2)
-        ids = torch.randint(0, vocab, (args.calib_blocks, args.seq))
         for strategy in args.calib_strategies:
-            config = CalibrationConfig(data=ids, num_blocks=args.calib_blocks, block_len=args.seq,
-                                       batch_size=args.batch, strategy=strategy, progress=False)
-            forward_times, calib_times = [], []
+            runs = {"forward": [], strategy: []}
             for _ in range(args.calib_reps):  # interleaved: forward passes, then a calibration, and again
-                with torch.no_grad(), PeakRSS() as forward_mem:
-                    start = time.perf_counter()
-                    for i in range(0, ids.shape[0], args.batch):
-                        original(input_ids=ids[i:i + args.batch])
-                    forward_times.append(time.perf_counter() - start)
-                model = copy.deepcopy(original)
-                with PeakRSS() as calib_mem:
-                    start = time.perf_counter()
-                    convert(model, to=args.methods[0], calibration=config)
-                    calib_times.append(time.perf_counter() - start)
-                del model
-            forward_s, calib_s = statistics.median(forward_times), statistics.median(calib_times)
+                for job in runs:
+                    runs[job].append(run_calibration_job(args, model_name, job))
+            forward, calib = ({key: statistics.median(r[key] for r in runs[job]) for key in ("seconds", "peak_mib")}
+                              for job in ("forward", strategy))
+            tokens = runs["forward"][0]["tokens"]
             rows.append(dict(section="calibration", model=model_name, method=args.methods[0], strategy=strategy,
-                             tokens=ids.numel(), forward_s=forward_s, calibration_s=calib_s,
-                             ratio=calib_s / forward_s, forward_peak_mib=forward_mem.mib,
-                             calibration_peak_mib=calib_mem.mib))
-            log(f"{model_name} calibration {strategy:<9} {ids.numel()} tokens: forward passes {forward_s:.2f}s, "
-                f"calibration {calib_s:.2f}s ({calib_s / forward_s:.2f}x), peak RSS above start: forward "
-                f"{forward_mem.mib:.0f} MiB, calibration {calib_mem.mib:.0f} MiB")
+                             tokens=tokens, forward_s=forward["seconds"], calibration_s=calib["seconds"],
+                             ratio=calib["seconds"] / forward["seconds"], forward_peak_mib=forward["peak_mib"],
+                             calibration_peak_mib=calib["peak_mib"]))
+            log(f"{model_name} calibration {strategy:<9} {tokens} tokens: forward passes {forward['seconds']:.2f}s, "
+                f"calibration {calib['seconds']:.2f}s ({calib['seconds'] / forward['seconds']:.2f}x), peak RSS above "
+                f"the loaded model (fresh process each): forward {forward['peak_mib']:.0f} MiB, calibration "
+                f"{calib['peak_mib']:.0f} MiB")
     return rows
 
 
@@ -320,6 +345,7 @@ def parse_args(argv=None):
     parser.add_argument("--calib-blocks", type=int, default=4)
     parser.add_argument("--calib-strategies", default="lsq")
     parser.add_argument("--calib-reps", type=int, default=1)
+    parser.add_argument("--calib-job", help=argparse.SUPPRESS)  # internal: one calibration measurement (a child)
     parser.add_argument("--json", help="write all rows to this file")
     args = parser.parse_args(argv)
     if args.quick:
@@ -333,6 +359,9 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.calib_job:
+        print(json.dumps(calibration_job(args)))
+        return 0
     info = machine()
     log(f"machine: {info}")
     log(f"command: python scripts/bench_speed.py {' '.join(sys.argv[1:] if argv is None else argv)}")

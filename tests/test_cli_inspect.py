@@ -72,6 +72,20 @@ def test_user_errors_are_one_line_and_nonzero(argv, message, llama_dir, capsys):
     assert message in _error_line(capsys)
 
 
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--calib", "builtin", "--calib-blocks", "0"], "--calib-blocks must be at least 1"),
+        (["--strategy", "block"], "--strategy needs --calib"),
+        (["--eval", "builtin", "--eval-max-length", "0"], "--eval-max-length must be at least 1"),
+    ],
+)
+def test_flag_mistakes_fail_before_the_model_loads(flags, message, capsys):
+    """The model path does not exist: the flag's error, not 'model not found', shows the check ran first."""
+    assert main(["convert", "/nonexistent/model/dir", "--to", "eln", *flags]) == 2
+    assert message in _error_line(capsys)
+
+
 def test_model_without_norms_is_refused(tmp_path, capsys):
     config = transformers.MobileNetV1Config(image_size=32, depth_multiplier=0.25)
     transformers.MobileNetV1Model(config).save_pretrained(tmp_path)
