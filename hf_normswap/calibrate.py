@@ -170,19 +170,23 @@ class CalibrationResult:
 # ----------------------------------------------------------------------------------------------------- data
 
 
-def calibration_batches(model: nn.Module, config: CalibrationConfig) -> list[dict]:
-    """Model inputs for calibration, as batches on the model's input device."""
+def calibration_batches(model: nn.Module, config: CalibrationConfig) -> tuple[list[dict], str | None]:
+    """Model inputs for calibration, as batches on the model's input device, and the text's ``data.fingerprint``
+    (None for token ids), which the checkpoint records so evaluation can warn about overlap."""
     data = config.data
+    fingerprint = None
     if isinstance(data, (torch.Tensor, dict)):
         ids = _ids(data)
         mask = data.get("attention_mask") if isinstance(data, dict) else None
         mask = torch.ones_like(ids) if mask is None else mask
     else:
+        from .data import fingerprint as content_fingerprint
         from .data import load_texts, token_blocks
 
         if config.tokenizer is None:
             raise ValueError("calibration from text needs a tokenizer: pass CalibrationConfig(tokenizer=...)")
         texts = load_texts(data, "calibration")
+        fingerprint = content_fingerprint(texts)
         if _is_decoder(model):
             ids = token_blocks(config.tokenizer, texts, config.num_blocks, config.block_len)
             mask = torch.ones_like(ids)
@@ -200,7 +204,7 @@ def calibration_batches(model: nn.Module, config: CalibrationConfig) -> list[dic
         if getattr(model.config, "is_encoder_decoder", False):
             batch["decoder_input_ids"] = batch["input_ids"]
         batches.append(batch)
-    return batches
+    return batches, fingerprint
 
 
 def _paragraphs(texts: list[str], count: int) -> list[str]:
@@ -306,7 +310,7 @@ def calibrate_and_replace(model: nn.Module, selected: list[NormInfo], method: st
     config = config.resolved(selected)
     start, cpu_start = time.perf_counter(), time.process_time()
     torch.manual_seed(config.seed)
-    batches = calibration_batches(model, config)
+    batches, fingerprint = calibration_batches(model, config)
     fitter = _Fitter(config, build, per_channel)
     was_training = model.training
     model.eval()
@@ -327,11 +331,8 @@ def calibrate_and_replace(model: nn.Module, selected: list[NormInfo], method: st
                    tokens=int(sum(int(b["attention_mask"].sum()) for b in batches)),
                    capture_bytes_per_norm=fitter.capture_bytes,
                    peak_rss_mb=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1))
-    if isinstance(config.data, str):
-        from .data import fingerprint, load_texts
-
-        summary["data"] = config.data
-        summary["fingerprint"] = fingerprint(load_texts(config.data, "calibration"))
+    if fingerprint is not None:
+        summary.update(data=config.data, fingerprint=fingerprint)
     if block_tuning:
         summary["block_tuning"] = block_tuning
     if tuning is not None:

@@ -132,20 +132,29 @@ def _saved_block(model: nn.Module, block: dict, base: dict, base_model: str | No
     return saved
 
 
-@contextmanager
-def _dense(model: nn.Module):
-    """Save a model loaded from GGUF as the dense tensors it holds: hide the (non-serializable) GGUF quantizer.
+def gguf_quantizer(model: nn.Module, purpose: str):
+    """The GGUF quantizer a model loaded from GGUF still carries, or None.
 
-    transformers dequantizes GGUF weights into ordinary ``nn.Linear`` modules unless GGML kernels are available;
-    only then is the model packed, and a dense checkpoint cannot be written from it.
+    transformers dequantizes GGUF weights into ordinary ``nn.Linear`` modules unless GGML kernels are available, but
+    keeps the (inference-only, non-serializable) quantizer; only when weights stayed packed is the model unusable
+    for ``purpose`` ("saved", "trained").
     """
     quantizer = getattr(model, "hf_quantizer", None)
     if quantizer is None or type(quantizer).__name__ != "GgufHfQuantizer":
+        return None
+    if getattr(quantizer, "packed_modules", None):
+        raise CheckpointError(f"the model holds packed GGUF weights and cannot be {purpose}; load it with "
+                              "quantization_config=GgufConfig(dequantize=True)")
+    return quantizer
+
+
+@contextmanager
+def _dense(model: nn.Module):
+    """Save a model loaded from GGUF as the dense tensors it holds: hide its GGUF quantizer while saving."""
+    quantizer = gguf_quantizer(model, "saved")
+    if quantizer is None:
         yield
         return
-    if getattr(quantizer, "packed_modules", None):
-        raise CheckpointError("the model holds packed GGUF weights; load it with quantization_config=GgufConfig("
-                              "dequantize=True) to save a dense checkpoint")
     model.hf_quantizer = None
     try:
         yield

@@ -127,12 +127,12 @@ def token_stream(tokenizer, texts: list[str], max_tokens: int | None = None) -> 
         ids.extend(tokenizer(text, add_special_tokens=False)["input_ids"] + separator)
         if max_tokens is not None and len(ids) >= max_tokens:
             break
-    return torch.tensor(ids[:max_tokens] if max_tokens else ids, dtype=torch.long)
+    return torch.tensor(ids if max_tokens is None else ids[:max_tokens], dtype=torch.long)
 
 
-def token_blocks(tokenizer, texts: list[str], num_blocks: int, block_len: int) -> torch.Tensor:
-    """``(num_blocks, block_len)`` contiguous token blocks (fewer when the text runs out)."""
-    stream = token_stream(tokenizer, texts, max_tokens=num_blocks * block_len)
+def token_blocks(tokenizer, texts: list[str], num_blocks: int | None, block_len: int) -> torch.Tensor:
+    """``(num_blocks, block_len)`` contiguous token blocks (fewer when the text runs out; None: all the text)."""
+    stream = token_stream(tokenizer, texts, max_tokens=None if num_blocks is None else num_blocks * block_len)
     count = len(stream) // block_len
     if count == 0:
         raise DataError(f"the text gives {len(stream)} tokens, fewer than one block of {block_len}")

@@ -14,8 +14,6 @@ from huggingface_hub import ModelCard, ModelCardData
 
 from .packaged import PACKAGED
 
-# Hub ids of the models that ship inside registry packages (see packaged.py)
-PACKAGED_HUB_IDS = {"smollm2": "HuggingFaceTB/SmolLM2-135M-Instruct", "minilm": "sentence-transformers/all-MiniLM-L6-v2"}
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 FORMULAS = {
@@ -47,9 +45,9 @@ def hub_id(name_or_path: str | None) -> str | None:
     """The Hub id a model was loaded from, when it was a Hub id (or a packaged model), else None."""
     if not name_or_path:
         return None
-    for key, (_, module, _) in PACKAGED.items():
+    for key, (_, module, _, hub) in PACKAGED.items():
         if module in Path(name_or_path).parts or name_or_path == f"offline:{key}":
-            return PACKAGED_HUB_IDS.get(key)
+            return hub
     if HUB_ID.match(name_or_path) and not Path(name_or_path).exists():
         return name_or_path
     return None

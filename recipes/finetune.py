@@ -102,14 +102,14 @@ def block_dataset(tokenizer, spec: str, split: str, block_len: int, max_tokens: 
     """Packed causal-LM blocks (``input_ids`` = ``labels``) of a text spec, as a ``datasets.Dataset``."""
     import datasets
 
-    from hf_normswap.data import load_texts, token_stream
+    from hf_normswap.data import DataError, load_texts, token_blocks
 
-    stream = token_stream(tokenizer, load_texts(spec, split), max_tokens=max_tokens)
-    count = len(stream) // block_len if max_blocks is None else min(max_blocks, len(stream) // block_len)
-    if count == 0:
-        raise SystemExit(f"finetune: {spec} gives {len(stream)} tokens, fewer than one block of {block_len}")
-    blocks = stream[: count * block_len].view(count, block_len).tolist()
-    return datasets.Dataset.from_dict({"input_ids": blocks, "labels": blocks})
+    limits = [n for n in (max_blocks, None if max_tokens is None else max_tokens // block_len) if n is not None]
+    try:
+        blocks = token_blocks(tokenizer, load_texts(spec, split), min(limits) if limits else None, block_len)
+    except DataError as error:
+        raise SystemExit(f"finetune: {spec}: {error}") from None
+    return datasets.Dataset.from_dict({"input_ids": blocks.tolist(), "labels": blocks.tolist()})
 
 
 @torch.no_grad()
