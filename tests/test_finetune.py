@@ -161,6 +161,26 @@ def test_lora_single_process(tiny_setup):
     assert not any("k_proj" in n for n in changed)
 
 
+def test_block_dataset_packs_blocks_within_the_limits(tiny_setup):
+    import importlib.util
+
+    from transformers import AutoTokenizer
+
+    root, model_dir = tiny_setup
+    spec = importlib.util.spec_from_file_location("finetune_recipe", RECIPE)
+    recipe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(recipe)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    text = str(root / "train.txt")
+    full = recipe.block_dataset(tokenizer, text, "calibration", 32)
+    assert len(full) > 20 and all(len(row) == 32 for row in full["input_ids"]) and full["labels"] == full["input_ids"]
+    assert len(recipe.block_dataset(tokenizer, text, "calibration", 32, max_tokens=100)) == 3  # 100 // 32
+    assert len(recipe.block_dataset(tokenizer, text, "calibration", 32, max_tokens=1000, max_blocks=5)) == 5
+    assert recipe.block_dataset(tokenizer, text, "calibration", 32, max_blocks=2)["input_ids"] == full["input_ids"][:2]
+    with pytest.raises(SystemExit, match="fewer than one block"):
+        recipe.block_dataset(tokenizer, text, "calibration", 32, max_tokens=10)
+
+
 # ------------------------------------------------------------------------------------------ library pieces
 
 
