@@ -10,7 +10,8 @@
    output on those very inputs and swapped in, and the block is re-run to give the next block its input. Norms
    outside the blocks (embedding LayerNorm before, final norm after) are handled before / after the blocks.
    With ``block_steps`` each block's new modules are then tuned so that the block reproduces the original
-   block's output (``_tune_block``). Without ``sequential`` every norm is fitted on activations of the original
+   block's output (``_tune_block``), and a final norm fed straight by the last block is tuned the same way
+   toward the original final norm's output on the original trajectory. Without ``sequential`` every norm is fitted on activations of the original
    model in one pass;
 3. optionally tunes only the new modules' parameters for a few Adam steps to match the original model's output
    distribution (KL of logits, or MSE of the last hidden state for encoders) on a few calibration blocks;
@@ -506,7 +507,14 @@ def _sequential(model, plan: _Plan, batches, fitter, replace, config) -> list[di
             direct = _post_input_is_stack_output(model, source, batches[0], hidden[0])
             run = (lambda k: source(hidden[k])) if direct else (lambda k: _forward(model, batches[k]))
             samples = _capture_pass({info.name: source}, info.name, batches, run, config, info.name)
+            with torch.no_grad():  # what the original norm makes of the original trajectory
+                target = [source(r) for r in reference] if direct and reference is not None else None
             replace(model, info.name, fitter(info, source, samples[info.name]))
+            if target is not None:  # tuned like one more block: it too inherits the error of everything before it
+                module = model.get_submodule(info.name)
+                no_inputs = [(None, (), {})] * len(batches)
+                tuning.append(dict(block=info.name, **_tune_block(module, [module], hidden, target, no_inputs,
+                                                                  batches, config)))
             bar.update()
     return tuning
 
