@@ -11,8 +11,8 @@
    outside the blocks (embedding LayerNorm before, final norm after) are handled before / after the blocks.
    With ``block_steps`` each block's new modules are then tuned so that the block reproduces the original
    block's output (``_tune_block``), and a final norm fed straight by the last block is tuned the same way
-   toward the original final norm's output on the original trajectory. Without ``sequential`` every norm is fitted on activations of the original
-   model in one pass;
+   toward the original final norm's output on the original trajectory. Without ``sequential`` every norm is
+   fitted on activations of the original model in one pass;
 3. optionally tunes only the new modules' parameters for a few Adam steps to match the original model's output
    distribution (KL of logits, or MSE of the last hidden state for encoders) on a few calibration blocks;
 4. returns per-norm report rows and a summary that ``convert`` stores in ``model.config.normswap``.

@@ -106,10 +106,10 @@ def block_dataset(tokenizer, spec: str, split: str, block_len: int, max_tokens: 
 
     limits = [n for n in (max_blocks, None if max_tokens is None else max_tokens // block_len) if n is not None]
     try:
-        blocks = token_blocks(tokenizer, load_texts(spec, split), min(limits) if limits else None, block_len)
+        blocks = token_blocks(tokenizer, load_texts(spec, split), min(limits) if limits else None, block_len).tolist()
     except DataError as error:
         raise SystemExit(f"finetune: {spec}: {error}") from None
-    return datasets.Dataset.from_dict({"input_ids": blocks.tolist(), "labels": blocks.tolist()})
+    return datasets.Dataset.from_dict({"input_ids": blocks, "labels": blocks})
 
 
 @torch.no_grad()
