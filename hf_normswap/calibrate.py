@@ -498,8 +498,8 @@ def _sequential(model, plan: _Plan, batches, fitter, replace, config) -> list[di
                 bar.update()
             if reference is not None and infos:
                 modules = [model.get_submodule(info.name) for info in infos]
-                tuning.append(dict(block=index, **_tune_block(block, modules, hidden, reference, cached, batches,
-                                                              config)))
+                tuning.append(dict(block=index, **_tune_block(block, modules, _block_runner(block, cached), hidden,
+                                                              reference, batches, config)))
                 bar.set_postfix(block_error=f"{tuning[-1]['error_after']:.3g}")
             hidden = [_call_block(block, hidden[k], cached[k][1], cached[k][2]) for k in range(len(batches))]
         for info in plan.post:  # final norm: its input is the last block's output when nothing sits in between
@@ -507,14 +507,13 @@ def _sequential(model, plan: _Plan, batches, fitter, replace, config) -> list[di
             direct = _post_input_is_stack_output(model, source, batches[0], hidden[0])
             run = (lambda k: source(hidden[k])) if direct else (lambda k: _forward(model, batches[k]))
             samples = _capture_pass({info.name: source}, info.name, batches, run, config, info.name)
-            with torch.no_grad():  # what the original norm makes of the original trajectory
-                target = [source(r) for r in reference] if direct and reference is not None else None
+            # what the original norm makes of the original trajectory
+            target = [source(r) for r in reference] if direct and reference is not None else None
             replace(model, info.name, fitter(info, source, samples[info.name]))
             if target is not None:  # tuned like one more block: it too inherits the error of everything before it
                 module = model.get_submodule(info.name)
-                no_inputs = [(None, (), {})] * len(batches)
-                tuning.append(dict(block=info.name, **_tune_block(module, [module], hidden, target, no_inputs,
-                                                                  batches, config)))
+                tuning.append(dict(block=info.name, **_tune_block(module, [module], lambda x, k, rows: module(x),
+                                                                  hidden, target, batches, config)))
             bar.update()
     return tuning
 
@@ -553,18 +552,27 @@ def _training_only(model: nn.Module, params: list[nn.Parameter]):
             p.requires_grad_(saved[n])
 
 
-def _tune_block(block, modules, hidden, reference, cached, batches, config) -> dict:
-    """Adam on one block's new modules: fed the converted model's hidden states, the block should reproduce the
-    original block's output on the original's hidden states. Fitting each norm's own output leaves the error a
-    block inherits to grow over 30 blocks; matching the block output makes each block compensate for it."""
+def _block_runner(block, cached):
+    """``run(x, k, rows)``: the block on hidden states ``x`` of those rows of batch ``k``, its other inputs cut to
+    the same rows."""
+    def run(x, k, rows):
+        size = cached[k][0].shape[0]
+        return _call_block(block, x, _rows(cached[k][1], rows, size), _rows(cached[k][2], rows, size))
+
+    return run
+
+
+def _tune_block(block, modules, run, hidden, reference, batches, config) -> dict:
+    """Adam on one block's new modules: fed the converted model's hidden states, the block (``run``, see
+    :func:`_block_runner`) should reproduce the original block's output on the original's hidden states. Fitting
+    each norm's own output leaves the error a block inherits to grow over 30 blocks; matching the block output
+    makes each block compensate for it."""
     params = [p for m in modules for p in m.parameters(recurse=False)]
     chunks = [(k, slice(s, s + config.block_rows)) for k, h in enumerate(hidden)
               for s in range(0, h.shape[0], config.block_rows)]
 
     def error(k, rows):
-        size = hidden[k].shape[0]
-        args, kwargs = _rows(cached[k][1], rows, size), _rows(cached[k][2], rows, size)
-        out = _call_block(block, hidden[k][rows], args, kwargs)
+        out = run(hidden[k][rows], k, rows)
         return _relative_error(out, reference[k][rows], batches[k]["attention_mask"][rows])
 
     def mean_error():

@@ -163,8 +163,7 @@ def test_block_tuning_lowers_every_block_error_and_the_output_error(arch):
     rows = report.calibration["block_tuning"]
     final = ["model.norm"] if arch == "llama" else []  # the final norm is tuned after the blocks; BERT has none
     assert [r["block"] for r in rows] == list(range(tuned.config.num_hidden_layers)) + final
-    assert all(r["error_after"] <= r["error_before"] for r in rows)
-    assert all(r["error_after"] < 0.9 * r["error_before"] for r in rows), rows
+    assert all(r["error_after"] < 0.9 * r["error_before"] for r in rows), rows  # "never worse" alone could not fail
     if arch == "llama":
         assert _kl(reference, tuned, ids[:4]) < _kl(reference, start, ids[:4])
     else:
