@@ -26,19 +26,26 @@ from .modules import ElementwiseNorm
 TRAINABLE = ("norms", "all", "lora")
 
 
-def norm_parameter_names(model: nn.Module) -> dict[str, str]:
-    """``{parameter name: "shape" | "gamma" | "bias"}`` for every DyT / ELN parameter in ``model``.
-
-    Names are as ``model.named_parameters()`` gives them, so this works through peft and DDP wrappers.
-    """
-    kinds = {}
+def _norm_parameters(model: nn.Module):
+    """``(name as model.named_parameters() gives it, module, name within the module)`` of every DyT / ELN
+    parameter, so that this works through peft and DDP wrappers."""
     for module_name, module in model.named_modules():
-        if not isinstance(module, ElementwiseNorm):
-            continue
-        for param_name, _ in module.named_parameters(recurse=False):
-            kind = "shape" if param_name.startswith("log_") else "gamma" if param_name == "weight" else "bias"
-            kinds[f"{module_name}.{param_name}" if module_name else param_name] = kind
-    return kinds
+        if isinstance(module, ElementwiseNorm):
+            for param_name, _ in module.named_parameters(recurse=False):
+                yield (f"{module_name}.{param_name}" if module_name else param_name), module, param_name
+
+
+def norm_parameter_names(model: nn.Module) -> dict[str, str]:
+    """``{parameter name: "shape" | "gamma" | "bias"}`` for every DyT / ELN parameter in ``model``."""
+    return {name: "shape" if param_name.startswith("log_") else "gamma" if param_name == "weight" else "bias"
+            for name, _, param_name in _norm_parameters(model)}
+
+
+def shape_lr_factors(model: nn.Module) -> dict[str, int]:
+    """``{shape parameter name: |scale_power|}``: ELN's log beta takes twice the shape learning rate of DyT's log
+    alpha, so that both curves follow a change of input scale equally fast (see ``modules.adam_groups``)."""
+    return {name: abs(module.scale_power) for name, module, param_name in _norm_parameters(model)
+            if param_name.startswith("log_")}
 
 
 def set_trainable(model: nn.Module, which: str) -> int:
@@ -79,27 +86,30 @@ def merge_lora(model: nn.Module) -> nn.Module:
 
 def parameter_groups(model: nn.Module, *, lr: float, weight_decay: float, shape_lr: float | None = None,
                      gamma_lr: float | None = None, decay_names: set[str] | None = None) -> list[dict]:
-    """Optimizer groups: DyT / ELN shape parameters, DyT / ELN gamma and bias (both without weight decay, each with
-    its own learning rate), then the rest split by ``decay_names`` as the Trainer does. Empty groups are dropped."""
-    kinds = norm_parameter_names(model)
-    groups = {key: [] for key in ("shape", "gamma", "decay", "no_decay")}
+    """Optimizer groups: DyT / ELN shape parameters (at ``shape_lr`` times :func:`shape_lr_factors`), DyT / ELN
+    gamma and bias (both without weight decay, each with its own learning rate), then the rest split by
+    ``decay_names`` as the Trainer does. Empty groups are dropped."""
+    kinds, factors = norm_parameter_names(model), shape_lr_factors(model)
+    groups = {key: [] for key in ("gamma", "decay", "no_decay")}
+    shape_groups: dict[int, list] = {}
     for name, param in model.named_parameters():
         if not param.requires_grad:
             continue
         kind = kinds.get(name)
         if kind == "shape":
-            groups["shape"].append(param)
+            shape_groups.setdefault(factors[name], []).append(param)
         elif kind in ("gamma", "bias"):
             groups["gamma"].append(param)
         elif decay_names is not None and name in decay_names:
             groups["decay"].append(param)
         else:
             groups["no_decay"].append(param)
-    settings = {"shape": dict(lr=shape_lr or lr, weight_decay=0.0),
-                "gamma": dict(lr=gamma_lr or lr, weight_decay=0.0),
+    settings = {"gamma": dict(lr=gamma_lr or lr, weight_decay=0.0),
                 "decay": dict(lr=lr, weight_decay=weight_decay),
                 "no_decay": dict(lr=lr, weight_decay=0.0)}
-    return [{"params": params, "name": key, **settings[key]} for key, params in groups.items() if params]
+    shape = [{"params": params, "name": "shape", "lr": (shape_lr or lr) * factor, "weight_decay": 0.0}
+             for factor, params in shape_groups.items()]
+    return shape + [{"params": params, "name": key, **settings[key]} for key, params in groups.items() if params]
 
 
 def distillation_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float = 1.0,

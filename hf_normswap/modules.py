@@ -40,6 +40,8 @@ class ElementwiseNorm(nn.Module):
 
     shape_name: str = ""  # "alpha" or "beta"
     log_limit: float = 0.0
+    # the shape parameter goes as (input scale) ** scale_power when the curve follows the input's scale
+    scale_power: int = 0
 
     def __init__(
         self,
@@ -153,6 +155,7 @@ class DyT(ElementwiseNorm):
 
     shape_name = "alpha"
     log_limit = LOG_ALPHA_LIMIT
+    scale_power = -1  # tanh(alpha x): alpha ~ 1 / scale
 
     @property
     def alpha(self) -> torch.Tensor:
@@ -172,6 +175,7 @@ class ELN(ElementwiseNorm):
 
     shape_name = "beta"
     log_limit = LOG_BETA_LIMIT
+    scale_power = 2  # x / sqrt(beta + x^2): sqrt(beta) ~ scale
 
     @property
     def beta(self) -> torch.Tensor:
@@ -187,5 +191,20 @@ class ELN(ElementwiseNorm):
 
 
 DyISRU = ELN
+
+
+def adam_groups(modules: list[ElementwiseNorm], lr: float) -> list[dict]:
+    """Optimizer groups for the modules' parameters, the log shape parameter's at ``lr * |scale_power|``.
+
+    Adam moves each parameter by about ``lr`` a step, so with one learning rate ELN's curve (log beta = 2 log scale)
+    would follow a change of input scale half as fast as DyT's (log alpha = -log scale): an unequal comparison.
+    """
+    groups: dict[float, list[nn.Parameter]] = {}
+    for module in modules:
+        for name, param in module.named_parameters(recurse=False):
+            factor = abs(module.scale_power) if name == f"log_{module.shape_name}" else 1
+            groups.setdefault(lr * factor, []).append(param)
+    return [{"params": params, "lr": group_lr} for group_lr, params in groups.items()]
+
 
 METHODS: dict[str, type[ElementwiseNorm]] = {"eln": ELN, "dyt": DyT}

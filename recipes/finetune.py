@@ -44,7 +44,7 @@ DEFAULTS = {
     "trainable": "norms",        # norms | all | lora
     "lora": {"r": 16, "alpha": 32, "dropout": 0.0, "target_modules": "all-linear"},
     "distill": {"weight": 0.5, "temperature": 1.0},
-    "lr": {"base": 1.0e-4, "shape": None, "gamma": None},  # alpha / beta, and gamma / bias, default to base
+    "lr": {"base": 1.0e-4, "shape": None, "gamma": None},  # log alpha (log beta: 2x), gamma / bias; default: base
     "progressive": {"enabled": False, "order": "depth", "every": 20, "ramp": None, "start": 0, "group": 1,
                     "role_order": None},
     "max_minutes": None,         # wall-clock budget for this launch; stops with a checkpoint

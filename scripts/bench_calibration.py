@@ -64,7 +64,7 @@ def main(argv=None) -> int:
     parser.add_argument("--first-token-share", type=float, default=None, help="override the strategy's value")
     parser.add_argument("--tune-steps", type=int, default=None, help="override the strategy's end-to-end steps")
     parser.add_argument("--block-steps", type=int, default=None, help="override the strategy's per-block steps")
-    parser.add_argument("--tune-blocks", type=int, default=4)
+    parser.add_argument("--tune-blocks", type=int, default=None, help="override the strategy's tuning sequences")
     parser.add_argument("--calib", default=str(DATA / "wiki.valid.tokens"))
     parser.add_argument("--calib-blocks", type=int, default=64)
     parser.add_argument("--calib-len", type=int, default=512)
@@ -92,9 +92,10 @@ def main(argv=None) -> int:
                                    tune_steps=args.tune_steps, tune_blocks=args.tune_blocks,
                                    block_steps=args.block_steps, tokenizer=tokenizer,
                                    **options)
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         report = convert(model, args.to, calibration=config)
         record["calibration_seconds"] = round(time.perf_counter() - start, 1)
+        record["calibration_cpu_seconds"] = round(time.process_time() - cpu_start, 1)  # all threads
         record["calibration"] = report.calibration
         record["norms_converted"] = len(report.converted)
         record["worst_rel_error"] = max(c.fit["stats"]["rel_error"] for c in report.converted)

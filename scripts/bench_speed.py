@@ -7,7 +7,8 @@ slows all candidates alike and the ratios stay meaningful. Sections:
   the eager fallback) against a memory copy (``x.clone()``, the physical floor of a forward that reads x and writes
   y), ``nn.LayerNorm`` and transformers' ``LlamaRMSNorm``;
 * model: SmolLM2-135M (packaged GGUF) and a small GPT-2, batch x 512 tokens: forward tokens/s and training step
-  (forward + loss + backward, no optimizer) time, original versus converted, eager and ``torch.compile``;
+  (forward + loss + backward, no optimizer) time, original versus converted (a calibrated start, so that finite
+  activations are timed), eager and ``torch.compile``;
 * calibration: ``convert(..., calibration=...)`` time and peak RSS against plain forward passes over the same data,
   each measured in a fresh process.
 
@@ -135,14 +136,30 @@ def smollm2_model():
     return model, model.config.vocab_size
 
 
-def model_variants(original, method: str):
+def model_variants(original, method: str, calibrate: bool, vocab: int, seq: int):
+    """The converted model and its folded copy. ``calibrate``: start from the ``block`` strategy's saturating
+    per-channel fit on 2 random blocks (no tuning steps, seconds), so activations stay in the range a calibrated
+    model has; the analytic conversion overflows on SmolLM2 (perplexity ~1e170), and timing it times
+    non-finite arithmetic instead of the model."""
+    from hf_normswap.calibrate import CalibrationConfig
     from hf_normswap.fold import fold
 
     converted = copy.deepcopy(original)
-    convert(converted, to=method)
+    calibration = None
+    if calibrate:
+        ids = torch.randint(0, vocab, (2, seq), generator=torch.Generator().manual_seed(3))
+        calibration = CalibrationConfig(data=ids, num_blocks=2, block_len=seq, batch_size=2, strategy="block",
+                                        block_steps=0, tune_steps=0, progress=False)
+    convert(converted, to=method, calibration=calibration)
     folded = copy.deepcopy(converted)
     fold(folded)
     return converted, folded
+
+
+def largest_logit(model, ids) -> float:
+    """max |logit|, inf or nan when the model overflows: printed next to the timings so a broken conversion shows."""
+    with torch.no_grad():
+        return model(input_ids=ids).logits.abs().max().item()
 
 
 def model_section(args) -> list[dict]:
@@ -156,7 +173,11 @@ def model_section(args) -> list[dict]:
         ids = torch.randint(0, vocab, (args.batch, args.seq))
         tokens = ids.numel()
         for method in args.methods:
-            converted, folded = model_variants(original, method)
+            converted, folded = model_variants(original, method, args.model_calib, vocab, args.seq)
+            logits = {"original": largest_logit(original, ids), method: largest_logit(converted, ids),
+                      f"{method}-folded": largest_logit(folded, ids)}
+            logits[f"{method}-eager"] = logits[method]  # the same model; the fallback agrees (tests/test_speed_paths)
+            log(f"{model_name}: largest |logit| " + ", ".join(f"{n} {v:.3g}" for n, v in logits.items()))
 
             def forward(m):
                 return lambda: m(input_ids=ids)
@@ -165,7 +186,8 @@ def model_section(args) -> list[dict]:
                           f"{method}-eager": eager(forward(converted)), f"{method}-folded": forward(folded)}
             with torch.no_grad():
                 med = interleaved(candidates, args.model_reps)
-            rows += _model_rows(model_name, method, "forward", "eager", med, tokens)
+            forward_rows = _model_rows(model_name, method, "forward", "eager", med, tokens)
+            rows += [dict(row, largest_logit=logits[row["variant"]]) for row in forward_rows]
 
             def train_step(m):
                 m.train()
@@ -176,11 +198,12 @@ def model_section(args) -> list[dict]:
                     m.zero_grad(set_to_none=True)
                 return step
 
-            candidates = {"original": train_step(original), method: train_step(converted),
-                          f"{method}-eager": eager(train_step(converted))}
-            med = interleaved(candidates, args.train_reps)
-            rows += _model_rows(model_name, method, "train step", "eager", med, tokens)
-            original.eval(), converted.eval()
+            if args.train_reps:
+                candidates = {"original": train_step(original), method: train_step(converted),
+                              f"{method}-eager": eager(train_step(converted))}
+                med = interleaved(candidates, args.train_reps)
+                rows += _model_rows(model_name, method, "train step", "eager", med, tokens)
+                original.eval(), converted.eval()
             if args.compile:
                 rows += _compiled_rows(model_name, method, original, converted, ids, args, forward, train_step)
             del converted, folded
@@ -339,7 +362,10 @@ def parse_args(argv=None):
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--seq", type=int, default=512)
     parser.add_argument("--model-reps", type=int, default=5)
-    parser.add_argument("--train-reps", type=int, default=3)
+    parser.add_argument("--train-reps", type=int, default=3, help="0: no training-step rows")
+    parser.add_argument("--no-model-calib", dest="model_calib", action="store_false",
+                        help="model section: time the analytic conversion (overflows on SmolLM2) instead of a "
+                             "saturating calibrated start")
     parser.add_argument("--no-compile", dest="compile", action="store_false", help="skip torch.compile runs")
     parser.add_argument("--compile-train", action="store_true", help="also time compiled training steps (slow)")
     parser.add_argument("--calib-blocks", type=int, default=4)

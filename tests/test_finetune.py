@@ -197,13 +197,15 @@ def test_parameter_groups_separate_shape_and_gamma_without_decay():
     groups = {g["name"]: g for g in parameter_groups(model, lr=1e-4, weight_decay=0.1, shape_lr=1e-2, gamma_lr=1e-3,
                                                      decay_names={n for n, _ in model.named_parameters()
                                                                   if n.endswith("proj.weight")})}
-    assert groups["shape"]["lr"] == 1e-2 and groups["shape"]["weight_decay"] == 0.0
+    assert groups["shape"]["lr"] == 2e-2 and groups["shape"]["weight_decay"] == 0.0  # ELN: twice (adam_groups)
     assert groups["gamma"]["lr"] == 1e-3 and groups["gamma"]["weight_decay"] == 0.0
     assert groups["decay"]["weight_decay"] == 0.1 and groups["no_decay"]["weight_decay"] == 0.0
     assert len(groups["shape"]["params"]) == 5  # 2 layers x 2 norms + final norm, one beta each
     assert sum(len(g["params"]) for g in groups.values()) == len(list(model.parameters()))
     set_trainable(model, "norms")
     assert {g["name"] for g in parameter_groups(model, lr=1e-4, weight_decay=0.1)} == {"shape", "gamma"}
+    dyt = parameter_groups(converted_tiny("dyt")[0], lr=1e-4, weight_decay=0.1, shape_lr=1e-2)
+    assert [g["lr"] for g in dyt if g["name"] == "shape"] == [1e-2]
 
 
 def test_distillation_loss_is_zero_for_equal_logits_and_scales_with_temperature():

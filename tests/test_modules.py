@@ -6,7 +6,7 @@ import pytest
 import torch
 from tiny_models import random_elementwise
 
-from hf_normswap.modules import DyT, ELN, DyISRU
+from hf_normswap.modules import DyT, ELN, DyISRU, adam_groups
 
 METHODS = [DyT, ELN]
 
@@ -111,3 +111,19 @@ def test_eln_saturates_at_amplitude_and_dyt_matches_tanh():
     dyt = DyT(4, 0.5, bias=False, amplitude=1.0)
     x = torch.randn(3, 4)
     torch.testing.assert_close(dyt(x), torch.tanh(0.5 * x))
+
+
+def test_adam_groups_move_dyt_and_eln_input_scale_equally_fast():
+    """One Adam step moves a log parameter by lr: with adam_groups, the input scale each curve follows (1 / alpha,
+    sqrt(beta)) moves by the same factor for DyT and ELN; gamma and bias keep the plain lr."""
+    changes = {}
+    for cls in (DyT, ELN):
+        module = cls(8, 0.5 if cls is DyT else 4.0)
+        scale = (lambda: 1 / module.alpha) if cls is DyT else (lambda: module.beta.sqrt())
+        before, weight = scale().item(), module.weight.detach().clone()
+        optimizer = torch.optim.Adam(adam_groups([module], lr=0.1))
+        (scale() + module.weight.sum() + module.bias.sum()).backward()
+        optimizer.step()
+        changes[cls] = math.log(scale().item() / before)
+        assert torch.allclose(weight - module.weight.detach(), torch.full((8,), 0.1), atol=1e-5)
+    assert changes[DyT] == pytest.approx(-0.1, abs=1e-4) and changes[ELN] == pytest.approx(-0.1, abs=1e-4)

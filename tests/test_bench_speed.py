@@ -1,0 +1,33 @@
+"""The speed benchmark runs end to end on its smoke settings (timings are not checked, only that every candidate
+is measured and that the model section times a calibrated, finite conversion)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_speed.py"
+
+
+def load_script():
+    spec = importlib.util.spec_from_file_location("bench_speed", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_quick_model_section_measures_every_variant_of_a_finite_conversion(tmp_path):
+    bench = load_script()
+    out = tmp_path / "speed.json"
+    assert bench.main(["--quick", "--sections", "model", "--model-reps", "1", "--train-reps", "1",
+                       "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    forward = {r["variant"]: r for r in rows if r["mode"] == "forward"}
+    assert set(forward) == {"original", "eln", "eln-eager", "eln-folded"}
+    assert forward["original"]["speedup"] == 1.0
+    assert all(r["ms"] > 0 for r in rows)
+    assert {r["variant"] for r in rows if r["mode"] == "train step"} == {"original", "eln", "eln-eager"}
+    for variant in ("eln", "eln-folded"):
+        assert math.isfinite(forward[variant]["largest_logit"])
