@@ -37,6 +37,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hf_normswap import convert, kernels  # noqa: E402
+from hf_normswap.discovery import find_norms  # noqa: E402
 from hf_normswap.modules import DyT, ELN  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -156,10 +157,29 @@ def model_variants(original, method: str, calibrate: bool, vocab: int, seq: int)
     return converted, folded
 
 
-def largest_logit(model, ids) -> float:
-    """max |logit|, inf or nan when the model overflows: printed next to the timings so a broken conversion shows."""
-    with torch.no_grad():
-        return model(input_ids=ids).logits.abs().max().item()
+def probe_forward(model, ids, norm_names: list[str]) -> dict:
+    """One untimed forward: the largest |logit| (inf or nan when the conversion overflows, so a broken model shows)
+    and the seconds spent inside the norms (or what replaced them), by hooks around each: the part of the forward
+    that a faster norm can shorten."""
+    spent, starts = [], {}
+
+    def before(module, args):
+        starts[module] = time.perf_counter()
+
+    def after(module, args, output):
+        spent.append(time.perf_counter() - starts[module])
+
+    modules = [model.get_submodule(name) for name in norm_names]
+    handles = [m.register_forward_pre_hook(before) for m in modules] + [m.register_forward_hook(after) for m in modules]
+    try:
+        start = time.perf_counter()
+        with torch.no_grad():
+            logits = model(input_ids=ids).logits
+        total = time.perf_counter() - start
+    finally:
+        for handle in handles:
+            handle.remove()
+    return dict(largest_logit=logits.abs().max().item(), norm_seconds=sum(spent), norm_share=sum(spent) / total)
 
 
 def model_section(args) -> list[dict]:
@@ -168,26 +188,31 @@ def model_section(args) -> list[dict]:
         start = time.perf_counter()
         original, vocab = {"smollm2": smollm2_model, "gpt2": gpt2_model}[model_name]()
         original.config.use_cache = False
+        norm_names = [info.name for info in find_norms(original)]
         log(f"{model_name}: loaded in {time.perf_counter() - start:.1f}s")
         torch.manual_seed(1)
         ids = torch.randint(0, vocab, (args.batch, args.seq))
         tokens = ids.numel()
         for method in args.methods:
             converted, folded = model_variants(original, method, args.model_calib, vocab, args.seq)
-            logits = {"original": largest_logit(original, ids), method: largest_logit(converted, ids),
-                      f"{method}-folded": largest_logit(folded, ids)}
-            logits[f"{method}-eager"] = logits[method]  # the same model; the fallback agrees (tests/test_speed_paths)
-            log(f"{model_name}: largest |logit| " + ", ".join(f"{n} {v:.3g}" for n, v in logits.items()))
 
             def forward(m):
                 return lambda: m(input_ids=ids)
 
             candidates = {"original": forward(original), method: forward(converted),
                           f"{method}-eager": eager(forward(converted)), f"{method}-folded": forward(folded)}
+            probes = {"original": lambda: probe_forward(original, ids, norm_names),
+                      method: lambda: probe_forward(converted, ids, norm_names),
+                      f"{method}-eager": eager(lambda: probe_forward(converted, ids, norm_names)),
+                      f"{method}-folded": lambda: probe_forward(folded, ids, norm_names)}
             with torch.no_grad():
                 med = interleaved(candidates, args.model_reps)
+            probes = {name: probe() for name, probe in probes.items()}  # after the timing's warm-up (compiles)
+            log(f"{model_name}: largest |logit|, time inside the {len(norm_names)} norms (share of that forward): "
+                + ", ".join(f"{n} {p['largest_logit']:.3g}, {p['norm_seconds'] * 1e3:.0f} ms ({p['norm_share']:.1%})"
+                            for n, p in probes.items()))
             forward_rows = _model_rows(model_name, method, "forward", "eager", med, tokens)
-            rows += [dict(row, largest_logit=logits[row["variant"]]) for row in forward_rows]
+            rows += [dict(row, **probes[row["variant"]]) for row in forward_rows]
 
             def train_step(m):
                 m.train()

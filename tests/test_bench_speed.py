@@ -31,3 +31,4 @@ def test_quick_model_section_measures_every_variant_of_a_finite_conversion(tmp_p
     assert {r["variant"] for r in rows if r["mode"] == "train step"} == {"original", "eln", "eln-eager"}
     for variant in ("eln", "eln-folded"):
         assert math.isfinite(forward[variant]["largest_logit"])
+    assert all(0 < r["norm_share"] < 1 for r in forward.values())
