@@ -20,6 +20,7 @@ slows all candidates alike and the ratios stay meaningful. Sections:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import os
@@ -199,15 +200,16 @@ def model_section(args) -> list[dict]:
             def forward(m):
                 return lambda: m(input_ids=ids)
 
-            candidates = {"original": forward(original), method: forward(converted),
-                          f"{method}-eager": eager(forward(converted)), f"{method}-folded": forward(folded)}
-            probes = {"original": lambda: probe_forward(original, ids, norm_names),
-                      method: lambda: probe_forward(converted, ids, norm_names),
-                      f"{method}-eager": eager(lambda: probe_forward(converted, ids, norm_names)),
-                      f"{method}-folded": lambda: probe_forward(folded, ids, norm_names)}
+            models = {"original": original, method: converted, f"{method}-eager": converted,
+                      f"{method}-folded": folded}
+            candidates = {name: eager(forward(model)) if name.endswith("-eager") else forward(model)
+                          for name, model in models.items()}
             with torch.no_grad():
                 med = interleaved(candidates, args.model_reps)
-            probes = {name: probe() for name, probe in probes.items()}  # after the timing's warm-up (compiles)
+            probes = {}  # after the timing's warm-up, which compiled the fused kernels
+            for name, model in models.items():
+                with kernels.fallback() if name.endswith("-eager") else contextlib.nullcontext():
+                    probes[name] = probe_forward(model, ids, norm_names)
             log(f"{model_name}: largest |logit|, time inside the {len(norm_names)} norms (share of that forward): "
                 + ", ".join(f"{n} {p['largest_logit']:.3g}, {p['norm_seconds'] * 1e3:.0f} ms ({p['norm_share']:.1%})"
                             for n, p in probes.items()))

@@ -3,23 +3,14 @@ is measured and that the model section times a calibrated, finite conversion).""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_speed.py"
-
-
-def load_script():
-    spec = importlib.util.spec_from_file_location("bench_speed", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from file_modules import import_file
 
 
 def test_quick_model_section_measures_every_variant_of_a_finite_conversion(tmp_path):
-    bench = load_script()
+    bench = import_file("scripts/bench_speed.py")
     out = tmp_path / "speed.json"
     assert bench.main(["--quick", "--sections", "model", "--model-reps", "1", "--train-reps", "1",
                        "--json", str(out)]) == 0

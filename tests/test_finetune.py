@@ -22,6 +22,7 @@ import yaml
 import hf_normswap
 from hf_normswap.distill import distillation_loss, norm_parameter_names, parameter_groups, set_trainable
 from hf_normswap.progressive import ProgressiveSwap, schedule, schedule_length
+from file_modules import import_file
 from tiny_models import tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -162,14 +163,10 @@ def test_lora_single_process(tiny_setup):
 
 
 def test_block_dataset_packs_blocks_within_the_limits(tiny_setup):
-    import importlib.util
-
     from transformers import AutoTokenizer
 
     root, model_dir = tiny_setup
-    spec = importlib.util.spec_from_file_location("finetune_recipe", RECIPE)
-    recipe = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(recipe)
+    recipe = import_file("recipes/finetune.py")
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     text = str(root / "train.txt")
     full = recipe.block_dataset(tokenizer, text, "calibration", 32)

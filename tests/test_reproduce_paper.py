@@ -2,23 +2,17 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-from pathlib import Path
 
 import pytest
 import torch
-
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "reproduce_paper.py"
+from file_modules import import_file
 
 
 @pytest.fixture(scope="module")
 def paper():
-    spec = importlib.util.spec_from_file_location("reproduce_paper", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return import_file("scripts/reproduce_paper.py")
 
 
 def test_simulation_setup(paper):

@@ -1,0 +1,17 @@
+"""Scripts and recipes are files, not modules of the package: tests import them by path."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def import_file(relative_path: str):
+    """The module defined by ``ROOT / relative_path``, freshly executed."""
+    path = ROOT / relative_path
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
