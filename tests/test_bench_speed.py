@@ -12,8 +12,7 @@ from file_modules import import_file
 def test_quick_model_section_measures_every_variant_of_a_finite_conversion(tmp_path):
     bench = import_file("scripts/bench_speed.py")
     out = tmp_path / "speed.json"
-    assert bench.main(["--quick", "--sections", "model", "--model-reps", "1", "--train-reps", "1",
-                       "--json", str(out)]) == 0
+    assert bench.main(["--quick", "--sections", "model", "--json", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
     forward = {r["variant"]: r for r in rows if r["mode"] == "forward"}
     assert set(forward) == {"original", "eln", "eln-eager", "eln-folded"}
