@@ -42,9 +42,9 @@ def norm_parameter_names(model: nn.Module) -> dict[str, str]:
 
 
 def shape_lr_factors(model: nn.Module) -> dict[str, int]:
-    """``{shape parameter name: |scale_power|}``: ELN's log beta takes twice the shape learning rate of DyT's log
-    alpha, so that both curves follow a change of input scale equally fast (see ``modules.adam_groups``)."""
-    return {name: abs(module.scale_power) for name, module, param_name in _norm_parameters(model)
+    """``{shape parameter name: multiplier of the shape learning rate}`` (``ElementwiseNorm.lr_factor``: 2 for
+    ELN's log beta, 1 for DyT's log alpha)."""
+    return {name: module.lr_factor(param_name) for name, module, param_name in _norm_parameters(model)
             if param_name.startswith("log_")}
 
 

@@ -65,7 +65,6 @@ def main(argv=None) -> int:
     parser.add_argument("--tune-steps", type=int, default=None, help="override the strategy's end-to-end steps")
     parser.add_argument("--block-steps", type=int, default=None, help="override the strategy's per-block steps")
     parser.add_argument("--tune-blocks", type=int, default=None, help="override the strategy's tuning sequences")
-    parser.add_argument("--knee", type=float, default=None, help="override the saturating start's ceiling")
     parser.add_argument("--calib", default=str(DATA / "wiki.valid.tokens"))
     parser.add_argument("--calib-blocks", type=int, default=64)
     parser.add_argument("--calib-len", type=int, default=512)
@@ -88,8 +87,6 @@ def main(argv=None) -> int:
         options = {}
         if args.first_token_share is not None:
             options["first_token_share"] = args.first_token_share
-        if args.knee is not None:
-            options["knee"] = args.knee
         config = CalibrationConfig(data=args.calib, num_blocks=args.calib_blocks, block_len=args.calib_len,
                                    strategy=args.strategy, sequential=not args.no_sequential,
                                    tune_steps=args.tune_steps, tune_blocks=args.tune_blocks,

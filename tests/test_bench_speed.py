@@ -22,3 +22,15 @@ def test_quick_model_section_measures_every_variant_of_a_finite_conversion(tmp_p
     for variant in ("eln", "eln-folded"):
         assert math.isfinite(forward[variant]["largest_logit"])
     assert all(0 < r["norm_share"] < 1 for r in forward.values())
+
+
+def test_model_variants_are_calibrated_unless_asked_not_to():
+    """The calibrated start is per-channel (saturating init); the analytic conversion keeps one scalar per norm."""
+    from hf_normswap.modules import ElementwiseNorm
+
+    bench = import_file("scripts/bench_speed.py")
+    original, vocab = bench.gpt2_model()
+    for calibrate in (True, False):
+        for model in bench.model_variants(original, "eln", calibrate, vocab, 32):
+            norms = [m for m in model.modules() if isinstance(m, ElementwiseNorm)]
+            assert len(norms) == 9 and all(m.per_channel == calibrate for m in norms)

@@ -180,6 +180,12 @@ def test_default_strategy_is_block_for_rmsnorm_models_and_kl_for_layernorm_ones(
     assert convert(bert, "eln", calibration=_cfg(**small)).calibration["strategy"] == "kl"
 
 
+def test_tuning_sequences_follow_the_strategy_unless_given():
+    assert CalibrationConfig(strategy="block").resolved().tune_blocks == 16  # over 4 they overfit on SmolLM2
+    assert CalibrationConfig(strategy="kl").resolved().tune_blocks == 4  # MiniLM: 4 beats 16
+    assert CalibrationConfig(strategy="block", tune_blocks=2).resolved().tune_blocks == 2
+
+
 def test_report_config_and_plots(tmp_path):
     model = tiny_model("llama")
     report = convert(model, "eln", calibration=_cfg(data=_ids(), batch_size=4, strategy="channel",
