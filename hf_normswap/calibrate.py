@@ -60,6 +60,9 @@ STRATEGIES: dict[str, dict] = {
     # reproduces the original block's output (sequential only), then the kl strategy's end-to-end steps
     # (the end-to-end steps over 16 sequences: over 4 they overfit them)
     "block": dict(fit=(), per_channel=True, init="saturating", block_steps=40, tune_steps=30, tune_blocks=16),
+    # block's saturating start alone, sequential, nothing fitted or tuned: the cheapest start that keeps SmolLM2
+    # finite (one-shot costs as much, since its pass also runs the LM head, and is worse; see BENCHMARKS.md)
+    "fast": dict(fit=(), per_channel=True, init="saturating"),
     # block where any target norm is an RMSNorm, else kl: measured best on SmolLM2 (block, perplexity 631 against
     # kl's 1e84) and on MiniLM's LayerNorms (kl, embedding cosine 0.80 against block's 0.22); see BENCHMARKS.md
     "auto": {},
@@ -89,7 +92,7 @@ class CalibrationConfig:
     max_tokens_per_norm: int = DEFAULT_MAX_TOKENS
     max_first_per_norm: int = DEFAULT_MAX_FIRST
     strategy: str = DEFAULT_STRATEGY
-    sequential: bool = True
+    sequential: bool | None = None  # fit each norm on the partly converted model (else one capture pass)
     fit: tuple[str, ...] | None = None  # parameters to fit: "shape", "weight" (gamma incl. amplitude), "bias"
     per_channel: bool | None = None
     outliers_only: bool | None = None
@@ -103,6 +106,7 @@ class CalibrationConfig:
     tune_steps: int | None = None
     tune_blocks: int | None = None  # sequences the end-to-end steps cycle over
     tune_lr: float = 5e-3
+    shape_lr_scale: float = 1.0  # the log shape parameter's rate in block / end-to-end tuning, times block_lr / tune_lr
     max_iter: int = 100
     seed: int = 0
     progress: bool = True
@@ -117,7 +121,7 @@ class CalibrationConfig:
         if out.strategy == "auto":
             out.strategy = auto_strategy(selected)
         preset = dict(fit=("shape",), per_channel=False, outliers_only=False, first_token_share=None, tune_steps=0,
-                      tune_blocks=4, init="analytic", block_steps=0)
+                      tune_blocks=4, init="analytic", block_steps=0, sequential=True)
         preset.update(STRATEGIES[out.strategy])
         for key, value in preset.items():
             current = getattr(out, key)
@@ -583,7 +587,7 @@ def _tune_block(block, modules, run, hidden, reference, batches, config) -> dict
 
     before = mean_error()
     start = [p.detach().clone() for p in params]
-    optimizer = torch.optim.Adam(adam_groups(modules, config.block_lr))
+    optimizer = torch.optim.Adam(adam_groups(modules, config.block_lr, config.shape_lr_scale))
     with _training_only(block, params):
         for step in range(config.block_steps):
             optimizer.zero_grad()
@@ -635,7 +639,7 @@ def _tune(model, selected, batches, teacher, config) -> dict:
     modules = [model.get_submodule(info.name) for info in selected]
     params = [p for m in modules for p in m.parameters(recurse=False)]
     best = [p.detach().clone() for p in params]
-    optimizer = torch.optim.Adam(adam_groups(modules, config.tune_lr))
+    optimizer = torch.optim.Adam(adam_groups(modules, config.tune_lr, config.shape_lr_scale))
     is_lm = teacher[0].shape[-1] == getattr(text_config(model), "vocab_size", -1)
 
     def loss_on(k):

@@ -199,12 +199,14 @@ class ELN(ElementwiseNorm):
 DyISRU = ELN
 
 
-def adam_groups(modules: list[ElementwiseNorm], lr: float) -> list[dict]:
-    """Optimizer groups for the modules' parameters, each at ``lr`` times its :meth:`ElementwiseNorm.lr_factor`."""
+def adam_groups(modules: list[ElementwiseNorm], lr: float, shape_scale: float = 1.0) -> list[dict]:
+    """Optimizer groups for the modules' parameters, each at ``lr`` times its :meth:`ElementwiseNorm.lr_factor`,
+    the log shape parameter's further times ``shape_scale``."""
     groups: dict[float, list[nn.Parameter]] = {}
     for module in modules:
         for name, param in module.named_parameters(recurse=False):
-            groups.setdefault(lr * module.lr_factor(name), []).append(param)
+            scale = shape_scale if name == f"log_{module.shape_name}" else 1.0
+            groups.setdefault(lr * module.lr_factor(name) * scale, []).append(param)
     return [{"params": params, "lr": group_lr} for group_lr, params in groups.items()]
 
 

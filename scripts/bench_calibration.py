@@ -65,6 +65,7 @@ def main(argv=None) -> int:
     parser.add_argument("--tune-steps", type=int, default=None, help="override the strategy's end-to-end steps")
     parser.add_argument("--block-steps", type=int, default=None, help="override the strategy's per-block steps")
     parser.add_argument("--tune-blocks", type=int, default=None, help="override the strategy's tuning sequences")
+    parser.add_argument("--shape-lr-scale", type=float, default=None, help="override the shape parameter's rate scale")
     parser.add_argument("--calib", default=str(DATA / "wiki.valid.tokens"))
     parser.add_argument("--calib-blocks", type=int, default=64)
     parser.add_argument("--calib-len", type=int, default=512)
@@ -79,7 +80,7 @@ def main(argv=None) -> int:
 
     model, tokenizer = load_model(args.model)
     original = copy.deepcopy(model)
-    record = {"model": args.model, "to": args.to, "strategy": args.strategy, "sequential": not args.no_sequential,
+    record = {"model": args.model, "to": args.to, "strategy": args.strategy,
               "block_steps": args.block_steps, "tune_steps": args.tune_steps,
               "calib": args.calib, "calib_blocks": args.calib_blocks, "calib_len": args.calib_len}
     rss_before = rss_mb()
@@ -87,8 +88,10 @@ def main(argv=None) -> int:
         options = {}
         if args.first_token_share is not None:
             options["first_token_share"] = args.first_token_share
+        if args.shape_lr_scale is not None:
+            options["shape_lr_scale"] = args.shape_lr_scale
         config = CalibrationConfig(data=args.calib, num_blocks=args.calib_blocks, block_len=args.calib_len,
-                                   strategy=args.strategy, sequential=not args.no_sequential,
+                                   strategy=args.strategy, sequential=False if args.no_sequential else None,
                                    tune_steps=args.tune_steps, tune_blocks=args.tune_blocks,
                                    block_steps=args.block_steps, tokenizer=tokenizer,
                                    **options)
@@ -97,6 +100,7 @@ def main(argv=None) -> int:
         record["calibration_seconds"] = round(time.perf_counter() - start, 1)
         record["calibration_cpu_seconds"] = round(time.process_time() - cpu_start, 1)  # all threads
         record["calibration"] = report.calibration
+        record["mode"] = report.calibration["mode"]
         record["norms_converted"] = len(report.converted)
         record["worst_rel_error"] = max(c.fit["stats"]["rel_error"] for c in report.converted)
     record["rss_before_calibration_mb"] = round(rss_before, 1)
