@@ -56,6 +56,10 @@ STRATEGIES: dict[str, dict] = {
     "sink": dict(fit=("shape", "weight", "bias"), per_channel=True, first_token_share=0.5),
     # as channel, then a few Adam steps on the new modules' parameters against the original model's outputs
     "kl": dict(fit=("shape", "weight", "bias"), per_channel=True, first_token_share=None, tune_steps=30),
+    # as kl, 300 end-to-end steps over 64 calibration sequences: for models whose output is hidden states (a
+    # sentence encoder), whose teacher is small to keep; 64 sequences of a language model's logits would take GBs
+    "encoder": dict(fit=("shape", "weight", "bias"), per_channel=True, first_token_share=None, tune_steps=300,
+                    tune_blocks=64),
     # per-channel saturating start (fitting.saturating_init), then each block's new modules tuned so the block
     # reproduces the original block's output (sequential only), then the kl strategy's end-to-end steps
     # (the end-to-end steps over 16 sequences: over 4 they overfit them)
@@ -63,15 +67,24 @@ STRATEGIES: dict[str, dict] = {
     # block's saturating start alone, sequential, nothing fitted or tuned: the cheapest start that keeps SmolLM2
     # finite (one-shot costs as much, since its pass also runs the LM head, and is worse; see BENCHMARKS.md)
     "fast": dict(fit=(), per_channel=True, init="saturating"),
-    # block where any target norm is an RMSNorm, else kl: measured best on SmolLM2 (block, perplexity 631 against
-    # kl's 1e84) and on MiniLM's LayerNorms (kl, embedding cosine 0.80 against block's 0.22); see BENCHMARKS.md
+    # block where any target norm is an RMSNorm, else encoder for models that output hidden states, else kl:
+    # measured best on SmolLM2 (block, perplexity 631 against kl's 1e84) and on MiniLM's LayerNorms (encoder,
+    # embedding cosine 0.87 against kl's 0.80 and block's 0.22); see BENCHMARKS.md
     "auto": {},
 }
 DEFAULT_STRATEGY = "auto"
 
 
-def auto_strategy(selected: list[NormInfo]) -> str:
-    return "block" if any(info.kind == "rmsnorm" for info in selected) else "kl"
+def auto_strategy(selected: list[NormInfo], outputs_logits: bool = True) -> str:
+    if any(info.kind == "rmsnorm" for info in selected):
+        return "block"
+    return "kl" if outputs_logits else "encoder"
+
+
+def _outputs_logits(model: nn.Module) -> bool:
+    """Whether the model ends in an output head (LM, masked LM, seq2seq), not in hidden states."""
+    head = getattr(model, "get_output_embeddings", None)
+    return head is None or head() is not None
 
 
 @dataclass
@@ -113,13 +126,14 @@ class CalibrationConfig:
     plots: str | None = None
     tokenizer: Any = field(default=None, repr=False)
 
-    def resolved(self, selected: list[NormInfo] = ()) -> "CalibrationConfig":
-        """The options with the strategy's presets filled in; ``auto`` becomes a strategy for ``selected``."""
+    def resolved(self, selected: list[NormInfo] = (), outputs_logits: bool = True) -> "CalibrationConfig":
+        """The options with the strategy's presets filled in; ``auto`` becomes a strategy for ``selected`` norms of
+        a model that ends in an output head (``outputs_logits``) or in hidden states."""
         if self.strategy not in STRATEGIES:
             raise ValueError(f"unknown calibration strategy {self.strategy!r}: choose from {', '.join(STRATEGIES)}")
         out = copy.copy(self)
         if out.strategy == "auto":
-            out.strategy = auto_strategy(selected)
+            out.strategy = auto_strategy(selected, outputs_logits)
         preset = dict(fit=("shape",), per_channel=False, outliers_only=False, first_token_share=None, tune_steps=0,
                       tune_blocks=4, init="analytic", block_steps=0, sequential=True)
         preset.update(STRATEGIES[out.strategy])
@@ -314,7 +328,7 @@ def calibrate_and_replace(model: nn.Module, selected: list[NormInfo], method: st
                           build, replace, *, per_channel: bool = False) -> CalibrationResult:
     """Fit and swap in replacements for ``selected`` norms; ``build(source, info, input_scale=, per_channel=)``
     makes a module and ``replace(model, name, module)`` sets it (both from ``convert``)."""
-    config = config.resolved(selected)
+    config = config.resolved(selected, _outputs_logits(model))
     start, cpu_start = time.perf_counter(), time.process_time()
     torch.manual_seed(config.seed)
     batches, fingerprint = calibration_batches(model, config)

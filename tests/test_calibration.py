@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+import transformers
 from tiny_models import tiny_model
 
 from hf_normswap import convert
@@ -173,16 +174,20 @@ def test_block_tuning_lowers_every_block_error_and_the_output_error(arch):
         assert errors[1] < errors[0]
 
 
-def test_default_strategy_is_block_for_rmsnorm_models_and_kl_for_layernorm_ones():
+def test_default_strategy_is_block_for_rmsnorm_models_kl_for_layernorm_heads_and_encoder_for_encoders():
     llama, bert = tiny_model("llama"), tiny_model("bert")
+    encoder = transformers.BertModel(bert.config).eval()  # ends in hidden states, as sentence-transformers models do
     small = dict(data=_ids(), batch_size=4, block_steps=2, tune_steps=2)
     assert convert(llama, "eln", calibration=_cfg(**small)).calibration["strategy"] == "block"
     assert convert(bert, "eln", calibration=_cfg(**small)).calibration["strategy"] == "kl"
+    report = convert(encoder, "eln", calibration=_cfg(**small))
+    assert report.calibration["strategy"] == "encoder" and report.calibration["tuning"]["objective"] == "relative_mse"
 
 
 def test_tuning_sequences_follow_the_strategy_unless_given():
     assert CalibrationConfig(strategy="block").resolved().tune_blocks == 16  # over 4 they overfit on SmolLM2
-    assert CalibrationConfig(strategy="kl").resolved().tune_blocks == 4  # MiniLM: 4 beats 16
+    assert CalibrationConfig(strategy="kl").resolved().tune_blocks == 4  # MiniLM: 4 beats 16 at 30 steps
+    assert CalibrationConfig(strategy="encoder").resolved().tune_blocks == 64  # and 64 beats 4 and 16 at 300 steps
     assert CalibrationConfig(strategy="block", tune_blocks=2).resolved().tune_blocks == 2
 
 
