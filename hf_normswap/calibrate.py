@@ -43,6 +43,9 @@ from .model_inputs import first_tensor, text_config
 from .modules import adam_groups
 from .roles import block_of
 
+# per-channel alpha / beta and gamma (amplitude) and bias, all tokens at natural frequency
+_CHANNEL = dict(fit=("shape", "weight", "bias"), per_channel=True, first_token_share=None)
+
 STRATEGIES: dict[str, dict] = {
     # data-driven analytic initialization only: input scale = median token RMS / std of the captured inputs
     "analytic": dict(fit=(), per_channel=False, first_token_share=0.0),
@@ -50,16 +53,14 @@ STRATEGIES: dict[str, dict] = {
     "outliers": dict(fit=("shape",), per_channel=False, outliers_only=True, first_token_share=0.0),
     # scalar alpha / beta by least squares on all sampled tokens, first positions at their natural frequency
     "lsq": dict(fit=("shape",), per_channel=False, first_token_share=None),
-    # per-channel alpha / beta and gamma (amplitude) and bias, all tokens at natural frequency
-    "channel": dict(fit=("shape", "weight", "bias"), per_channel=True, first_token_share=None),
+    "channel": _CHANNEL,
     # as channel, but the first-position (attention-sink) tokens carry half of the loss
-    "sink": dict(fit=("shape", "weight", "bias"), per_channel=True, first_token_share=0.5),
+    "sink": dict(_CHANNEL, first_token_share=0.5),
     # as channel, then a few Adam steps on the new modules' parameters against the original model's outputs
-    "kl": dict(fit=("shape", "weight", "bias"), per_channel=True, first_token_share=None, tune_steps=30),
+    "kl": dict(_CHANNEL, tune_steps=30),
     # as kl, 300 end-to-end steps over 64 calibration sequences: for models whose output is hidden states (a
     # sentence encoder), whose teacher is small to keep; 64 sequences of a language model's logits would take GBs
-    "encoder": dict(fit=("shape", "weight", "bias"), per_channel=True, first_token_share=None, tune_steps=300,
-                    tune_blocks=64),
+    "encoder": dict(_CHANNEL, tune_steps=300, tune_blocks=64),
     # per-channel saturating start (fitting.saturating_init), then each block's new modules tuned so the block
     # reproduces the original block's output (sequential only), then the kl strategy's end-to-end steps
     # (the end-to-end steps over 16 sequences: over 4 they overfit them)

@@ -41,7 +41,7 @@ def norm_parameter_names(model: nn.Module) -> dict[str, str]:
             for name, _, param_name in _norm_parameters(model)}
 
 
-def shape_lr_factors(model: nn.Module) -> dict[str, int]:
+def shape_lr_factors(model: nn.Module) -> dict[str, float]:
     """``{shape parameter name: multiplier of the shape learning rate}`` (``ElementwiseNorm.lr_factor``: 2 for
     ELN's log beta, 1 for DyT's log alpha)."""
     return {name: module.lr_factor(param_name) for name, module, param_name in _norm_parameters(model)

@@ -68,11 +68,11 @@ class ElementwiseNorm(nn.Module):
     def _log_param(self) -> torch.Tensor:
         return getattr(self, f"log_{self.shape_name}")
 
-    def lr_factor(self, param_name: str) -> int:
-        """Learning-rate multiplier of a parameter: ``|scale_power|`` for the log shape parameter, else 1. Adam moves
-        a log parameter by about the learning rate a step, so with one rate ELN's curve (log beta = 2 log scale)
-        would follow a change of input scale half as fast as DyT's (log alpha = -log scale)."""
-        return abs(self.scale_power) if param_name == f"log_{self.shape_name}" else 1
+    def lr_factor(self, param_name: str, shape_scale: float = 1.0) -> float:
+        """Learning-rate multiplier of a parameter: ``|scale_power| * shape_scale`` for the log shape parameter,
+        else 1. Adam moves a log parameter by about the learning rate a step, so with one rate ELN's curve (log beta
+        = 2 log scale) would follow a change of input scale half as fast as DyT's (log alpha = -log scale)."""
+        return abs(self.scale_power) * shape_scale if param_name == f"log_{self.shape_name}" else 1
 
     def shape_parameter(self) -> torch.Tensor:
         """alpha (DyT) or beta (ELN) as used in the forward pass, in at least fp32."""
@@ -200,13 +200,11 @@ DyISRU = ELN
 
 
 def adam_groups(modules: list[ElementwiseNorm], lr: float, shape_scale: float = 1.0) -> list[dict]:
-    """Optimizer groups for the modules' parameters, each at ``lr`` times its :meth:`ElementwiseNorm.lr_factor`,
-    the log shape parameter's further times ``shape_scale``."""
+    """Optimizer groups for the modules' parameters, each at ``lr`` times its :meth:`ElementwiseNorm.lr_factor`."""
     groups: dict[float, list[nn.Parameter]] = {}
     for module in modules:
         for name, param in module.named_parameters(recurse=False):
-            scale = shape_scale if name == f"log_{module.shape_name}" else 1.0
-            groups.setdefault(lr * module.lr_factor(name) * scale, []).append(param)
+            groups.setdefault(lr * module.lr_factor(name, shape_scale), []).append(param)
     return [{"params": params, "lr": group_lr} for group_lr, params in groups.items()]
 
 

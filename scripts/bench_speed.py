@@ -12,7 +12,7 @@ slows all candidates alike and the ratios stay meaningful. Sections:
 * calibration: ``convert(..., calibration=...)`` time and peak RSS against plain forward passes over the same data,
   each measured in a fresh process.
 
-    python scripts/bench_speed.py                 # everything (~10 minutes on 2 idle cores)
+    python scripts/bench_speed.py                 # everything; each section prints its time when done
     python scripts/bench_speed.py --quick         # a smoke run: one size, tiny GPT-2, no compile
     python scripts/bench_speed.py --sections module --sizes 576,4096 --dtypes fp32
 """
