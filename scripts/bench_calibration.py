@@ -6,6 +6,10 @@ and top-1 agreement, after calibrating on WikiText-2 *validation* text. MiniLM (
 similarity of mean-pooled sentence embeddings of the converted model to the original's, on WikiText-2 test lines.
 Appends one JSON line per run to ``--out``.
 
+``--exact-at first`` / ``--exact-at rest`` (repeatable) asks where the conversion loses: the calibrated model is scored
+again with every converted module's output replaced by the original norm's output on the same input at the first
+position of each sequence (``first``: the attention sink, BERT's [CLS]) or at every other position (``rest``).
+
     python scripts/bench_calibration.py --model offline:smollm2 --to eln --strategy kl --out /tmp/calib.jsonl
     python scripts/bench_calibration.py --model offline:minilm --to eln --strategy channel --out /tmp/calib.jsonl
 """
@@ -55,6 +59,37 @@ def sentence_similarity(original, converted, tokenizer, texts: list[str], count:
     return float(torch.cat(sims).mean())
 
 
+POSITIONS = {"first": slice(0, 1), "rest": slice(1, None)}
+
+
+def keep_original_at(converted, original, names: list[str], positions: slice) -> list:
+    """Forward hooks that put the original norm's output back at ``positions`` (along the sequence) of every
+    converted module; returns the handles. The element-wise modules still compute all other positions."""
+    def hook(source):
+        def splice(module, args, out):
+            out = out.clone()
+            out[:, positions] = source(args[0])[:, positions]
+            return out
+        return splice
+
+    return [converted.get_submodule(name).register_forward_hook(hook(original.get_submodule(name))) for name in names]
+
+
+def score(model, original, tokenizer, texts: list[str], args) -> dict:
+    """MiniLM: mean cosine similarity of sentence embeddings; SmolLM2: perplexities, KL and top-1 agreement."""
+    if "minilm" in args.model:
+        return {"mean_cosine_similarity": sentence_similarity(original, model, tokenizer, texts, args.sentences),
+                "sentences": args.sentences}
+    from hf_normswap.evaluate import evaluate
+
+    result = evaluate({"converted": model}, tokenizer, texts, against=original, max_length=args.eval_len,
+                      max_tokens=args.max_eval_tokens, batch_size=4, progress=False)
+    return {"ppl_original": result.results["original"].token_perplexity,
+            "ppl_converted": result.results["converted"].token_perplexity,
+            "kl": result.kl["converted"], "top1": result.top1["converted"],
+            "eval_tokens": result.results["original"].tokens, "eval_len": args.eval_len}
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="offline:smollm2")
@@ -66,6 +101,8 @@ def main(argv=None) -> int:
     parser.add_argument("--block-steps", type=int, default=None, help="override the strategy's per-block steps")
     parser.add_argument("--tune-blocks", type=int, default=None, help="override the strategy's tuning sequences")
     parser.add_argument("--shape-lr-scale", type=float, default=None, help="override the shape parameter's rate scale")
+    parser.add_argument("--exact-at", choices=sorted(POSITIONS), action="append", default=[],
+                        help="also score with the original norms' outputs at these positions (repeatable)")
     parser.add_argument("--calib", default=str(DATA / "wiki.valid.tokens"))
     parser.add_argument("--calib-blocks", type=int, default=64)
     parser.add_argument("--calib-len", type=int, default=512)
@@ -76,6 +113,8 @@ def main(argv=None) -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", default="/tmp/calibration_bench.jsonl")
     args = parser.parse_args(argv)
+    if args.exact_at and args.to == "none":
+        parser.error("--exact-at compares converted modules with the original norms: give --to eln or --to dyt")
     torch.set_num_threads(args.threads)
 
     model, tokenizer = load_model(args.model)
@@ -108,21 +147,14 @@ def main(argv=None) -> int:
 
     texts = load_texts(args.eval, "evaluation")
     start = time.perf_counter()
-    if "minilm" in args.model:
-        record["mean_cosine_similarity"] = sentence_similarity(original, model, tokenizer, texts, args.sentences)
-        record["sentences"] = args.sentences
-    else:
-        from hf_normswap.evaluate import evaluate
-
-        result = evaluate({"converted": model}, tokenizer, texts, against=original, max_length=args.eval_len,
-                          max_tokens=args.max_eval_tokens, batch_size=4, progress=False)
-        record["ppl_original"] = result.results["original"].token_perplexity
-        record["ppl_converted"] = result.results["converted"].token_perplexity
-        record["kl"] = result.kl["converted"]
-        record["top1"] = result.top1["converted"]
-        record["eval_tokens"] = result.results["original"].tokens
-        record["eval_len"] = args.eval_len
+    record.update(score(model, original, tokenizer, texts, args))
     record["eval_seconds"] = round(time.perf_counter() - start, 1)
+    names = [c.name for c in report.converted] if args.to != "none" else []
+    for where in args.exact_at:
+        handles = keep_original_at(model, original, names, POSITIONS[where])
+        record[f"exact_at_{where}"] = score(model, original, tokenizer, texts, args)
+        for handle in handles:
+            handle.remove()
     print(json.dumps({k: v for k, v in record.items() if k != "calibration"}, indent=1))
     with open(args.out, "a") as f:
         f.write(json.dumps(record) + "\n")
