@@ -149,9 +149,8 @@ def main(argv=None) -> int:
     start = time.perf_counter()
     record.update(score(model, original, tokenizer, texts, args))
     record["eval_seconds"] = round(time.perf_counter() - start, 1)
-    names = [c.name for c in report.converted] if args.to != "none" else []
-    for where in args.exact_at:
-        handles = keep_original_at(model, original, names, POSITIONS[where])
+    for where in args.exact_at:  # --to is eln or dyt here
+        handles = keep_original_at(model, original, [c.name for c in report.converted], POSITIONS[where])
         record[f"exact_at_{where}"] = score(model, original, tokenizer, texts, args)
         for handle in handles:
             handle.remove()
