@@ -6,9 +6,10 @@ and top-1 agreement, after calibrating on WikiText-2 *validation* text. MiniLM (
 similarity of mean-pooled sentence embeddings of the converted model to the original's, on WikiText-2 test lines.
 Appends one JSON line per run to ``--out``.
 
-``--exact-at first`` / ``--exact-at rest`` (repeatable) asks where the conversion loses: the calibrated model is scored
-again with every converted module's output replaced by the original norm's output on the same input at the first
-position of each sequence (``first``: the attention sink, BERT's [CLS]) or at every other position (``rest``).
+``--exact-at first`` / ``--exact-at rest`` (repeatable) asks where the conversion loses: a copy of the calibrated
+model is scored beside it (same windows, one pass of the original) with every converted module's output replaced by
+the original norm's output on the same input at the first position of each sequence (``first``: the attention sink,
+BERT's [CLS]) or at every other position (``rest``).
 
     python scripts/bench_calibration.py --model offline:smollm2 --to eln --strategy kl --out /tmp/calib.jsonl
     python scripts/bench_calibration.py --model offline:minilm --to eln --strategy channel --out /tmp/calib.jsonl
@@ -45,18 +46,24 @@ def peak_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def sentence_similarity(original, converted, tokenizer, texts: list[str], count: int) -> float:
-    """Mean cosine similarity of mean-pooled last hidden states (sentence-transformers' pooling for MiniLM)."""
+def sentence_similarity(original, models: dict, tokenizer, texts: list[str], count: int) -> dict[str, float]:
+    """Mean cosine similarity of each model's mean-pooled last hidden states (sentence-transformers' pooling for
+    MiniLM) to the original's, on the same sentences."""
     lines = [t.strip() for text in texts for t in text.split("\n") if len(t.split()) >= 5 and not t.strip().startswith("=")]
     lines = lines[:count]
-    sims = []
+    sims = {name: [] for name in models}
+
+    def pooled(model, enc, mask):
+        return (model(**enc).last_hidden_state * mask).sum(1) / mask.sum(1)
+
     with torch.no_grad():
         for start in range(0, len(lines), 32):
             enc = tokenizer(lines[start:start + 32], padding=True, truncation=True, max_length=256, return_tensors="pt")
             mask = enc["attention_mask"].unsqueeze(-1).float()
-            pooled = [(m(**enc).last_hidden_state * mask).sum(1) / mask.sum(1) for m in (original, converted)]
-            sims.append(torch.nn.functional.cosine_similarity(pooled[0], pooled[1], dim=-1))
-    return float(torch.cat(sims).mean())
+            reference = pooled(original, enc, mask)
+            for name, model in models.items():
+                sims[name].append(torch.nn.functional.cosine_similarity(reference, pooled(model, enc, mask), dim=-1))
+    return {name: float(torch.cat(values).mean()) for name, values in sims.items()}
 
 
 POSITIONS = {"first": slice(0, 1), "rest": slice(1, None)}
@@ -75,19 +82,21 @@ def keep_original_at(converted, original, names: list[str], positions: slice) ->
     return [converted.get_submodule(name).register_forward_hook(hook(original.get_submodule(name))) for name in names]
 
 
-def score(model, original, tokenizer, texts: list[str], args) -> dict:
-    """MiniLM: mean cosine similarity of sentence embeddings; SmolLM2: perplexities, KL and top-1 agreement."""
+def score(models: dict, original, tokenizer, texts: list[str], args) -> dict[str, dict]:
+    """Per model, against the original on the same data (which is run once): MiniLM, mean cosine similarity of
+    sentence embeddings; SmolLM2, perplexities, KL and top-1 agreement."""
     if "minilm" in args.model:
-        return {"mean_cosine_similarity": sentence_similarity(original, model, tokenizer, texts, args.sentences),
-                "sentences": args.sentences}
+        sims = sentence_similarity(original, models, tokenizer, texts, args.sentences)
+        return {name: {"mean_cosine_similarity": sim, "sentences": args.sentences} for name, sim in sims.items()}
     from hf_normswap.evaluate import evaluate
 
-    result = evaluate({"converted": model}, tokenizer, texts, against=original, max_length=args.eval_len,
+    result = evaluate(models, tokenizer, texts, against=original, max_length=args.eval_len,
                       max_tokens=args.max_eval_tokens, batch_size=4, progress=False)
-    return {"ppl_original": result.results["original"].token_perplexity,
-            "ppl_converted": result.results["converted"].token_perplexity,
-            "kl": result.kl["converted"], "top1": result.top1["converted"],
-            "eval_tokens": result.results["original"].tokens, "eval_len": args.eval_len}
+    return {name: {"ppl_original": result.results["original"].token_perplexity,
+                   "ppl_converted": result.results[name].token_perplexity,
+                   "kl": result.kl[name], "top1": result.top1[name],
+                   "eval_tokens": result.results["original"].tokens, "eval_len": args.eval_len}
+            for name in models}
 
 
 def main(argv=None) -> int:
@@ -146,14 +155,14 @@ def main(argv=None) -> int:
     record["peak_rss_mb"] = round(peak_mb(), 1)
 
     texts = load_texts(args.eval, "evaluation")
-    start = time.perf_counter()
-    record.update(score(model, original, tokenizer, texts, args))
-    record["eval_seconds"] = round(time.perf_counter() - start, 1)
+    models = {"converted": model}
     for where in args.exact_at:  # --to is eln or dyt here
-        handles = keep_original_at(model, original, [c.name for c in report.converted], POSITIONS[where])
-        record[f"exact_at_{where}"] = score(model, original, tokenizer, texts, args)
-        for handle in handles:
-            handle.remove()
+        models[f"exact_at_{where}"] = spliced = copy.deepcopy(model)
+        keep_original_at(spliced, original, [c.name for c in report.converted], POSITIONS[where])
+    start = time.perf_counter()
+    scores = score(models, original, tokenizer, texts, args)
+    record.update(scores.pop("converted"), **scores)
+    record["eval_seconds"] = round(time.perf_counter() - start, 1)  # all variants together
     print(json.dumps({k: v for k, v in record.items() if k != "calibration"}, indent=1))
     with open(args.out, "a") as f:
         f.write(json.dumps(record) + "\n")
