@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import Trainer, TrainerCallback
 
+from .layerwise import relative_hidden_error
 from .modules import ElementwiseNorm
 
 TRAINABLE = ("norms", "all", "lora")
@@ -136,23 +137,31 @@ def distillation_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor
 class NormSwapTrainer(Trainer):
     """``Trainer`` with cross-entropy + distillation from a frozen ``teacher`` and DyT / ELN parameter groups.
 
-    ``distill_weight`` w: loss = (1 - w) * CE + w * KD (w = 0: plain fine-tuning, no teacher forward). The
+    ``distill_weight`` w: loss = (1 - w) * CE + w * (KD + h * H) (w = 0: plain fine-tuning, no teacher forward),
+    with ``hidden_weight`` h and H the layer-wise loss (:func:`hf_normswap.layerwise.relative_hidden_error`, the
+    first position weighted by ``sink_weight``); ``logits=False`` drops KD (layer-wise distillation alone). The
     teacher is moved to the training device and never wrapped for DDP, so every process holds its own copy.
     """
 
     def __init__(self, *args, teacher: nn.Module | None = None, distill_weight: float = 0.0,
-                 temperature: float = 1.0, shape_lr: float | None = None, gamma_lr: float | None = None, **kwargs):
+                 temperature: float = 1.0, logits: bool = True, hidden_weight: float = 0.0, sink_weight: float = 0.0,
+                 shape_lr: float | None = None, gamma_lr: float | None = None, **kwargs):
         super().__init__(*args, **kwargs)
         if distill_weight > 0 and teacher is None:
             raise ValueError("distill_weight > 0 needs the original model as teacher")
         self.teacher = teacher
         self.distill_weight = float(distill_weight)
         self.temperature = float(temperature)
+        self.logits, self.hidden_weight, self.sink_weight = bool(logits), float(hidden_weight), float(sink_weight)
+        if not self.logits and self.hidden_weight <= 0:
+            raise ValueError("distillation without logits needs hidden_weight > 0")
         self.shape_lr, self.gamma_lr = shape_lr, gamma_lr
         if self.teacher is not None and self.distill_weight > 0:
             self.teacher.to(self.args.device).eval().requires_grad_(False)
             self.loss_is_scaled_for_ga = False  # compute_loss returns a per-batch mean: let the Trainer divide
-        self._component_sums = {"ce_loss": 0.0, "kd_loss": 0.0, "count": 0}
+        self._component_sums = dict.fromkeys(self.COMPONENTS, 0.0) | {"count": 0}
+
+    COMPONENTS = ("ce_loss", "kd_loss", "hidden_loss")
 
     def create_optimizer(self, model=None):
         opt_model = self.model if model is None else model
@@ -168,16 +177,20 @@ class NormSwapTrainer(Trainer):
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         if self.distill_weight == 0 or not model.training:  # evaluation: plain cross-entropy, for perplexity
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
-        outputs = model(**inputs)
+        layerwise = self.hidden_weight > 0
+        outputs = model(**inputs, output_hidden_states=layerwise)
         ce = outputs.loss
         with torch.no_grad():
-            teacher_logits = self.teacher(input_ids=inputs["input_ids"],
-                                          attention_mask=inputs.get("attention_mask")).logits
+            teacher = self.teacher(input_ids=inputs["input_ids"], attention_mask=inputs.get("attention_mask"),
+                                   output_hidden_states=layerwise)
         mask = inputs.get("attention_mask")
-        kd = distillation_loss(outputs.logits, teacher_logits, self.temperature, mask)
-        loss = (1.0 - self.distill_weight) * ce + self.distill_weight * kd
-        self._component_sums["ce_loss"] += float(ce.detach())
-        self._component_sums["kd_loss"] += float(kd.detach())
+        zero = ce.new_zeros(())
+        kd = distillation_loss(outputs.logits, teacher.logits, self.temperature, mask) if self.logits else zero
+        hidden = relative_hidden_error(outputs.hidden_states, teacher.hidden_states, mask, self.sink_weight) \
+            if layerwise else zero
+        loss = (1.0 - self.distill_weight) * ce + self.distill_weight * (kd + self.hidden_weight * hidden)
+        for key, value in zip(self.COMPONENTS, (ce, kd, hidden)):
+            self._component_sums[key] += float(value.detach())
         self._component_sums["count"] += 1
         return (loss, outputs) if return_outputs else loss
 
@@ -186,9 +199,9 @@ class NormSwapTrainer(Trainer):
             logs["eval_perplexity"] = math.exp(min(logs["eval_loss"], 700.0))
         if "loss" in logs and self._component_sums["count"]:
             count = self._component_sums.pop("count")
-            for key in ("ce_loss", "kd_loss"):
+            for key in self.COMPONENTS:
                 logs[key] = round(self._component_sums[key] / count, 6)
-            self._component_sums = {"ce_loss": 0.0, "kd_loss": 0.0, "count": 0}
+            self._component_sums = dict.fromkeys(self.COMPONENTS, 0.0) | {"count": 0}
         super().log(logs, start_time)
 
 

@@ -39,11 +39,13 @@ DEFAULTS = {
     "eval_data": "builtin:evaluation",
     "block_len": 256,            # training sequence length (packed, no padding)
     "max_train_tokens": None,    # cap on training text (tokens)
+    "train_tokens": None,        # tokens to train on in total, all processes and launches: sets training.max_steps
     "eval_blocks": 8,            # blocks of eval_data for the Trainer's periodic eval_loss / eval_perplexity
     "final_eval": {"max_tokens": 8192, "max_length": 512},  # hf_normswap.evaluate, before and after training
     "trainable": "norms",        # norms | all | lora
     "lora": {"r": 16, "alpha": 32, "dropout": 0.0, "target_modules": "all-linear"},
-    "distill": {"weight": 0.5, "temperature": 1.0},
+    # loss = (1 - weight) * CE + weight * (logit KL + hidden * layer-wise loss); hf_normswap.distill, .layerwise
+    "distill": {"weight": 0.5, "temperature": 1.0, "logits": True, "hidden": 0.0, "sink_weight": 0.0},
     "lr": {"base": 1.0e-4, "shape": None, "gamma": None},  # log alpha (log beta: 2x), gamma / bias; default: base
     "progressive": {"enabled": False, "order": "depth", "every": 20, "ramp": None, "start": 0, "group": 1,
                     "role_order": None},
@@ -255,6 +257,11 @@ def main(argv=None) -> int:
     config["training"]["use_cpu"] = cpu
     state = PartialState(cpu=cpu)
     set_seed(config["seed"])
+    if config["train_tokens"] is not None:  # takes precedence over max_steps
+        training = config["training"]
+        per_step = (config["block_len"] * training["per_device_train_batch_size"]
+                    * training.get("gradient_accumulation_steps", 1) * state.num_processes)
+        training["max_steps"] = max(1, math.ceil(int(config["train_tokens"]) / per_step))
     out = Path(config["output_dir"])
     save_dir = Path(config["save_dir"] or out / "final")
     summary_path = out / "summary.json"
@@ -311,10 +318,13 @@ def main(argv=None) -> int:
     trainer = NormSwapTrainer(model=student, args=args, train_dataset=train_set, eval_dataset=eval_set,
                               processing_class=tokenizer, callbacks=callbacks,
                               teacher=original if distill["weight"] > 0 else None, distill_weight=distill["weight"],
-                              temperature=distill["temperature"], shape_lr=config["lr"]["shape"],
+                              temperature=distill["temperature"], logits=distill["logits"],
+                              hidden_weight=distill["hidden"], sink_weight=distill["sink_weight"],
+                              shape_lr=config["lr"]["shape"],
                               gamma_lr=config["lr"]["gamma"])
     last = get_last_checkpoint(str(out)) if config["resume"] and out.is_dir() else None
     log(f"resuming from {last}" if last else "training from the calibrated model")
+    resumed = json.loads((Path(last) / "trainer_state.json").read_text()) if last else {}
     start = time.time()
     result = trainer.train(resume_from_checkpoint=last)
     wall = time.time() - start
@@ -328,7 +338,9 @@ def main(argv=None) -> int:
         history = trainer.state.log_history
         tokens = trainer.state.num_input_tokens_seen
         sessions = summary.get("sessions", []) + [{"resumed_from": last, "wall_seconds": round(wall, 1),
-                                                   "global_step": trainer.state.global_step}]
+                                                   "start_step": resumed.get("global_step", 0),
+                                                   "start_tokens": resumed.get("num_input_tokens_seen", 0),
+                                                   "global_step": trainer.state.global_step, "tokens": tokens}]
         training = {"steps": trainer.state.global_step, "tokens_seen": tokens, "trainable": config["trainable"],
                     "distill": distill, "lr": config["lr"], "progressive": progressive if swap else None,
                     "train_data": config["train_data"], "block_len": config["block_len"],

@@ -1,0 +1,222 @@
+"""Recovery curve: perplexity ratio (with KL and top-1 agreement) of the converted model to the original against the
+training tokens seen, for named recovery methods at equal token budgets.
+
+Each (norm, method) is one run of ``recipes/finetune.py`` in ``OUT/runs/NORM-METHOD``, extended budget by budget:
+``train_tokens=B`` for each budget in turn, each launch resuming from the previous one's last checkpoint. A launch is
+a chunk; every JSON line records where its chunk began (``chunk_start_tokens``), so a curve can be carried across
+processes and sessions: run the same command with larger budgets and it goes on from where it stopped (points
+already in ``OUT/curve.jsonl`` are not measured again). The learning rate is constant after warmup
+(``--schedule``), so extending a run does not change the steps already taken. Budget 0 is the recipe's evaluation
+of the calibrated start. The recipe's final evaluation gives the numbers: WikiText-2 test windows of
+``final_eval.max_length`` tokens, the original scored on the same windows.
+
+    python scripts/bench_recovery.py --config recipes/configs/smollm2-eln.yaml --norms eln dyt \\
+        --methods logits layerwise+logits --budgets 0 2048 5120 10240 --out out/recovery \\
+        --train-data PATH/wiki.valid.tokens --eval-data PATH/wiki.test.raw
+    python scripts/bench_recovery.py --out out/recovery --plot-only
+
+Methods (:data:`METHODS`, overrides on top of the config; ``--set KEY=VALUE`` adds overrides to every method).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPE = ROOT / "recipes" / "finetune.py"
+
+METHODS: dict[str, list[str]] = {
+    # the recipe's default: KL to the original's logits, all weights
+    "logits": [],
+    # every block's output toward the original's (hf_normswap.layerwise), sink masked, no logit term
+    "layerwise": ["distill.logits=false", "distill.hidden=1.0"],
+    # both: the layer-wise term weighted to about the logit KL's size at the calibrated start (KL ~3 nats, mean
+    # relative block error ~0.3 on SmolLM2)
+    "layerwise+logits": ["distill.hidden=10.0"],
+    # norms handed over from the original block by block (hf_normswap.progressive): 3 stages of 10 blocks, the
+    # last with the final norm, each ramped over 2 steps, all converted after 6 steps (6,144 tokens at 2 x 512)
+    "progressive": ["progressive.enabled=true", "progressive.group=10", "progressive.every=2", "progressive.ramp=2"],
+    # block-wise reconstruction during calibration: each block's linear weights fitted beside its norms to the
+    # original block's output (hf_normswap.reconstruct), then logit distillation
+    "blockwise": ["calibration.strategy=block", "calibration.block_weights_lr=1.0e-4"],
+}
+
+
+def machine() -> dict:
+    flags = set()
+    try:
+        flags = set(Path("/proc/cpuinfo").read_text().split("flags")[1].split("\n")[0].split())
+    except (OSError, IndexError):
+        pass
+    model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                  if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else ""
+    return {"cpu": model, "avx512_bf16": "avx512_bf16" in flags, "amx": any(f.startswith("amx") for f in flags)}
+
+
+def commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def read_points(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+def point(summary: dict, key: str) -> dict:
+    """ratio / KL / top-1 / perplexities of one of the recipe's evaluations (``calibrated`` or ``finetuned``)."""
+    evaluation = summary[key]
+    results = evaluation["results"]
+    return {"ratio": evaluation["ratio"][key], "kl": evaluation["kl"][key], "top1": evaluation["top1_agreement"][key],
+            "ppl": results[key]["token_perplexity"], "ppl_original": results["original"]["token_perplexity"],
+            "eval_tokens": evaluation["tokens"], "eval_max_length": evaluation["max_length"]}
+
+
+def run_chunk(args, norm: str, method: str, budget: int, run_dir: Path) -> tuple[dict, float, float, int]:
+    """One launch of the recipe up to ``budget`` tokens; (summary, wall s, CPU s, return code)."""
+    overrides = [f"method={norm}", f"train_tokens={max(budget, 1)}", f"output_dir={run_dir}",
+                 f"train_data={args.train_data}", f"eval_data={args.eval_data}",
+                 f"calibration.data={args.train_data}", f"threads={args.threads}",
+                 f"training.lr_scheduler_type={args.schedule}", "training.disable_tqdm=true",
+                 *args.set, *METHODS[method]]  # the method's own settings win
+    command = [sys.executable, str(RECIPE), "--config", args.config, *overrides]
+    log = run_dir.parent / f"{run_dir.name}.log"
+    cpu_before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    start = time.time()
+    with log.open("a") as stream:
+        stream.write(f"\n$ {' '.join(command)}\n")
+        stream.flush()
+        try:
+            code = subprocess.run(command, stdout=stream, stderr=subprocess.STDOUT, timeout=args.timeout).returncode
+        except subprocess.TimeoutExpired:
+            code = 124
+    cpu_after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (cpu_after.ru_utime - cpu_before.ru_utime) + (cpu_after.ru_stime - cpu_before.ru_stime)
+    summary_path = run_dir / "summary.json"
+    summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
+    return summary, time.time() - start, cpu, code
+
+
+def measure(args) -> None:
+    out = Path(args.out)
+    (out / "runs").mkdir(parents=True, exist_ok=True)
+    curve = out / "curve.jsonl"
+    done = {(p["norm"], p["method"], p["budget"]) for p in read_points(curve)}
+    context = {"commit": commit(), **machine(), "config": args.config, "schedule": args.schedule,
+               "overrides": args.set, "threads": args.threads}
+    for norm in args.norms:
+        for method in args.methods:
+            run_dir = out / "runs" / f"{norm}-{method}"
+            for budget in sorted(args.budgets):
+                if (norm, method, budget) in done:
+                    continue
+                if budget == 0:  # the calibrated start, evaluated by the recipe before any step
+                    summary_path = run_dir / "summary.json"
+                    if not summary_path.exists() or "calibrated" not in json.loads(summary_path.read_text()):
+                        continue  # measured with the first chunk
+                    row = {"tokens": 0, **point(json.loads(summary_path.read_text()), "calibrated")}
+                else:
+                    summary, wall, cpu, code = run_chunk(args, norm, method, budget, run_dir)
+                    if code != 0 or "finetuned" not in summary:
+                        print(f"[bench_recovery] {norm} {method} {budget}: recipe exited with {code}; see "
+                              f"{run_dir}.log (the run resumes from its last checkpoint next time)", flush=True)
+                        break
+                    session = summary["sessions"][-1]
+                    row = {"tokens": summary["training"]["tokens_seen"], "steps": summary["training"]["steps"],
+                           **point(summary, "finetuned"), "chunk_start_tokens": session.get("start_tokens"),
+                           "chunk_wall_s": round(wall, 1), "chunk_cpu_s": round(cpu, 1),
+                           "train_wall_s": summary["training"]["wall_seconds"]}
+                    if 0 in args.budgets and (norm, method, 0) not in done:
+                        zero = {"norm": norm, "method": method, "budget": 0, "tokens": 0,
+                                **point(summary, "calibrated"), **context}
+                        with curve.open("a") as f:
+                            f.write(json.dumps(zero) + "\n")
+                        done.add((norm, method, 0))
+                row = {"norm": norm, "method": method, "budget": budget, **row, **context}
+                with curve.open("a") as f:
+                    f.write(json.dumps(row) + "\n")
+                done.add((norm, method, budget))
+                print(f"[bench_recovery] {norm} {method} {row['tokens']:,} tokens: ratio {row['ratio']:.3f}, "
+                      f"KL {row['kl']:.3f}, top-1 {row['top1']:.3f}", flush=True)
+
+
+def plot(curve: Path, path: Path) -> Path:
+    """Ratio, KL and top-1 agreement against training tokens (log x; 0 sits on the linear part of a symlog axis);
+    one colour per method, solid ELN, dashed DyT."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    points = read_points(curve)
+    series: dict[tuple[str, str], list[dict]] = {}
+    for p in points:
+        series.setdefault((p["norm"], p["method"]), []).append(p)
+    methods = sorted({m for _, m in series})
+    colours = {m: f"C{i}" for i, m in enumerate(methods)}
+    positive = [p["tokens"] for p in points if p["tokens"] > 0]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+    for (norm, method), rows in sorted(series.items()):
+        rows = sorted(rows, key=lambda p: p["tokens"])
+        style = "-" if norm == "eln" else "--"
+        for ax, key in zip(axes, ("ratio", "kl", "top1")):
+            ax.plot([p["tokens"] for p in rows], [p[key] for p in rows], style, marker="o", ms=3,
+                    c=colours[method], label=f"{norm.upper()} {method}")
+    for ax, label in zip(axes, ("perplexity / original", "KL(original || converted), nats/token",
+                                "top-1 agreement with the original")):
+        if positive:
+            ax.set_xscale("symlog", linthresh=min(positive))
+        ax.set(xlabel="training tokens", ylabel=label)
+        ax.grid(alpha=0.3, which="both")
+    axes[0].set_yscale("log")
+    axes[0].axhline(2.0, c="k", ls=":", lw=0.8, label="goal 2.0x")
+    axes[0].legend(fontsize=7)
+    fig.suptitle(f"Recovery per training token ({curve})", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default=str(ROOT / "recipes" / "configs" / "smollm2-eln.yaml"))
+    parser.add_argument("--norms", nargs="+", default=["eln", "dyt"], choices=["eln", "dyt"])
+    parser.add_argument("--methods", nargs="+", default=["logits"], choices=list(METHODS))
+    parser.add_argument("--budgets", nargs="+", type=int, default=[0, 2048, 5120, 10240, 25600])
+    parser.add_argument("--train-data", help="training and calibration text (e.g. WikiText-2 validation)")
+    parser.add_argument("--eval-data", help="evaluation text (e.g. WikiText-2 test)")
+    parser.add_argument("--schedule", default="constant_with_warmup", help="the Trainer's lr_scheduler_type")
+    parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="recipe overrides for every run")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--timeout", type=float, default=None, help="seconds per launch of the recipe")
+    parser.add_argument("--out", default="out/recovery")
+    parser.add_argument("--plot-only", action="store_true")
+    args = parser.parse_args(argv)
+    if not args.plot_only:
+        missing = [name for name, value in (("--train-data", args.train_data), ("--eval-data", args.eval_data))
+                   if not value or (not value.startswith("builtin") and not Path(value).exists())]
+        if missing:
+            parser.error(f"{', '.join(missing)}: give existing text files (or builtin:...)")
+        if not Path(args.config).is_file():
+            parser.error(f"--config {args.config}: no such file")
+        measure(args)
+    curve = Path(args.out) / "curve.jsonl"
+    if not read_points(curve):
+        print(f"[bench_recovery] no points in {curve} yet", flush=True)
+        return 0
+    print(f"[bench_recovery] {plot(curve, Path(args.out) / 'curve.png')}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
