@@ -41,6 +41,7 @@ from .discovery import NormInfo, normalized_reference
 from .fitting import FitStats, analytic_input_scale, fit_module, outlier_mask, saturating_init
 from .model_inputs import first_tensor, text_config
 from .modules import adam_groups
+from .reconstruct import block_weights
 from .roles import block_of
 
 # per-channel alpha / beta and gamma (amplitude) and bias, all tokens at natural frequency
@@ -117,6 +118,7 @@ class CalibrationConfig:
     block_steps: int | None = None  # Adam steps per block on the block-output error (sequential only)
     block_rows: int = 4  # sequences per block-tuning step
     block_lr: float = 1e-2
+    block_weights_lr: float = 0.0  # > 0: block tuning also fits the block's own weights at this rate (reconstruct.py)
     tune_steps: int | None = None
     tune_blocks: int | None = None  # sequences the end-to-end steps cycle over
     tune_lr: float = 5e-3
@@ -589,6 +591,11 @@ def _tune_block(block, modules, run, hidden, reference, batches, config) -> dict
     each norm's own output leaves the error a block inherits to grow over 30 blocks; matching the block output
     makes each block compensate for it."""
     params = [p for m in modules for p in m.parameters(recurse=False)]
+    groups = adam_groups(modules, config.block_lr, config.shape_lr_scale)
+    if config.block_weights_lr > 0:  # block-wise reconstruction
+        weights = block_weights(block, modules)
+        params += weights
+        groups.append({"params": weights, "lr": config.block_weights_lr})
     chunks = [(k, slice(s, s + config.block_rows)) for k, h in enumerate(hidden)
               for s in range(0, h.shape[0], config.block_rows)]
 
@@ -602,7 +609,7 @@ def _tune_block(block, modules, run, hidden, reference, batches, config) -> dict
 
     before = mean_error()
     start = [p.detach().clone() for p in params]
-    optimizer = torch.optim.Adam(adam_groups(modules, config.block_lr, config.shape_lr_scale))
+    optimizer = torch.optim.Adam(groups)
     with _training_only(block, params):
         for step in range(config.block_steps):
             optimizer.zero_grad()
