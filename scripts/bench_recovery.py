@@ -81,6 +81,28 @@ def point(summary: dict, key: str) -> dict:
             "eval_tokens": evaluation["tokens"], "eval_max_length": evaluation["max_length"]}
 
 
+def calibration_settings(args, method: str) -> list[str]:
+    """The overrides that decide the calibrated start (the last one of a key wins, as in the recipe)."""
+    settings = dict(item.partition("=")[::2] for item in [*args.set, *METHODS[method]]
+                    if item.startswith(("calibration.", "model=")))
+    return sorted(f"{k}={v}" for k, v in settings.items())
+
+
+def share_calibration(args, norm: str, method: str, run_dir: Path) -> None:
+    """Start from another method's calibrated model when the calibration settings are the same: the same start for
+    every method (the curves then differ by the recovery alone) and one calibration instead of one per method."""
+    cache = run_dir / "calibrated"
+    if cache.exists():
+        return
+    for other in METHODS:
+        source = run_dir.parent / f"{norm}-{other}" / "calibrated"
+        if other != method and (source / "config.json").exists() and \
+                calibration_settings(args, other) == calibration_settings(args, method):
+            run_dir.mkdir(parents=True, exist_ok=True)
+            cache.symlink_to(source.resolve(), target_is_directory=True)
+            return
+
+
 def run_chunk(args, norm: str, method: str, budget: int, run_dir: Path) -> tuple[dict, float, float, int]:
     """One launch of the recipe up to ``budget`` tokens; (summary, wall s, CPU s, return code)."""
     overrides = [f"method={norm}", f"train_tokens={max(budget, 1)}", f"output_dir={run_dir}",
@@ -89,6 +111,7 @@ def run_chunk(args, norm: str, method: str, budget: int, run_dir: Path) -> tuple
                  f"training.lr_scheduler_type={args.schedule}", "training.disable_tqdm=true",
                  *args.set, *METHODS[method]]  # the method's own settings win
     command = [sys.executable, str(RECIPE), "--config", args.config, *overrides]
+    share_calibration(args, norm, method, run_dir)
     log = run_dir.parent / f"{run_dir.name}.log"
     cpu_before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.time()
