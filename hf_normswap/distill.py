@@ -179,12 +179,15 @@ class NormSwapTrainer(Trainer):
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
         layerwise = self.hidden_weight > 0
         outputs = model(**inputs, output_hidden_states=layerwise)
-        ce = outputs.loss
+        zero = torch.zeros((), device=inputs["input_ids"].device)
+        ce = getattr(outputs, "loss", None)
+        if ce is None and self.distill_weight < 1:  # an encoder has no loss of its own
+            raise ValueError("the model computes no loss of its own (a sentence encoder): set distill weight 1")
+        ce = zero if ce is None else ce
         with torch.no_grad():
             teacher = self.teacher(input_ids=inputs["input_ids"], attention_mask=inputs.get("attention_mask"),
                                    output_hidden_states=layerwise)
         mask = inputs.get("attention_mask")
-        zero = ce.new_zeros(())
         kd = distillation_loss(outputs.logits, teacher.logits, self.temperature, mask) if self.logits else zero
         hidden = relative_hidden_error(outputs.hidden_states, teacher.hidden_states, mask, self.sink_weight) \
             if layerwise else zero

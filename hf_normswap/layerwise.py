@@ -20,8 +20,9 @@ def relative_hidden_error(student: tuple[torch.Tensor, ...], teacher: tuple[torc
                           mask: torch.Tensor | None = None, sink_weight: float = 0.0) -> torch.Tensor:
     """Mean over layers of the per-token relative squared error of ``student`` hidden states to ``teacher``'s.
 
-    ``student`` / ``teacher``: the models' ``hidden_states`` (embeddings first, which are skipped: they do not
-    depend on the norms), each ``(batch, seq, dim)``. ``mask``: ``(batch, seq)`` of tokens that count.
+    ``student`` / ``teacher``: the models' ``hidden_states``, each ``(batch, seq, dim)``; the first (the
+    embeddings) is skipped: a decoder's does not depend on the norms, and an encoder's embedding norm shows in the
+    first block's output. ``mask``: ``(batch, seq)`` of tokens that count.
     """
     if len(student) != len(teacher):
         raise ValueError(f"{len(student)} student hidden states against {len(teacher)} of the teacher")

@@ -176,11 +176,21 @@ def trainable_dense(model):
     return model
 
 
+def is_encoder(model) -> bool:
+    """A model that ends in hidden states (a sentence encoder): no labels, no perplexity, hidden-state distillation."""
+    head = getattr(model, "get_output_embeddings", None)
+    return head is not None and head() is None
+
+
 def final_evaluation(model, original, tokenizer, config: dict, name: str):
     from hf_normswap.data import load_texts
     from hf_normswap.evaluate import evaluate
+    from hf_normswap.similarity import Similarity, sentence_similarity
 
     texts = load_texts(config["eval_data"], "evaluation")
+    if is_encoder(original):  # the embedding its users consume: mean cosine to the original's
+        count = config["final_eval"].get("sentences", 512)
+        return Similarity(name, sentence_similarity(original, {name: model}, tokenizer, texts, count)[name], count)
     return evaluate({name: model}, tokenizer, texts, against=original, data=config["eval_data"], progress=False,
                     **config["final_eval"])
 
@@ -228,12 +238,13 @@ def plot_history(history: list[dict], path: Path, original_ppl: float | None, ti
 def reloads_identically(model, directory: Path, tokenizer) -> bool:
     """Load the saved checkpoint back (hf_normswap.load) and compare logits on a fixed input bit for bit."""
     import hf_normswap
+    from hf_normswap.model_inputs import first_tensor
 
     reloaded = hf_normswap.load(directory).to(next(model.parameters()).device)
     ids = tokenizer("Normalization layers can be replaced by element-wise functions.", return_tensors="pt")
     ids = ids["input_ids"].to(next(model.parameters()).device)
     model.eval()
-    return torch.equal(model(input_ids=ids).logits, reloaded(input_ids=ids).logits)
+    return torch.equal(first_tensor(model(input_ids=ids)), first_tensor(reloaded(input_ids=ids)))
 
 
 # ----------------------------------------------------------------------------------------------------------- main
@@ -286,10 +297,13 @@ def main(argv=None) -> int:
     state.wait_for_everyone()
 
     # 3. train
+    encoder = is_encoder(original)
     train_set = block_dataset(tokenizer, config["train_data"], "calibration", config["block_len"],
                               config["max_train_tokens"])
     eval_set = block_dataset(tokenizer, config["eval_data"], "evaluation", config["block_len"],
                              max_blocks=config["eval_blocks"])
+    if encoder:  # trained on hidden states alone; evaluated by embedding cosine after training
+        train_set, eval_set = train_set.remove_columns("labels"), None
     progressive = config["progressive"]
     swap = None
     if progressive["enabled"]:
@@ -309,7 +323,7 @@ def main(argv=None) -> int:
         f"{config['block_len']} tokens")
 
     args = TrainingArguments(output_dir=str(out), seed=config["seed"], learning_rate=config["lr"]["base"],
-                             prediction_loss_only=True, eval_on_start=True,
+                             prediction_loss_only=True, eval_on_start=not encoder,
                              **{"include_num_input_tokens_seen": "all", **config["training"]})
     distill = config["distill"]
     callbacks = [WallClockStop(config["max_minutes"])] if config["max_minutes"] else []
@@ -350,7 +364,7 @@ def main(argv=None) -> int:
         hf_normswap.save_pretrained(model, save_dir, tokenizer=tokenizer, overwrite=True,
                                     evaluation=after.card("finetuned"))
         identical = reloads_identically(model, save_dir, tokenizer)
-        original_block_ppl = block_perplexity(original, eval_set)
+        original_block_ppl = None if encoder else block_perplexity(original, eval_set)
         curve = plot_history(history, out / "curve.png", original_block_ppl,
                              f"{config['model']} -> {config['method'].upper()}, {config['trainable']}, "
                              f"{tokens:,} tokens")
@@ -358,8 +372,10 @@ def main(argv=None) -> int:
                        reload_identical=identical, curve=str(curve), checkpoint=str(save_dir),
                        original_eval_block_perplexity=original_block_ppl)
         summary_path.write_text(json.dumps(summary, indent=1, default=str))
-        ratio = {k: summary[k]["ratio"].get(n) for k, n in (("calibrated", "calibrated"), ("finetuned", "finetuned"))}
-        log(f"perplexity / original: {ratio['calibrated']:.4g} after calibration -> {ratio['finetuned']:.4g} after "
+        measure = "mean_cosine_similarity" if encoder else "ratio"
+        ratio = {k: summary[k][measure].get(k) for k in ("calibrated", "finetuned")}
+        log(f"{'embedding cosine to' if encoder else 'perplexity /'} original: {ratio['calibrated']:.4g} after "
+            f"calibration -> {ratio['finetuned']:.4g} after "
             f"{trainer.state.global_step} steps ({tokens:,} tokens, {wall / 60:.1f} min); saved {save_dir} "
             f"(reloads identically: {identical}); curve {curve}")
         if config["push_to_hub"]:

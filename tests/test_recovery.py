@@ -20,10 +20,12 @@ from hf_normswap.progressive import ProgressiveSwap, schedule
 from tiny_models import tiny_model
 
 
-def converted_pair(seed: int = 0):
-    """(converted tiny llama, its original): ELN after the ``fast`` calibration on random tokens."""
-    torch.manual_seed(seed)
-    original = tiny_model("llama").eval()
+def converted_pair(arch: str = "llama"):
+    """(converted tiny model, its original): ELN after the ``fast`` calibration on random tokens. ``bert``: the
+    encoder alone (it ends in hidden states, as a sentence encoder does)."""
+    original = tiny_model(arch).eval()
+    original = original.bert if arch == "bert" else original
+    torch.manual_seed(0)
     model = copy.deepcopy(original)
     calibration = CalibrationConfig(data=torch.randint(0, 128, (8, 32)), strategy="fast", progress=False)
     hf_normswap.convert(model, to="eln", calibration=calibration)
@@ -42,9 +44,10 @@ def test_relative_hidden_error_is_scale_free_and_masks_the_sink():
     assert float(relative_hidden_error(broken_sink, teacher, sink_weight=1.0)) > 100 * 0.01
 
 
-@pytest.mark.parametrize("logits", [False, True], ids=["layerwise", "layerwise+logits"])
-def test_layerwise_distillation_moves_the_converted_model_toward_the_original(tmp_path, logits):
-    model, original = converted_pair()
+@pytest.mark.parametrize("arch,logits", [("llama", False), ("llama", True), ("bert", False)],
+                         ids=["layerwise", "layerwise+logits", "encoder"])
+def test_layerwise_distillation_moves_the_converted_model_toward_the_original(tmp_path, arch, logits):
+    model, original = converted_pair(arch)
     set_trainable(model, "all")
     args = TrainingArguments(output_dir=str(tmp_path), learning_rate=1e-2, use_cpu=True, report_to="none")
     trainer = NormSwapTrainer(model=model, args=args, teacher=original, distill_weight=1.0, logits=logits,
@@ -63,9 +66,9 @@ def test_layerwise_distillation_moves_the_converted_model_toward_the_original(tm
     model.train()
     for _ in range(30):
         optimizer.zero_grad()
-        trainer.compute_loss(model, {"input_ids": ids, "labels": ids}).backward()
+        trainer.compute_loss(model, {"input_ids": ids} if arch == "bert" else {"input_ids": ids, "labels": ids}).backward()
         optimizer.step()
-    assert distance() < 0.7 * before  # measured: 0.17 -> 0.10 (layer-wise alone)
+    assert distance() < 0.8 * before  # measured: llama 0.173 -> 0.092 (either loss), bert 0.374 -> 0.252
     assert trainer._component_sums["hidden_loss"] > 0 and (trainer._component_sums["kd_loss"] > 0) == logits
 
 
