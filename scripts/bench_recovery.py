@@ -40,8 +40,9 @@ METHODS: dict[str, list[str]] = {
     # both: the layer-wise term weighted to about the logit KL's size at the calibrated start (KL ~3 nats, mean
     # relative block error ~0.3 on SmolLM2)
     "layerwise+logits": ["distill.hidden=10.0"],
-    # norms handed over from the original block by block (hf_normswap.progressive): 3 stages of 10 blocks, the
-    # last with the final norm, each ramped over 2 steps, all converted after 6 steps (6,144 tokens at 2 x 512)
+    # norms handed over from the original block by block (hf_normswap.progressive): 3 stages of 10 blocks, then
+    # the final norm, one every 2 steps, each ramped over 2 steps: all converted after 8 steps (8,192 tokens at
+    # 2 x 512)
     "progressive": ["progressive.enabled=true", "progressive.group=10", "progressive.every=2", "progressive.ramp=2"],
     # block-wise reconstruction during calibration: each block's linear weights fitted beside its norms to the
     # original block's output (hf_normswap.reconstruct), then logit distillation
@@ -215,7 +216,8 @@ def main(argv=None) -> int:
     parser.add_argument("--config", default=str(ROOT / "recipes" / "configs" / "smollm2-eln.yaml"))
     parser.add_argument("--norms", nargs="+", default=["eln", "dyt"], choices=["eln", "dyt"])
     parser.add_argument("--methods", nargs="+", default=["logits"], choices=list(METHODS))
-    parser.add_argument("--budgets", nargs="+", type=int, default=[0, 2048, 5120, 10240, 25600])
+    parser.add_argument("--budgets", nargs="+", type=int, default=[0, 50_000, 100_000, 250_000, 500_000],
+                        help="training tokens at which to measure (default: the goal's curve)")
     parser.add_argument("--train-data", help="training and calibration text (e.g. WikiText-2 validation)")
     parser.add_argument("--eval-data", help="evaluation text (e.g. WikiText-2 test)")
     parser.add_argument("--schedule", default="constant_with_warmup", help="the Trainer's lr_scheduler_type")
