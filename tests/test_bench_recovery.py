@@ -1,0 +1,44 @@
+"""scripts/bench_recovery.py: the curve's plot, shared calibrated starts, refusal of bad input (no training)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+
+from file_modules import import_file
+
+bench = import_file("scripts/bench_recovery.py")
+
+
+def test_plot_draws_every_series_from_the_json_lines(tmp_path):
+    curve = tmp_path / "curve.jsonl"
+    rows = [{"norm": norm, "method": method, "budget": t, "tokens": t, "ratio": 20.0 / (1 + t / 1000),
+             "kl": 3.0 / (1 + t / 1000), "top1": 0.2 + t / 1e5}
+            for norm in ("eln", "dyt") for method in ("logits", "layerwise+logits") for t in (0, 2048, 5120)]
+    curve.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    path = bench.plot(curve, tmp_path / "curve.png")
+    assert path.stat().st_size > 10_000
+
+
+def test_methods_with_the_same_calibration_share_the_calibrated_start(tmp_path):
+    args = argparse.Namespace(set=["calibration.strategy=fast"])
+    runs = tmp_path / "runs"
+    (runs / "eln-logits" / "calibrated").mkdir(parents=True)
+    (runs / "eln-logits" / "calibrated" / "config.json").write_text("{}")
+    bench.share_calibration(args, "eln", "layerwise", runs / "eln-layerwise")
+    assert (runs / "eln-layerwise" / "calibrated").resolve() == (runs / "eln-logits" / "calibrated").resolve()
+    bench.share_calibration(args, "eln", "blockwise", runs / "eln-blockwise")  # its own calibration
+    assert not (runs / "eln-blockwise" / "calibrated").exists()
+    bench.share_calibration(args, "dyt", "layerwise", runs / "dyt-layerwise")  # another norm
+    assert not (runs / "dyt-layerwise" / "calibrated").exists()
+
+
+def test_missing_data_is_refused_before_any_run(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main(["--train-data", str(tmp_path / "absent.txt"), "--eval-data", str(tmp_path / "absent.txt"),
+                    "--out", str(tmp_path / "out")])
+    assert exit_info.value.code == 2 and "--train-data" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
