@@ -3,6 +3,7 @@
     accelerate launch recipes/finetune.py --config recipes/configs/smollm2-eln.yaml
     accelerate launch --config_file recipes/accelerate_configs/multi_gpu.yaml recipes/finetune.py --config ...
     python recipes/finetune.py --config recipes/configs/smollm2-eln.yaml training.max_steps=50 max_minutes=10
+    python recipes/finetune.py --config recipes/configs/smollm2-eln.yaml train_tokens=500000 output_dir=DIR
 
 Settings come from the YAML config, then from ``key=value`` overrides (dotted keys reach into sections; values are
 read as YAML). Steps, top to bottom:
@@ -12,8 +13,11 @@ read as YAML). Steps, top to bottom:
    ``OUTPUT/calibrated`` so a resumed run does not calibrate again;
 2. evaluate perplexity of the calibrated model against the original (main process);
 3. train with ``hf_normswap.distill.NormSwapTrainer``: cross-entropy plus optional distillation from the frozen
-   original, norm-only / full / LoRA training, optional progressive conversion; resumes from the last checkpoint;
-4. evaluate again, save the checkpoint with remote code and a model card that records the training, check that it
+   original (its logits and / or every block's output, ``hf_normswap.layerwise``; a sentence encoder trains on the
+   blocks' outputs alone), norm-only / full / LoRA training, optional progressive conversion, ``train_tokens`` in
+   total over every launch (it sets ``max_steps``); resumes from the last checkpoint, so a long run can be done in
+   chunks;
+4. evaluate again (a sentence encoder: mean cosine of sentence embeddings to the original's), save the checkpoint with remote code and a model card that records the training, check that it
    reloads with identical logits, draw the loss / perplexity curve, optionally push to the Hub.
 """
 
