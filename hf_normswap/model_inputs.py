@@ -57,3 +57,9 @@ def first_tensor(output) -> torch.Tensor:
     if hasattr(output, "to_tuple"):
         return first_tensor(output.to_tuple()[0])
     raise TypeError(f"no tensor in output of type {type(output).__name__}")
+
+
+def forward_without_cache(model: nn.Module, batch: dict):
+    """``model(**batch)`` without a KV cache, which calibration never reuses."""
+    kwargs = {"use_cache": False} if getattr(model.config, "use_cache", None) is not None else {}
+    return model(**batch, **kwargs)
