@@ -26,7 +26,8 @@ from tqdm.auto import tqdm
 from .capture import StopForward, capturing, first_call_inputs
 from .discovery import NormInfo
 from .model_inputs import first_tensor, forward_without_cache
-from .modules import adam_groups, training_only
+from .end_to_end import training_only
+from .modules import adam_groups
 from .roles import block_of
 
 

@@ -5,12 +5,29 @@ few calibration sequences. The teacher outputs are computed before any norm is r
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 
 import torch
+from torch import nn
 from tqdm.auto import tqdm
 
 from .model_inputs import first_tensor, forward_without_cache, text_config
-from .modules import adam_groups, training_only
+from .modules import adam_groups
+
+
+@contextmanager
+def training_only(model: nn.Module, params: list[nn.Parameter]):
+    """Gradients for ``params`` alone (here and in ``block_pass.tune_block``), restoring every parameter's requires_grad afterwards."""
+    chosen = {id(p) for p in params}
+    saved = {n: p.requires_grad for n, p in model.named_parameters()}
+    for p in model.parameters():
+        p.requires_grad_(id(p) in chosen)
+    try:
+        with torch.enable_grad():
+            yield
+    finally:
+        for n, p in model.named_parameters():
+            p.requires_grad_(saved[n])
 
 
 def tuning_rows(batches, count: int) -> list[dict]:

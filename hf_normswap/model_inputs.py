@@ -1,4 +1,5 @@
-"""Small random inputs that any supported model accepts, for probing roles and for smoke tests."""
+"""Model inputs and outputs: small random inputs any supported model accepts (for probing roles and smoke tests),
+the main tensor of an output, and a forward pass without a KV cache."""
 
 from __future__ import annotations
 

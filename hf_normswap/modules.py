@@ -10,7 +10,6 @@ result is cast back to the input dtype: real models carry activations near 1000,
 from __future__ import annotations
 
 import math
-from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -207,21 +206,6 @@ def adam_groups(modules: list[ElementwiseNorm], lr: float) -> list[dict]:
         for name, param in module.named_parameters(recurse=False):
             groups.setdefault(lr * module.lr_factor(name), []).append(param)
     return [{"params": params, "lr": group_lr} for group_lr, params in groups.items()]
-
-
-@contextmanager
-def training_only(model: nn.Module, params: list[nn.Parameter]):
-    """Gradients for ``params`` alone, restoring every parameter's requires_grad afterwards."""
-    chosen = {id(p) for p in params}
-    saved = {n: p.requires_grad for n, p in model.named_parameters()}
-    for p in model.parameters():
-        p.requires_grad_(id(p) in chosen)
-    try:
-        with torch.enable_grad():
-            yield
-    finally:
-        for n, p in model.named_parameters():
-            p.requires_grad_(saved[n])
 
 
 METHODS: dict[str, type[ElementwiseNorm]] = {"eln": ELN, "dyt": DyT}
