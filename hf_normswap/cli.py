@@ -20,6 +20,7 @@ from .model_card import hub_id
 from .modules import METHODS
 from .packaged import PackagedModelMissing
 from .roles import ROLES
+from .sensitivity import exact
 
 USER_ERRORS = (ConversionError, ModelLoadError, PackagedModelMissing, DataError, EvaluationError, CheckpointError,
                PushError, FoldError)
@@ -115,6 +116,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="after converting, evaluate against the original on DATA (same forms as `eval --data`) "
                            "and print the side-by-side table; it is stored in config.json and the model card")
     _evaluation_args(conv, prefix="eval-")
+    _budget_args(conv)
+
+    _sensitivity_parser(commands, model_help)
 
     hub = commands.add_parser("push", help="upload a saved checkpoint to the Hugging Face Hub")
     hub.add_argument("directory", help="checkpoint directory written by `normswap convert --output`")
@@ -141,6 +145,110 @@ def _evaluation_args(parser: argparse.ArgumentParser, prefix: str = "") -> None:
                         help="score only the last STRIDE tokens of each later window (default: non-overlapping)")
     parser.add_argument(f"--{prefix}max-tokens", type=int, help="stop after this many tokens (CPU budget)")
     parser.add_argument(f"--{prefix}batch-size", type=int, default=1, help="windows per forward pass (default: 1)")
+
+
+# ------------------------------------------------------------------------------ sensitivity and quality budgets
+
+
+def _sensitivity_parser(commands, model_help: str) -> None:
+    from .sensitivity import CALIB_BLOCKS, CALIB_LEN, EVAL_LEN, EVAL_WINDOWS, SENTENCES
+
+    sens = commands.add_parser("sensitivity", help="damage of each norm converted alone, and the greedy curve")
+    sens.add_argument("model", help=model_help)
+    sens.add_argument("--to", required=True, choices=sorted(METHODS), type=str.lower, help="element-wise method")
+    sens.add_argument("--data", default="builtin", help="text scored against the original (same forms as `eval "
+                      "--data`; default: %(default)s)")
+    sens.add_argument("--windows", type=int, default=EVAL_WINDOWS, help="windows of --window-len tokens scored "
+                      "(language models; default: %(default)s)")
+    sens.add_argument("--window-len", type=int, default=EVAL_LEN, help="tokens per window (default: %(default)s)")
+    sens.add_argument("--sentences", type=int, default=SENTENCES, help="sentences embedded (encoders; default: "
+                      "%(default)s)")
+    sens.add_argument("--tune-steps", type=int, default=0, help="end-to-end calibration steps per measurement "
+                      "(default: %(default)s; the strategy's own count makes each a full calibration)")
+    sens.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    sens.add_argument("--plot", metavar="PNG", help="draw per-norm bars by layer and role and the greedy curve")
+    _calibration_args(sens)
+    sens.set_defaults(calib_blocks=CALIB_BLOCKS, calib_len=CALIB_LEN)
+    _selection_args(sens)
+
+
+def _budget_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("quality budget (convert the largest greedy subset within it; see "
+                                      "`normswap sensitivity`)").add_mutually_exclusive_group()
+    group.add_argument("--budget-kl", type=float, metavar="X", help="KL(original || converted) at most X nats/token")
+    group.add_argument("--budget-ppl-ratio", type=float, metavar="R", help="perplexity at most R times the original's")
+    group.add_argument("--budget-cosine", type=float, metavar="C", help="encoders: mean embedding cosine at least C")
+    parser.add_argument("--budget-data", default="builtin", help="text the budget is measured on (default: "
+                        "%(default)s, the evaluation half)")
+
+
+def _budget(args) -> tuple[str, float] | None:
+    for metric in ("kl", "ppl_ratio", "cosine"):
+        limit = getattr(args, f"budget_{metric}")
+        if limit is not None:
+            if limit <= 0 or (metric == "ppl_ratio" and limit < 1) or (metric == "cosine" and limit > 1):
+                raise ConversionError(f"--budget-{metric.replace('_', '-')} {limit} can never be met or is always "
+                                      "met: give a KL > 0, a perplexity ratio >= 1 or a cosine in (0, 1]")
+            return metric, limit
+    return None
+
+
+def _measurer(args, model, tokenizer, texts, calibration):
+    from .sensitivity import Measurer, Reference
+
+    if tokenizer is None:
+        raise ConversionError(f"{args.model} has no tokenizer: the sensitivity map needs one to score text")
+    reference = Reference(model, tokenizer, texts, **{k: getattr(args, k, d) for k, d in
+                                                     (("windows", 4), ("window_len", 256), ("sentences", 64))})
+    return Measurer(model, reference, args.to, calibration, roles=_roles(args.roles), per_channel=args.per_channel)
+
+
+def _select_within_budget(args, model, tokenizer):
+    """The budget search on a copy: the map on the sensitivity slice, then a bisection of its greedy curve."""
+    from dataclasses import replace
+
+    from .data import load_texts
+    from .sensitivity import CALIB_BLOCKS, CALIB_LEN, measure_map, select_within_budget
+
+    metric, limit = _budget(args)
+    calibration = _calibration(args, tokenizer)
+    if calibration is not None:  # measured cheaply; the final conversion runs the full calibration
+        calibration = replace(calibration, num_blocks=CALIB_BLOCKS, block_len=CALIB_LEN, tune_steps=0, plots=None)
+    measurer = _measurer(args, model, tokenizer, load_texts(args.budget_data, "evaluation"), calibration)
+    _, selected, _ = plan(model, _roles(args.roles), args.include, args.exclude)
+    budget = select_within_budget(measure_map(measurer, selected), measurer, metric, limit)
+    if not budget.converted:
+        raise ConversionError(f"no norm converts within the budget: {budget.kept[0]['reason']}")
+    return budget
+
+
+def _sensitivity(args) -> None:
+    from .data import load_texts
+    from .sensitivity import measure_map, plot
+
+    args.per_channel = False
+    _check_calibration_args(args)
+    for flag in ("windows", "window_len", "sentences"):
+        if getattr(args, flag) < 1:
+            raise ConversionError(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
+    if args.tune_steps < 0:
+        raise ConversionError(f"--tune-steps must be at least 0, got {args.tune_steps}")
+    for spec in (args.calib, args.data):
+        if spec:
+            local_paths(spec)
+    if args.plot and not Path(args.plot).resolve().parent.is_dir():
+        raise ConversionError(f"--plot {args.plot}: its directory does not exist; create it or pick another path")
+    model, tokenizer = load_model(args.model)
+    _, selected, _ = plan(model, _roles(args.roles), args.include, args.exclude)
+    texts = load_texts(args.data, default_split="evaluation")
+    calibration = _calibration(args, tokenizer)
+    if calibration is not None:
+        calibration.tune_steps, calibration.progress = args.tune_steps, False
+        _warn(_calibration_overlap(args.calib, None, args.data, texts))
+    sensitivity = measure_map(_measurer(args, model, tokenizer, texts, calibration), selected)
+    if args.plot:
+        plot(sensitivity, args.plot)
+    print(json.dumps(sensitivity.to_dict(), indent=2) if args.json else sensitivity.table())
 
 
 def _inspect(args) -> None:
@@ -180,12 +288,22 @@ def _convert(args) -> None:
         preflight(args.push_to_hub)
     elif args.private:
         raise PushError("--private needs --push-to-hub REPO")
+    budget = _budget(args)
+    if budget and args.budget_data:
+        local_paths(args.budget_data)
     model, tokenizer = load_model(args.model)
     original = copy.deepcopy(model) if args.eval_data else None  # the reference for --eval
+    if budget:
+        budget = _select_within_budget(args, model, tokenizer)
     report = convert(model, to=args.to, calibration=_calibration(args, tokenizer),
-                     roles=_roles(args.roles), include=args.include, exclude=args.exclude,
-                     per_channel=args.per_channel, input_scale=args.input_scale)
+                     roles=_roles(args.roles), include=exact(budget.converted) if budget else args.include,
+                     exclude=None if budget else args.exclude, per_channel=args.per_channel,
+                     input_scale=args.input_scale)
+    if budget:
+        report.budget = model.config.normswap["budget"] = budget.to_dict()
     print(report)
+    if budget:
+        print(budget)
     if args.fold:
         print(fold(model))
     if original is not None:
@@ -283,7 +401,8 @@ def _eval(args) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        {"inspect": _inspect, "convert": _convert, "eval": _eval, "push": _push}[args.command](args)
+        {"inspect": _inspect, "convert": _convert, "eval": _eval, "push": _push,
+         "sensitivity": _sensitivity}[args.command](args)
     except USER_ERRORS as error:
         print(f"normswap: error: {error}", file=sys.stderr)
         return 2

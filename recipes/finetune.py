@@ -46,7 +46,7 @@ DEFAULTS = {
     "distill": {"weight": 0.5, "temperature": 1.0},
     "lr": {"base": 1.0e-4, "shape": None, "gamma": None},  # log alpha (log beta: 2x), gamma / bias; default: base
     "progressive": {"enabled": False, "order": "depth", "every": 20, "ramp": None, "start": 0, "group": 1,
-                    "role_order": None},
+                    "role_order": None},  # order: depth | reverse_depth | role | PATH.json (`normswap sensitivity`)
     "max_minutes": None,         # wall-clock budget for this launch; stops with a checkpoint
     "resume": True,              # continue from the last checkpoint in output_dir
     "output_dir": "out/finetune",

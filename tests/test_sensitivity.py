@@ -1,0 +1,132 @@
+"""Sensitivity map, greedy curve, budget search, progressive order from a map. Tiny models only."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from tiny_models import tiny_model
+
+from hf_normswap.convert import plan
+from hf_normswap.progressive import schedule
+from hf_normswap.sensitivity import (CurvePoint, Measurer, Reference, Score, doubling, largest_within, load_order,
+                                     measure_map, plot, select_within_budget)
+
+TEXT = ["the quick brown fox jumps over the lazy dog and keeps running through the field " * 40]
+
+
+class CharTokenizer:
+    """Characters as token ids below the tiny models' vocabulary of 128."""
+
+    eos_token_id = 0
+
+    def __call__(self, text, add_special_tokens=False):
+        return {"input_ids": [ord(c) % 127 + 1 for c in text]}
+
+
+@pytest.fixture(scope="module")
+def llama_map():
+    model = tiny_model("llama")
+    _, selected, _ = plan(model)
+    measurer = Measurer(model, Reference(model, CharTokenizer(), TEXT, windows=2, window_len=32), "eln",
+                        roles=("attention_input", "mlp_input", "final"))
+    return model, selected, measurer, measure_map(measurer, selected, progress=False)
+
+
+def test_map_has_one_entry_per_norm_ranked_by_damage_and_a_nested_curve(llama_map):
+    model, selected, measurer, sensitivity = llama_map
+    data = sensitivity.to_dict()
+    assert [n["name"] for n in data["norms"]] == [i.name for i in selected]  # 2 layers x 2 + final
+    assert sorted(n["rank"] for n in data["norms"]) == list(range(5))
+    kls = [n["kl"] for n in sorted(data["norms"], key=lambda n: n["rank"])]
+    assert kls == sorted(kls) and all(k >= 0 for k in kls)
+    assert {n["role"] for n in data["norms"]} == {"attention_input", "mlp_input", "final"}
+    assert [n["layer"] for n in data["norms"]] == [0, 0, 1, 1, None]
+    assert [p["size"] for p in data["curve"]] == [1, 2, 4, 5]
+    assert data["curve"][0]["kl"] == pytest.approx(kls[0], rel=1e-5)  # the first prefix is the cheapest norm alone
+    assert data["curve"][-1]["last"] == data["order"][-1]
+    # a measurement converts exactly the set asked for: all of them is the plain full conversion
+    assert measurer([i.name for i in selected]).kl == pytest.approx(data["curve"][-1]["kl"], rel=1e-5)
+    json.dumps(data)  # serializable as `--json` prints it
+
+
+def test_reference_scores_the_original_as_lossless(llama_map):
+    model, _, measurer, _ = llama_map
+    score = measurer.reference.score(model)
+    assert score.kl == pytest.approx(0.0, abs=1e-6) and score.ppl_ratio == pytest.approx(1.0, abs=1e-5)
+
+
+def test_doubling_sizes():
+    assert doubling(1) == [1] and doubling(5) == [1, 2, 4, 5] and doubling(8) == [1, 2, 4, 8]
+
+
+def _curve(values: dict[int, float]) -> list[CurvePoint]:
+    return [CurvePoint(size, Score(kl=kl, ppl_ratio=1 + kl), f"n{size - 1}") for size, kl in values.items()]
+
+
+def test_budget_bisects_between_curve_points_for_the_largest_prefix():
+    order = [f"n{i}" for i in range(16)]
+    truth = lambda k: 0.01 * k  # noqa: E731  kl of the first k norms
+    asked = []
+
+    def measure(names):
+        asked.append(len(names))
+        return Score(kl=truth(len(names)), ppl_ratio=1 + truth(len(names)))
+
+    curve = _curve({k: truth(k) for k in doubling(16)})
+    size, curve = largest_within(order, curve, measure, "kl", 0.115)
+    assert size == 11 and sorted(asked) == [10, 11, 12]  # between 8 (within) and 16 (over): 12, 10, 11
+    size, _ = largest_within(order, _curve({k: truth(k) for k in doubling(16)}), measure, "ppl_ratio", 2.0)
+    assert size == 16  # everything within: nothing to bisect
+    size, _ = largest_within(order, _curve({k: truth(k) for k in doubling(16)}), measure, "kl", 0.001)
+    assert size == 0
+
+
+def test_budget_records_the_norms_kept_and_why(llama_map):
+    model, selected, measurer, sensitivity = llama_map
+    kls = sorted(n["kl"] for n in sensitivity.norms)
+    limit = (sensitivity.curve[0].score.kl + sensitivity.curve[1].score.kl) / 2  # between 1 and 2 norms
+    budget = select_within_budget(sensitivity, measurer, "kl", limit)
+    assert budget.converted == sensitivity.order[:1]
+    assert [k["name"] for k in budget.kept] == sensitivity.order[1:]
+    assert budget.kept[0]["alone"]["kl"] == pytest.approx(kls[1]) and "largest greedy prefix" in budget.kept[0]["reason"]
+    with pytest.raises(ValueError, match="does not apply"):
+        select_within_budget(sensitivity, measurer, "cosine", 0.99)
+
+
+def test_progressive_order_from_a_sensitivity_file(tmp_path, llama_map):
+    _, selected, _, sensitivity = llama_map
+    path = tmp_path / "map.json"
+    path.write_text(json.dumps(sensitivity.to_dict()))
+    assert load_order(path) == sensitivity.order
+    roles = {i.name: i.role for i in selected[1:]}  # one norm left unconverted: the map may rank more
+    stages = schedule(roles, order=str(path), group=2, every=5)
+    assert [n for s in stages for n in s.names] == [n for n in sensitivity.order if n in roles]
+    assert [len(s.names) for s in stages] == [2, 2] and [s.start for s in stages] == [0, 5]
+    with pytest.raises(ValueError, match="does not rank"):
+        schedule({"other.norm": "final", **roles}, order=str(path))
+    (tmp_path / "bad.json").write_text("[1, 2]")
+    with pytest.raises(ValueError, match="not a sensitivity map"):
+        schedule(roles, order=str(tmp_path / "bad.json"))
+
+
+def test_plot_writes_a_png(tmp_path, llama_map):
+    path = plot(llama_map[3], tmp_path / "map.png")
+    assert path.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_encoder_map_scores_embedding_cosine():
+    model = tiny_model("bert").bert  # hidden states out, no head: an encoder
+    texts = ["a sentence of more than eight words for the tiny encoder here"] * 4
+    tokenizer = type("Tok", (), {"__call__": lambda self, rows, **k: {
+        "input_ids": torch.tensor([[ord(c) % 127 + 1 for c in r[:20]] for r in rows]),
+        "attention_mask": torch.ones(len(rows), 20, dtype=torch.long)}})()
+    _, selected, _ = plan(model)
+    measurer = Measurer(model, Reference(model, tokenizer, texts, sentences=4), "dyt",
+                        roles=("embedding", "post_norm"))
+    sensitivity = measure_map(measurer, selected, progress=False)
+    assert all(-1 <= n["cosine"] <= 1 and "kl" not in n for n in sensitivity.norms)
+    assert sensitivity.to_dict()["metric"] == "cosine"
+    ranked = sorted(sensitivity.norms, key=lambda n: n["rank"])
+    assert [n["cosine"] for n in ranked] == sorted((n["cosine"] for n in ranked), reverse=True)
