@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import sys
@@ -165,8 +166,10 @@ def _sensitivity_parser(commands, model_help: str) -> None:
                       "%(default)s)")
     sens.add_argument("--tune-steps", type=int, default=0, help="end-to-end calibration steps per measurement "
                       "(default: %(default)s; the strategy's own count makes each a full calibration)")
+    sens.add_argument("--per-channel", action="store_true", help="as convert: one alpha/beta per channel")
     sens.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     sens.add_argument("--plot", metavar="PNG", help="draw per-norm bars by layer and role and the greedy curve")
+    sens.add_argument("--log", metavar="JSONL", help="append each measurement to this file as it is made")
     _calibration_args(sens)
     sens.set_defaults(calib_blocks=CALIB_BLOCKS, calib_len=CALIB_LEN)
     _selection_args(sens)
@@ -193,13 +196,12 @@ def _budget(args) -> tuple[str, float] | None:
     return None
 
 
-def _measurer(args, model, tokenizer, texts, calibration):
+def _measurer(args, model, tokenizer, texts, calibration, **slice_options):
     from .sensitivity import Measurer, Reference
 
     if tokenizer is None:
         raise ConversionError(f"{args.model} has no tokenizer: the sensitivity map needs one to score text")
-    reference = Reference(model, tokenizer, texts, **{k: getattr(args, k, d) for k, d in
-                                                     (("windows", 4), ("window_len", 256), ("sentences", 64))})
+    reference = Reference(model, tokenizer, texts, **slice_options)
     return Measurer(model, reference, args.to, calibration, roles=_roles(args.roles), per_channel=args.per_channel)
 
 
@@ -226,7 +228,6 @@ def _sensitivity(args) -> None:
     from .data import load_texts
     from .sensitivity import measure_map, plot
 
-    args.per_channel = False
     _check_calibration_args(args)
     for flag in ("windows", "window_len", "sentences"):
         if getattr(args, flag) < 1:
@@ -236,8 +237,9 @@ def _sensitivity(args) -> None:
     for spec in (args.calib, args.data):
         if spec:
             local_paths(spec)
-    if args.plot and not Path(args.plot).resolve().parent.is_dir():
-        raise ConversionError(f"--plot {args.plot}: its directory does not exist; create it or pick another path")
+    for flag, path in (("--plot", args.plot), ("--log", args.log)):
+        if path and not Path(path).resolve().parent.is_dir():
+            raise ConversionError(f"{flag} {path}: its directory does not exist; create it or pick another path")
     model, tokenizer = load_model(args.model)
     _, selected, _ = plan(model, _roles(args.roles), args.include, args.exclude)
     texts = load_texts(args.data, default_split="evaluation")
@@ -245,7 +247,11 @@ def _sensitivity(args) -> None:
     if calibration is not None:
         calibration.tune_steps, calibration.progress = args.tune_steps, False
         _warn(_calibration_overlap(args.calib, None, args.data, texts))
-    sensitivity = measure_map(_measurer(args, model, tokenizer, texts, calibration), selected)
+    measurer = _measurer(args, model, tokenizer, texts, calibration, windows=args.windows,
+                         window_len=args.window_len, sentences=args.sentences)
+    with open(args.log, "a") if args.log else contextlib.nullcontext() as log:
+        write = (lambda entry: (log.write(json.dumps(entry) + "\n"), log.flush())) if log else None
+        sensitivity = measure_map(measurer, selected, log=write)
     if args.plot:
         plot(sensitivity, args.plot)
     print(json.dumps(sensitivity.to_dict(), indent=2) if args.json else sensitivity.table())

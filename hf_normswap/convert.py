@@ -45,6 +45,7 @@ class ConversionReport:
     skipped: list[dict] = field(default_factory=list)  # {"name", "class", "reason"}
     found: list[NormInfo] = field(default_factory=list)
     calibration: dict | None = None  # calibration summary (data, strategy, time, memory), when calibrated
+    budget: dict | None = None  # a quality-budget conversion: the norms kept and why (sensitivity.Budget)
 
     def to_dict(self) -> dict:
         return {
@@ -52,6 +53,7 @@ class ConversionReport:
             "converted": [asdict(c) for c in self.converted],
             "skipped": self.skipped,
             "calibration": self.calibration,
+            **({"budget": self.budget} if self.budget else {}),
         }
 
     def to_json(self) -> str:

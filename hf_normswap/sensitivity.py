@@ -205,17 +205,20 @@ class SensitivityMap:
         return "\n".join(lines)
 
 
-def measure_map(measurer: Measurer, selected: list, *, progress: bool = True) -> SensitivityMap:
+def measure_map(measurer: Measurer, selected: list, *, progress: bool = True,
+                log: Callable[[dict], None] | None = None) -> SensitivityMap:
     """Each of the ``selected`` norms (``NormInfo``) converted alone, then the greedy curve at :func:`doubling`
-    sizes."""
+    sizes; ``log`` gets every measurement as it is made (a cut-off run keeps its numbers)."""
     from tqdm.auto import tqdm
 
     start, cpu_start = time.perf_counter(), time.process_time()
+    log = log or (lambda entry: None)
     norms, damage = [], {}
     for info in tqdm(selected, desc="sensitivity: alone", disable=not progress):
         score = measurer([info.name])
         damage[info.name] = score.damage
         norms.append({"name": info.name, "role": info.role, "layer": layer_of(info.name), **_values(score)})
+        log(dict(norms[-1], cpu_seconds=round(time.process_time() - cpu_start, 1)))
     ranks = {name: rank for rank, name in enumerate(sorted(damage, key=damage.get))}
     for entry in norms:
         entry["rank"] = ranks[entry["name"]]
@@ -223,6 +226,7 @@ def measure_map(measurer: Measurer, selected: list, *, progress: bool = True) ->
     order = result.order
     for size in tqdm(doubling(len(order)), desc="sensitivity: curve", disable=not progress):
         result.curve.append(CurvePoint(size, measurer(order[:size]), order[size - 1]))
+        log(dict(result.curve[-1].to_dict(), cpu_seconds=round(time.process_time() - cpu_start, 1)))
     if measurer.calibration is not None:
         summary = measurer.calibration.summary()
         result.calibration = {k: summary[k] for k in ("data", "strategy", "num_blocks", "block_len", "tune_steps")}

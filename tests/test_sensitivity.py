@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from contextlib import nullcontext
 
 import pytest
 import torch
@@ -130,3 +131,17 @@ def test_encoder_map_scores_embedding_cosine():
     assert sensitivity.to_dict()["metric"] == "cosine"
     ranked = sorted(sensitivity.norms, key=lambda n: n["rank"])
     assert [n["cosine"] for n in ranked] == sorted((n["cosine"] for n in ranked), reverse=True)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["convert", "m", "--to", "eln", "--budget-ppl-ratio", "0.9"], "--budget-ppl-ratio 0.9 can never be met"),
+    (["convert", "m", "--to", "eln", "--budget-kl", "0.1", "--budget-cosine", "0.9"], "not allowed with"),
+    (["sensitivity", "m", "--to", "eln", "--windows", "0"], "--windows must be at least 1"),
+    (["sensitivity", "m", "--to", "eln", "--plot", "/no/such/dir/map.png"], "its directory does not exist"),
+])
+def test_cli_refuses_bad_budgets_and_slices_before_loading(argv, message, capsys):
+    from hf_normswap.cli import main
+
+    with pytest.raises(SystemExit) if "not allowed" in message else nullcontext():  # argparse exits itself
+        assert main(argv) == 2
+    assert message in capsys.readouterr().err
