@@ -190,8 +190,8 @@ def _budget(args) -> tuple[str, float] | None:
         limit = getattr(args, f"budget_{metric}")
         if limit is not None:
             if limit <= 0 or (metric == "ppl_ratio" and limit < 1) or (metric == "cosine" and limit > 1):
-                raise ConversionError(f"--budget-{metric.replace('_', '-')} {limit} can never be met or is always "
-                                      "met: give a KL > 0, a perplexity ratio >= 1 or a cosine in (0, 1]")
+                raise ConversionError(f"--budget-{metric.replace('_', '-')} {limit} is out of range: give a KL > 0, "
+                                      "a perplexity ratio >= 1 or a cosine in (0, 1]")
             return metric, limit
     return None
 
@@ -215,7 +215,8 @@ def _select_within_budget(args, model, tokenizer):
     metric, limit = _budget(args)
     calibration = _calibration(args, tokenizer)
     if calibration is not None:  # measured cheaply; the final conversion runs the full calibration
-        calibration = replace(calibration, num_blocks=CALIB_BLOCKS, block_len=CALIB_LEN, tune_steps=0, plots=None)
+        calibration = replace(calibration, num_blocks=CALIB_BLOCKS, block_len=CALIB_LEN, tune_steps=0, plots=None,
+                              progress=False)
     measurer = _measurer(args, model, tokenizer, load_texts(args.budget_data, "evaluation"), calibration)
     _, selected, _ = plan(model, _roles(args.roles), args.include, args.exclude)
     budget = select_within_budget(measure_map(measurer, selected), measurer, metric, limit)
@@ -250,8 +251,11 @@ def _sensitivity(args) -> None:
     measurer = _measurer(args, model, tokenizer, texts, calibration, windows=args.windows,
                          window_len=args.window_len, sentences=args.sentences)
     with open(args.log, "a") if args.log else contextlib.nullcontext() as log:
-        write = (lambda entry: (log.write(json.dumps(entry) + "\n"), log.flush())) if log else None
-        sensitivity = measure_map(measurer, selected, log=write)
+        def write(entry: dict) -> None:
+            log.write(json.dumps(entry) + "\n")
+            log.flush()
+
+        sensitivity = measure_map(measurer, selected, log=write if log else None)
     if args.plot:
         plot(sensitivity, args.plot)
     print(json.dumps(sensitivity.to_dict(), indent=2) if args.json else sensitivity.table())

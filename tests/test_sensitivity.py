@@ -134,7 +134,7 @@ def test_encoder_map_scores_embedding_cosine():
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["convert", "m", "--to", "eln", "--budget-ppl-ratio", "0.9"], "--budget-ppl-ratio 0.9 can never be met"),
+    (["convert", "m", "--to", "eln", "--budget-ppl-ratio", "0.9"], "--budget-ppl-ratio 0.9 is out of range"),
     (["convert", "m", "--to", "eln", "--budget-kl", "0.1", "--budget-cosine", "0.9"], "not allowed with"),
     (["sensitivity", "m", "--to", "eln", "--windows", "0"], "--windows must be at least 1"),
     (["sensitivity", "m", "--to", "eln", "--plot", "/no/such/dir/map.png"], "its directory does not exist"),
