@@ -210,9 +210,13 @@ def _select_within_budget(args, model, tokenizer):
     from dataclasses import replace
 
     from .data import load_texts
-    from .sensitivity import CALIB_BLOCKS, CALIB_LEN, measure_map, select_within_budget
+    from .sensitivity import CALIB_BLOCKS, CALIB_LEN, is_encoder, measure_map, select_within_budget
 
     metric, limit = _budget(args)
+    if (metric == "cosine") != is_encoder(model):
+        raise ConversionError(f"--budget-{metric.replace('_', '-')} does not apply to {args.model}: use "
+                              + ("--budget-cosine for an encoder" if is_encoder(model) else
+                                 "--budget-kl or --budget-ppl-ratio for a model with an output head"))
     calibration = _calibration(args, tokenizer)
     if calibration is not None:  # measured cheaply; the final conversion runs the full calibration
         calibration = replace(calibration, num_blocks=CALIB_BLOCKS, block_len=CALIB_LEN, tune_steps=0, plots=None,

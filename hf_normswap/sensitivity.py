@@ -66,7 +66,7 @@ class Reference:
                  window_len: int = EVAL_LEN, sentences: int = SENTENCES):
         from .data import fingerprint, token_blocks
 
-        self.encoder = _is_encoder(original)
+        self.encoder = is_encoder(original)
         self.fingerprint = fingerprint(texts)
         with torch.no_grad():
             if self.encoder:
@@ -102,7 +102,8 @@ class Reference:
         return Score(kl=kl / self.tokens, ppl_ratio=math.exp(min(self._nll(logps) - self.nll, 700.0)))
 
 
-def _is_encoder(model: nn.Module) -> bool:
+def is_encoder(model: nn.Module) -> bool:
+    """Whether the model ends in hidden states (scored by embedding cosine) rather than an output head."""
     head = getattr(model, "get_output_embeddings", None)
     return head is not None and head() is None
 
