@@ -17,6 +17,7 @@ whole model per measurement on SmolLM2); the strategy's per-norm fit and per-blo
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import math
 import re
@@ -137,8 +138,17 @@ class Measurer:
 
     def __init__(self, original: nn.Module, reference: Reference, method: str, calibration=None, *,
                  roles: Iterable[str], per_channel: bool = False):
-        self.original, self.reference, self.method, self.calibration = original, reference, method, calibration
+        self.original, self.reference, self.method = original, reference, method
         self.roles, self.per_channel = tuple(roles), per_channel
+        self.summary = None if calibration is None else calibration.summary()
+        if calibration is not None and not isinstance(calibration.data, (torch.Tensor, dict)):
+            # tokenized once: each measurement would otherwise read and tokenize the whole calibration text again
+            from .calibrate import calibration_batches
+
+            batches, _ = calibration_batches(original, calibration)
+            data = {key: torch.cat([b[key] for b in batches]) for key in ("input_ids", "attention_mask")}
+            calibration = dataclasses.replace(calibration, data=data)
+        self.calibration = calibration
 
     def __call__(self, names: list[str]) -> Score:
         model = copy.deepcopy(self.original)
@@ -228,9 +238,9 @@ def measure_map(measurer: Measurer, selected: list, *, progress: bool = True,
     for size in tqdm(doubling(len(order)), desc="sensitivity: curve", disable=not progress):
         result.curve.append(CurvePoint(size, measurer(order[:size]), order[size - 1]))
         log(dict(result.curve[-1].to_dict(), cpu_seconds=round(time.process_time() - cpu_start, 1)))
-    if measurer.calibration is not None:
-        summary = measurer.calibration.summary()
-        result.calibration = {k: summary[k] for k in ("data", "strategy", "num_blocks", "block_len", "tune_steps")}
+    if measurer.summary is not None:
+        result.calibration = {k: measurer.summary.get(k) for k in ("data", "strategy", "num_blocks", "block_len",
+                                                                    "tune_steps")}
     result.seconds, result.cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
     return result
 

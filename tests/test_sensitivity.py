@@ -145,3 +145,14 @@ def test_cli_refuses_bad_budgets_and_slices_before_loading(argv, message, capsys
     with pytest.raises(SystemExit) if "not allowed" in message else nullcontext():  # argparse exits itself
         assert main(argv) == 2
     assert message in capsys.readouterr().err
+
+
+def test_calibration_text_is_tokenized_once_for_all_measurements(llama_map):
+    from hf_normswap.calibrate import CalibrationConfig
+
+    model, selected, measurer, _ = llama_map
+    config = CalibrationConfig(data="builtin", num_blocks=2, block_len=32, strategy="fast", tokenizer=CharTokenizer(),
+                               progress=False)
+    calibrated = Measurer(model, measurer.reference, "eln", config, roles=measurer.roles)
+    assert calibrated.calibration.data["input_ids"].shape == (2, 32) and calibrated.summary["data"] == "builtin"
+    assert calibrated([selected[0].name]).kl >= 0
