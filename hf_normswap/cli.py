@@ -224,11 +224,11 @@ def _select_within_budget(args, model, tokenizer):
         calibration = replace(calibration, num_blocks=CALIB_BLOCKS, block_len=CALIB_LEN, tune_steps=0, plots=None,
                               progress=False)
     measurer = _measurer(args, model, tokenizer, load_texts(args.budget_data, "evaluation"), calibration)
-    _, selected, _ = plan(model, _roles(args.roles), args.include, args.exclude)
+    _, selected, skipped = plan(model, _roles(args.roles), args.include, args.exclude)
     budget = select_within_budget(measure_map(measurer, selected), measurer, metric, limit)
     if not budget.converted:
         raise ConversionError(f"no norm converts within the budget: {budget.kept[0]['reason']}")
-    return budget
+    return budget, {s["name"]: s["reason"] for s in skipped}
 
 
 def _sensitivity(args) -> None:
@@ -310,12 +310,15 @@ def _convert(args) -> None:
     model, tokenizer = load_model(args.model)
     original = copy.deepcopy(model) if args.eval_data else None  # the reference for --eval
     if budget:
-        budget = _select_within_budget(args, model, tokenizer)
+        budget, reasons = _select_within_budget(args, model, tokenizer)
     report = convert(model, to=args.to, calibration=_calibration(args, tokenizer),
                      roles=_roles(args.roles), include=exact(budget.converted) if budget else args.include,
                      exclude=None if budget else args.exclude, per_channel=args.per_channel,
                      input_scale=args.input_scale)
-    if budget:
+    if budget:  # the selection's own reasons, not the exact-name pattern the budgeted conversion used
+        kept = {k["name"] for k in budget.kept}
+        for entry in report.skipped:
+            entry["reason"] = "kept by the quality budget" if entry["name"] in kept else reasons[entry["name"]]
         report.budget = model.config.normswap["budget"] = budget.to_dict()
     print(report)
     if budget:
