@@ -156,3 +156,30 @@ def test_calibration_text_is_tokenized_once_for_all_measurements(llama_map):
     calibrated = Measurer(model, measurer.reference, "eln", config, roles=measurer.roles)
     assert calibrated.calibration.data["input_ids"].shape == (2, 32) and calibrated.summary["data"] == "builtin"
     assert calibrated([selected[0].name]).kl >= 0
+
+
+def test_convert_budget_converts_within_it_and_refuses_an_impossible_one(tmp_path, monkeypatch, capsys):
+    import transformers
+    from tiny_models import tiny_config
+
+    import hf_normswap.cli as cli
+
+    def load(*args, **kwargs):  # a fresh tiny Llama with room for the 256-token slice windows
+        config = tiny_config("llama")
+        config.max_position_embeddings = 512
+        torch.manual_seed(0)
+        return transformers.LlamaForCausalLM(config).eval(), CharTokenizer()
+
+    monkeypatch.setattr(cli, "load_model", load)
+    text, report = tmp_path / "text.txt", tmp_path / "report.json"
+    text.write_text(TEXT[0])
+    argv = ["convert", "tiny", "--to", "eln", "--budget-data", str(text), "--report", str(report), "--roles",
+            "attention_input,mlp_input"]
+    assert cli.main(argv + ["--budget-kl", "1e9"]) == 0
+    recorded = json.loads(report.read_text())
+    assert len(recorded["converted"]) == 4 and recorded["budget"]["kept"] == []
+    assert recorded["skipped"][0]["reason"].startswith("role final not selected")
+    assert cli.main(argv + ["--budget-kl", "1e-12"]) == 2
+    assert "no norm converts within the budget" in capsys.readouterr().err
+    assert cli.main(argv + ["--budget-cosine", "0.9"]) == 2
+    assert "--budget-cosine does not apply" in capsys.readouterr().err
