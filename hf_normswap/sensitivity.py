@@ -5,13 +5,14 @@ The map converts each selected norm alone, with ``convert`` and the calibration 
 the result against the original on a small slice of text: KL(original || converted) and the perplexity ratio for a
 language model, the mean cosine of mean-pooled embeddings for an encoder. The original is scored once and cached.
 The greedy curve then converts the cheapest norms first, as one set re-calibrated together, at doubling set sizes
-(1, 2, 4, ..., all): the sets are nested prefixes of one order, and doubling keeps the cost near that of the map
-while the small sets, where budgets bite, are measured densely. :func:`largest_within` bisects between two curve
+(1, 2, 4, ..., all): the sets are nested prefixes of one order, doubling adds only log2(N) + 1 measurements to
+the map's N, and the small sets, where budgets bite, are measured densely. :func:`largest_within` bisects between two curve
 points to find the largest prefix within a budget.
 
-Each measurement is a full ``convert`` of a copy of the model; only the end-to-end tuning steps (``tune_steps``)
-are left out by default, since they cost more than everything else together (30 forward-backward passes of the
-whole model per measurement on SmolLM2); the strategy's per-norm fit and per-block tuning run as in ``convert``.
+Each measurement is a full ``convert`` of a copy of the model with the calibration config given; the command line
+sets its end-to-end tuning steps (``tune_steps``) to 0 unless asked, since they cost more than everything else
+together (30 forward-backward passes of the whole model per measurement on SmolLM2); the strategy's per-norm fit
+and per-block tuning run as in ``convert``.
 """
 
 from __future__ import annotations
