@@ -97,6 +97,20 @@ def load_config(argv=None) -> dict:
 # --------------------------------------------------------------------------------------------------------- data
 
 
+def check_data(config: dict) -> None:
+    """Read every text source before any model loads, so a missing file or an unreachable Hub dataset stops the
+    run at once with one line naming the key that overrides it."""
+    from hf_normswap.data import DataError, load_texts
+
+    for key, spec, split in (("calibration.data", config["calibration"]["data"], "calibration"),
+                             ("train_data", config["train_data"], "calibration"),
+                             ("eval_data", config["eval_data"], "evaluation")):
+        try:
+            load_texts(spec, split)
+        except DataError as error:
+            raise SystemExit(f"finetune: {key}: {error} ({key}=PATH)") from None
+
+
 def block_dataset(tokenizer, spec: str, split: str, block_len: int, max_tokens: int | None = None,
                   max_blocks: int | None = None):
     """Packed causal-LM blocks (``input_ids`` = ``labels``) of a text spec, as a ``datasets.Dataset``."""
@@ -239,6 +253,7 @@ def reloads_identically(model, directory: Path, tokenizer) -> bool:
 
 def main(argv=None) -> int:
     config = load_config(argv)
+    check_data(config)
     if config["threads"]:
         torch.set_num_threads(int(config["threads"]))
     from accelerate import PartialState
