@@ -257,3 +257,17 @@ def test_progressive_swap_blends_from_original_to_converted():
     swap.remove()
     assert torch.equal(logits(model, ids), converted_logits)
     assert not any(k.startswith("original") for k in model.state_dict())
+
+
+@pytest.mark.parametrize("config", sorted((ROOT / "recipes" / "configs").glob("*.yaml")), ids=lambda p: p.name)
+def test_configs_name_hub_or_builtin_data_and_local_files_override_them(config, tmp_path, capsys):
+    recipe = import_file("recipes/finetune.py")
+    named = recipe.load_config(["--config", str(config)])
+    for spec in (named["calibration"]["data"], named["train_data"], named["eval_data"]):
+        assert spec.startswith(("wikitext:wikitext-2-raw-v1:", "builtin")), spec  # nothing outside the repository
+    text = tmp_path / "text.txt"
+    text.write_text(" ".join(WORDS))
+    local = [f"calibration.data={text}", f"train_data={text}", "eval_data=builtin:evaluation"]
+    recipe.check_data(recipe.load_config(["--config", str(config), *local]))
+    with pytest.raises(SystemExit, match=r"^finetune: eval_data: data file not found: .*missing.txt.*\(eval_data=PATH\)$"):
+        recipe.check_data(recipe.load_config(["--config", str(config), *local, f"eval_data={tmp_path}/missing.txt"]))
