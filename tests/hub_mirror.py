@@ -6,7 +6,8 @@ when it is imported). Written by hand on the standard library: no Hub-compatible
 without a separate binary, and huggingface_hub keeps its own test helpers out of its wheel.
 
 Repositories are in memory: ``{(repo_type, repo_id): {path: bytes}}``; every commit gets a new sha. Every request is
-recorded in ``calls`` so that a test can check what the clients did.
+recorded in ``calls``, every repository creation's payload in ``created`` and every commit's header in ``commits``, so
+that a test can check what the clients did. Reading is open to all; creating and committing need ``token``.
 """
 
 from __future__ import annotations
@@ -48,6 +49,8 @@ class HubMirror:
         self.token = token
         self.repos: dict[tuple[str, str], Repo] = {}
         self.calls: list[dict] = []
+        self.created: dict[str, dict] = {}  # repo id -> create_repo payload
+        self.commits: list[dict] = []  # {"repo": repo id, "header": commit header}
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(self))
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
         self._thread = threading.Thread(target=self.server.serve_forever, daemon=True)
@@ -68,6 +71,9 @@ class HubMirror:
 
     def files(self, repo_id: str, repo_type: str = "model") -> dict[str, bytes]:
         return self.repos[(repo_type, repo_id)].files
+
+    def paths(self) -> list[str]:
+        return [c["path"] for c in self.calls]
 
     def env(self) -> dict[str, str]:
         """Environment variables that point a fresh process at this mirror (the cache dir is the caller's)."""
@@ -156,6 +162,7 @@ def _handler(hub: HubMirror):
                 return
             payload = json.loads(self.body)
             repo_id = f"{payload.get('organization') or USER}/{payload['name']}"
+            hub.created[repo_id] = payload
             hub.repos.setdefault((payload.get("type") or "model", repo_id), Repo())
             self._json(200, {"url": f"{hub.url}/{repo_id}", "name": repo_id})
 
@@ -224,6 +231,7 @@ def _handler(hub: HubMirror):
 
         def _commit(self, repo_type: str, repo_id: str):
             lines = [json.loads(line) for line in self.body.decode().splitlines() if line.strip()]
+            hub.commits.append({"repo": repo_id, "header": lines[0]["value"]})
             files = {}
             for line in lines[1:]:
                 if line["key"] != "file" or line["value"].get("encoding") != "base64":
