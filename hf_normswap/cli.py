@@ -1,4 +1,5 @@
-"""``normswap`` command line: inspect and convert models. User mistakes exit non-zero with one line on stderr."""
+"""The normswap command line: inspect, convert, evaluate and push models. User mistakes exit non-zero with one line
+on stderr."""
 
 from __future__ import annotations
 

@@ -115,3 +115,10 @@ def test_unreachable_hub_fails_at_once_with_the_offline_hint(monkeypatch, capsys
     assert main(["inspect", "no-such-owner/no-such-model"]) == 2
     line = _error_line(capsys)
     assert "cannot be reached" in line and "HF_HUB_OFFLINE=1" in line
+
+
+def test_help_is_plain_text(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    assert "normswap command line" in out and "``" not in out
