@@ -311,3 +311,20 @@ def test_cli_eval_of_an_encoder_prints_embedding_agreement(tmp_path, capsys):
     assert "5 sentences" in out and "| embedding cosine to original (mean) | 1 | 1 |" in out
     assert main(["eval", str(tmp_path / "encoder"), "--data", str(data)]) == 2
     assert "pass --against ORIGINAL" in capsys.readouterr().err
+
+
+def test_cli_eval_of_a_converted_checkpoint_asks_nothing_and_warns_of_nothing(tmp_path, capsys, monkeypatch):
+    import hf_normswap
+
+    model = tiny_model("llama")
+    convert(model, to="eln")
+    hf_normswap.save_pretrained(model, tmp_path / "converted", tokenizer=word_tokenizer())
+    data = tmp_path / "text.txt"
+    data.write_text(TEXTS[1])
+
+    prompts = []
+    monkeypatch.setattr("builtins.input", lambda *args: prompts.append(args) or "")  # transformers' y/N question
+    assert main(["eval", str(tmp_path / "converted"), "--data", str(data)]) == 0
+    out, err = capsys.readouterr()
+    assert "| token perplexity |" in out and not prompts
+    assert "custom code" not in out + err and "model of type" not in out + err
