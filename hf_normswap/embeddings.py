@@ -23,6 +23,7 @@ from torch import nn
 from .evaluate import REFERENCE, EvaluationError, _fmt
 
 MIN_WORDS, MAX_WORDS = 5, 64
+MAX_SENTENCES = 2000  # the pair statistics grow with the square: 2 million pairs at most
 DEFAULT_MAX_LENGTH = 256  # sentence-transformers' max_seq_length for all-MiniLM-L6-v2
 METRICS = (  # (label, Embedding attribute)
     ("embedding cosine to original (mean)", "cosine"),
@@ -32,7 +33,8 @@ METRICS = (  # (label, Embedding attribute)
 
 
 def sentences(texts: list[str], tokenizer, max_tokens: int | None = None) -> list[str]:
-    """Prose sentences of MIN_WORDS to MAX_WORDS words from the texts (wrapped lines joined), up to ``max_tokens``."""
+    """Prose sentences of MIN_WORDS to MAX_WORDS words from the texts (wrapped lines joined), the first
+    MAX_SENTENCES of them, up to ``max_tokens``."""
     found, total = [], 0
     for text in texts:
         for paragraph in re.split(r"\n\s*\n", text):
@@ -42,6 +44,8 @@ def sentences(texts: list[str], tokenizer, max_tokens: int | None = None) -> lis
                     if max_tokens is not None and total > max_tokens:
                         return found
                     found.append(sentence)
+                    if len(found) == MAX_SENTENCES:
+                        return found
     return found
 
 

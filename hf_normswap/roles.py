@@ -1,4 +1,5 @@
-"""Label each norm with its role in the network, from how data flows through two forward passes, whatever the number of norms.
+"""Label each norm with its role in the network, from how data flows through two forward passes (whatever the
+number of norms).
 
 Roles: ``attention_input`` / ``mlp_input`` (pre-norm: the norm's output feeds that sublayer), ``post_norm``
 (the norm's output is the residual stream itself, BERT-style, or is added to it, Gemma2-style sandwich),
@@ -99,7 +100,7 @@ def _residual_norms(model: nn.Module, norms: list[NormInfo], inputs: dict) -> se
     The batch holds two copies of the input per norm; in both, that norm's output is zeroed, and the second copy also
     gets noise added to the input of the norm's block. A norm is on the residual path when the block's outputs for
     the two copies still agree: zeroing it cut the block's input off from its output. Batch rows do not interact, so
-    one pass answers for every norm, whatever their number (two passes per norm before: minutes on large models).
+    one pass answers for every norm, whatever their number (hidden states are batch-first in every supported model).
     """
     rows = 2 * len(norms)
     pair = {norm.name: slice(2 * i, 2 * i + 2) for i, norm in enumerate(norms)}
