@@ -3,7 +3,7 @@
 Spec forms (``--calib`` and ``--data`` take the same):
 - ``builtin`` or ``builtin:calibration`` / ``builtin:evaluation``: the Python language reference that ships with
   Python (``pydoc_data.topics``, ~465 kB), split by topic into two disjoint halves so calibration and evaluation
-  never see the same text. No download and no ``../shared`` needed.
+  never see the same text. No download needed.
 - a local file or directory: ``.txt`` / ``.raw`` / ``.tokens`` (any other suffix is read as text), ``.json`` /
   ``.jsonl``, ``.parquet``; loaded through ``datasets``. Several paths may be joined with commas.
 - a Hub dataset ``name[:config][:split]``, e.g. ``wikitext:wikitext-2-raw-v1:test`` (split defaults to ``train``
@@ -79,7 +79,8 @@ def _hub(spec: str, default_split: str) -> list[str]:
     try:
         dataset = datasets.load_dataset(name, config or None, split=split or default_split)
     except Exception as error:  # datasets raises many types for missing names, configs and network failures
-        raise DataError(f"cannot load dataset {spec!r}: {first_line(error)}") from None
+        raise DataError(f"cannot load dataset {spec!r} ({first_line(error)}): offline, name a local text file "
+                        "instead") from None
     return [t for t in dataset[_text_column(dataset)] if t and t.strip()]
 
 
