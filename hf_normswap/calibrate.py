@@ -200,12 +200,13 @@ def calibration_batches(model: nn.Module, config: CalibrationConfig) -> tuple[li
             raise ValueError("calibration from text needs a tokenizer: pass CalibrationConfig(tokenizer=...)")
         texts = load_texts(data, "calibration")
         fingerprint = content_fingerprint(texts)
+        block_len = min(config.block_len, getattr(model.config, "max_position_embeddings", None) or config.block_len)
         if _is_decoder(model):
-            ids = token_blocks(config.tokenizer, texts, config.num_blocks, config.block_len)
+            ids = token_blocks(config.tokenizer, texts, config.num_blocks, block_len)
             mask = torch.ones_like(ids)
         else:
             rows = _paragraphs(texts, config.num_blocks)
-            enc = config.tokenizer(rows, truncation=True, max_length=config.block_len, padding=True,
+            enc = config.tokenizer(rows, truncation=True, max_length=block_len, padding=True,
                                    return_tensors="pt")
             ids, mask = enc["input_ids"], enc["attention_mask"]
     ids, mask = ids[: config.num_blocks], mask[: config.num_blocks]

@@ -81,7 +81,10 @@ def _hub(spec: str, default_split: str) -> list[str]:
     except Exception as error:  # datasets raises many types for missing names, configs and network failures
         raise DataError(f"cannot load dataset {spec!r} ({first_line(error)}): offline, name a local text file "
                         "instead") from None
-    return [t for t in dataset[_text_column(dataset)] if t and t.strip()]
+    rows = dataset[_text_column(dataset)]
+    if "" in rows:  # one line per row, blank lines kept (WikiText): the split is one text, as its raw file reads
+        return ["\n".join(rows)]
+    return [t for t in rows if t and t.strip()]
 
 
 def local_paths(spec: str) -> list[Path] | None:

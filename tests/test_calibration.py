@@ -286,3 +286,12 @@ def test_every_strategy_has_its_line_in_convert_help_and_the_readme(capsys):
         assert strategy.help_line() in help_text
         row = next(line for line in readme.splitlines() if line.startswith(f"| `{strategy.name}` |"))
         assert strategy.measured in row and strategy.cost in row and strategy.auto in row
+
+
+def test_calibration_blocks_fit_the_model_context():
+    from tiny_models import tiny_tokenizer
+
+    model = tiny_model("gpt2")  # 64 positions: 512-token blocks would index past its position embeddings
+    report = convert(model, "eln", calibration=_cfg(data="builtin", tokenizer=tiny_tokenizer(), num_blocks=2,
+                                                    block_len=512, strategy="fast"))
+    assert report.calibration["tokens"] == 2 * 64
