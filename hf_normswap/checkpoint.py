@@ -24,7 +24,7 @@ import transformers
 from torch import nn
 from transformers import CONFIG_MAPPING
 
-from . import __version__, model_card, remote_code
+from . import __version__, model_card, remote_code, validation
 from .modules import METHODS, ElementwiseNorm
 
 
@@ -94,7 +94,7 @@ def atomic_directory(path: str | os.PathLike, overwrite: bool = False):
 def _base(model: nn.Module, block: dict) -> dict:
     """The original architecture: recorded by an earlier save, else read from the (unconverted-class) model."""
     if block.get("base"):
-        return dict(block["base"])
+        return dict(validation.check_base(block["base"]))
     config = model.config
     if type(model).__name__.startswith("NormSwap") or config.model_type.startswith(remote_code.MODEL_TYPE_PREFIX):
         raise CheckpointError("the model's normswap block does not record its original architecture")
@@ -248,9 +248,7 @@ def read_config(path: str | os.PathLike) -> dict | None:
 @functools.cache
 def normswap_class(architecture: str) -> type:
     """Subclass of the transformers class ``architecture`` that rebuilds the recorded norms with the package's modules."""
-    base = getattr(transformers, architecture, None)
-    if base is None:
-        raise CheckpointError(f"transformers {transformers.__version__} has no class {architecture}; upgrade it")
+    base = validation.transformers_class(architecture, transformers.PreTrainedModel, "normswap.base.architecture")
 
     def __init__(self, config, *args, **kwargs):
         base.__init__(self, config, *args, **kwargs)
@@ -268,9 +266,7 @@ def base_config(path: str | os.PathLike):
     config_dict = read_config(path)
     if config_dict is None:
         raise CheckpointError(f"{path} is not a checkpoint saved by hf_normswap (no config.json with a normswap block)")
-    base = config_dict["normswap"]["base"]
-    if base["model_type"] not in CONFIG_MAPPING:
-        raise CheckpointError(f"transformers {transformers.__version__} does not know model type {base['model_type']}")
+    base = validation.check_base(config_dict["normswap"]["base"])
     config_dict = dict(config_dict, model_type=base["model_type"], architectures=[base["architecture"]])
     config_dict.pop("auto_map", None)
     return CONFIG_MAPPING[base["model_type"]].from_dict(config_dict)

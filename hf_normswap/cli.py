@@ -20,9 +20,10 @@ from .model_card import hub_id
 from .modules import METHODS
 from .packaged import PackagedModelMissing
 from .roles import ROLES
+from .validation import ValidationError
 
 USER_ERRORS = (ConversionError, ModelLoadError, PackagedModelMissing, DataError, EvaluationError, CheckpointError,
-               PushError, FoldError)
+               PushError, FoldError, ValidationError)
 
 
 class _Parser(argparse.ArgumentParser):

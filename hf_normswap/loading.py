@@ -11,6 +11,7 @@ from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokeni
 from . import checkpoint
 from .data import first_line
 from .packaged import PREFIX, packaged_path
+from .validation import ValidationError
 
 
 class ModelLoadError(OSError):
@@ -52,6 +53,8 @@ def load_model(spec: str, dtype=None, with_tokenizer: bool = True):
         else:
             config = AutoConfig.from_pretrained(location)
             model = _model_class(config).from_pretrained(location, **kwargs)
+    except ValidationError as error:
+        raise ModelLoadError(f"{spec}: {error}") from None
     except (OSError, ValueError) as error:
         raise ModelLoadError(f"model not found or unreadable: {spec} ({first_line(error)})") from None
     tokenizer = None

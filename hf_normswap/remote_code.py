@@ -22,6 +22,7 @@ from torch import nn
 
 from . import __version__, modules
 from .modules import METHODS
+from .validation import check_base
 
 FILE_NAME = "modeling_normswap.py"
 MODULE_NAME = FILE_NAME[: -len(".py")]
@@ -109,8 +110,10 @@ def class_names(architecture: str) -> tuple[str, str]:
 def render(architecture: str, config_class: str, model_type: str) -> str:
     """Text of ``modeling_normswap.py`` for a checkpoint of ``architecture`` (e.g. LlamaForCausalLM).
 
-    ``model_type`` is the original one (``llama``); the generated config class gets ``normswap_llama``.
+    ``model_type`` is the original one (``llama``); the generated config class gets ``normswap_llama``. The three
+    names come from a config.json: each must name what transformers exports, or nothing is generated.
     """
+    check_base({"architecture": architecture, "config_class": config_class, "model_type": model_type})
     config_name, model_name = class_names(architecture)
     header = f'''"""Remote code for a checkpoint converted by hf-normswap {__version__}: {architecture} with its norms replaced by
 element-wise DyT / ELN modules. Generated from the hf-normswap package; imports only torch and transformers.
