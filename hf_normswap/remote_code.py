@@ -13,6 +13,7 @@ Because the code is copied from the package when a checkpoint is saved, the two 
 from __future__ import annotations
 
 import ast
+import functools
 import inspect
 import textwrap
 
@@ -89,8 +90,11 @@ def _modules_source() -> str:
     return "".join(kept)
 
 
-def auto_classes(architecture: str, model_type: str) -> list[str]:
-    """Names of the transformers Auto classes that map ``model_type`` to ``architecture`` (AutoModel when none)."""
+@functools.cache
+def auto_classes(architecture: str, model_type: str) -> tuple[str, ...]:
+    """Names of the transformers Auto classes that map ``model_type`` to ``architecture`` (AutoModel when none).
+
+    Cached: listing transformers' lazy namespace takes most of a small model's save time."""
     found = []
     for name in sorted(dir(transformers)):
         if not name.startswith("AutoModel"):
@@ -99,7 +103,7 @@ def auto_classes(architecture: str, model_type: str) -> list[str]:
         target = mapping.get(model_type) if isinstance(mapping, dict) else None
         if target == architecture or (isinstance(target, (tuple, list)) and architecture in target):
             found.append(name)
-    return found or ["AutoModel"]
+    return tuple(found) or ("AutoModel",)
 
 
 def class_names(architecture: str) -> tuple[str, str]:

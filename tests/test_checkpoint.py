@@ -263,8 +263,10 @@ def test_cli_convert_saves_and_overwrite_replaces(tmp_path, capsys):
     (out / "stale.txt").write_text("old")
     assert cli.main(["convert", str(source), "--to", "eln", "--output", str(out)]) == 2
     assert "not empty" in capsys.readouterr().err
+    assert cli.main(["convert", str(source), "--to", "eln", "--output", str(out), "--overwrite"]) == 2
+    assert "holds more than a checkpoint (stale.txt)" in capsys.readouterr().err  # overwrite replaces only its own
+    (out / "stale.txt").unlink()
     assert cli.main(["convert", str(source), "--to", "eln", "--output", str(out), "--overwrite"]) == 0
-    assert not (out / "stale.txt").exists()
     assert json.loads((out / "config.json").read_text())["normswap"]["method"] == "eln"
     model, _ = hf_normswap.loading.load_model(str(out), with_tokenizer=False)  # the CLI's loader reads it back
     assert isinstance(model.get_submodule("gpt_neox.final_layer_norm"), hf_normswap.ELN)

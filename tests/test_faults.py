@@ -7,6 +7,10 @@ executed. Tiny models only; the kills run in subprocesses with fixed seeds.
 from __future__ import annotations
 
 import json
+import os
+import random
+import shutil
+import signal
 from pathlib import Path
 
 import pytest
@@ -39,8 +43,6 @@ def converted(tmp_path_factory):
 
 
 def _copy(source: Path, target: Path) -> Path:
-    import shutil
-
     shutil.copytree(source, target)
     return target
 
@@ -88,3 +90,162 @@ def test_code_in_a_loaded_models_block_is_refused_when_saving(converted, tmp_pat
     with pytest.raises(ValidationError, match="normswap.base.config_class"):
         model.save_pretrained(tmp_path / "other")
     assert not (tmp_path / "PWNED").exists() and not (tmp_path / "other").exists()
+
+
+# --------------------------------------------------------------------------------------- saving deletes nothing
+
+
+def _tree(root: Path) -> dict:
+    """Every file under root with its bytes: what must survive a refused or partial save."""
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_overwrite_of_a_directory_holding_other_files_is_refused(tmp_path, monkeypatch, capsys):
+    """`convert MODEL --output . --overwrite` in a directory with the source model and other files."""
+    monkeypatch.chdir(tmp_path)
+    tiny_model("llama").save_pretrained(tmp_path / "source")
+    (tmp_path / "notes.txt").write_text("mine")
+    before = _tree(tmp_path)
+    code, line = _cli(["convert", "source", "--to", "eln", "--output", ".", "--overwrite"], capsys)
+    assert code == 2 and "not a checkpoint saved by hf_normswap" in line and "new or empty directory" in line
+    assert _tree(tmp_path) == before
+
+
+def test_trainer_save_model_leaves_sibling_checkpoints(tmp_path):
+    """Trainer.save_model() -> model.save_pretrained(output_dir): checkpoint-N folders and other files stay."""
+    model = tiny_model("llama")
+    hf_normswap.convert(model, to="eln")
+    out = tmp_path / "out"
+    for step in (1, 2):
+        model.save_pretrained(out / f"checkpoint-{step}")  # what the Trainer's checkpointing does, into empty folders
+        (out / f"checkpoint-{step}" / "trainer_state.json").write_text("{}")
+    (out / "notes.txt").write_text("mine")
+    before = _tree(out)
+    model.save_pretrained(out)  # Trainer.save_model()
+    model.save_pretrained(out)  # again: replaces its own files in place
+    after = _tree(out)
+    assert {k: v for k, v in after.items() if k in before} == before
+    assert checkpoint.read_config(out)["normswap"]["method"] == "eln"
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith(".")) == []
+    model.save_pretrained(out / "worker", is_main_process=False)  # other ranks write nothing
+    assert not (out / "worker").exists()
+
+
+@pytest.mark.parametrize("kind", ["file", "read-only"])
+def test_unwritable_output_is_refused_before_loading(tmp_path, capsys, kind):
+    if kind == "file":
+        output = tmp_path / "taken"
+        output.write_text("mine")
+        expected = "not a directory"
+    else:
+        (tmp_path / "ro").mkdir()
+        (tmp_path / "ro").chmod(0o555)
+        output = tmp_path / "ro" / "out"
+        expected = "permission denied"
+    code, line = _cli(["convert", tmp_path / "no-such-model", "--to", "eln", "--output", output], capsys)
+    if kind == "read-only":
+        (tmp_path / "ro").chmod(0o755)
+        if os.geteuid() == 0:
+            pytest.skip("root writes anywhere")
+    assert code == 2 and expected in line
+
+
+# ---------------------------------------------------------------------------------------- saves killed midway
+
+
+class _KillAt:
+    """Count the filesystem steps of a save (mkdir, writes, renames, removals) and send a signal at step ``at``."""
+
+    def __init__(self, at: int, signum: int):
+        self.at, self.signum, self.count = at, signum, 0
+
+    def step(self):
+        self.count += 1
+        if self.count == self.at:
+            os.kill(os.getpid(), self.signum)
+
+    def install(self):
+        import builtins
+        import io
+
+        def counted(function, writes_only=False):
+            def wrapper(*args, **kwargs):
+                mode = args[1] if len(args) > 1 else kwargs.get("mode", "r")
+                if not writes_only or any(c in mode for c in "wax+"):
+                    self.step()
+                return function(*args, **kwargs)
+            return wrapper
+
+        for module, name in ((os, "rename"), (os, "replace"), (os, "mkdir"), (os, "unlink"), (os, "rmdir"),
+                             (shutil, "rmtree")):
+            setattr(module, name, counted(getattr(module, name)))
+        builtins.open = io.open = counted(io.open, writes_only=True)
+
+
+def _save_in_child(model, out: Path, at: int, signum: int) -> int:
+    """Fork; the child saves ``model`` over ``out`` and is signalled at its ``at``-th step. Returns the wait status."""
+    pid = os.fork()
+    if pid == 0:  # child: never returns into pytest
+        code = 0
+        try:
+            _KillAt(at, signum).install()
+            hf_normswap.save_pretrained(model, out, overwrite=True)
+        except BaseException:
+            code = 1
+        os._exit(code)
+    return os.waitpid(pid, 0)[1]
+
+
+def _computes_like(directory: Path, model) -> bool:
+    """Whether the checkpoint at ``directory`` computes the logits ``model`` computes."""
+    inputs = {"input_ids": torch.arange(8)[None]}
+    with torch.no_grad():
+        return torch.equal(hf_normswap.load(directory)(**inputs).logits, model(**inputs).logits)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_save_killed_at_every_step_leaves_old_or_new_and_is_cleaned_up(tmp_path):
+    """An overwrite of an ELN checkpoint by a DyT one, killed (SIGKILL / SIGTERM / SIGINT, chosen by a fixed seed)
+    at each of its filesystem steps in turn: the name holds the whole old or the whole new checkpoint once the next
+    save into the same place has run its recovery, and nothing is left beside it."""
+    old, new = tiny_model("llama"), tiny_model("llama")
+    hf_normswap.convert(old, to="eln")
+    hf_normswap.convert(new, to="dyt")
+    trees = {}
+    for method, model in (("eln", old), ("dyt", new)):
+        hf_normswap.save_pretrained(model, tmp_path / method)
+        trees[method] = _tree(tmp_path / method)
+    out = tmp_path / "ckpt"
+    steps = _count_steps(new, tmp_path / "count")
+    assert steps >= 8  # mkdir, weights, config, remote code, card, two renames, removal of the old copy
+    rng = random.Random(15)
+    seen = set()
+    for at in range(1, steps + 2):  # steps + 1: never reached, the save completes
+        shutil.rmtree(out, ignore_errors=True)
+        shutil.copytree(tmp_path / "eln", out)
+        signum = rng.choice([signal.SIGKILL, signal.SIGTERM, signal.SIGINT])
+        status = _save_in_child(new, out, at, signum)
+        assert at > steps or os.WIFSIGNALED(status) or os.WEXITSTATUS(status) == 1, (at, status)
+        checkpoint.recover_interrupted(out)  # what the next save into the same place runs first
+        assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".ckpt")) == [], at
+        method = checkpoint.read_config(out)["normswap"]["method"]
+        assert _tree(out) == trees[method], (at, method)  # the whole old or the whole new checkpoint, byte for byte
+        seen.add(method)
+    assert seen == {"eln", "dyt"}
+    assert _computes_like(out, new)  # the survivor loads and computes what the saved model computed
+
+
+def _count_steps(model, directory: Path) -> int:
+    """Steps of one complete overwrite, counted in a child that is never signalled."""
+    counter = _KillAt(0, 0)
+    hf_normswap.save_pretrained(model, directory)
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        counter.install()
+        hf_normswap.save_pretrained(model, directory, overwrite=True)
+        os.write(write, str(counter.count).encode())
+        os._exit(0)
+    os.waitpid(pid, 0)
+    os.close(write)
+    return int(os.read(read, 32))
