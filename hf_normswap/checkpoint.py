@@ -23,10 +23,12 @@ from glob import escape as glob_escape
 from pathlib import Path
 
 import transformers
+from safetensors import SafetensorError, safe_open
 from torch import nn
 from transformers import CONFIG_MAPPING
 
 from . import __version__, model_card, remote_code, validation
+from .data import first_line
 from .modules import METHODS, ElementwiseNorm
 
 
@@ -346,8 +348,7 @@ def read_config(path: str | os.PathLike) -> dict | None:
         config = json.loads(config_file.read_text())
     except (OSError, ValueError):
         return None
-    block = config.get("normswap") if isinstance(config, dict) else None
-    return config if isinstance(block, dict) and block.get("base") else None
+    return config if isinstance(config, dict) and "normswap" in config else None  # the block is checked on load
 
 
 @functools.cache
@@ -357,6 +358,7 @@ def normswap_class(architecture: str) -> type:
 
     def __init__(self, config, *args, **kwargs):
         base.__init__(self, config, *args, **kwargs)
+        validation.check_block_against_model(self, config.normswap)
         remote_code.rebuild_norms(self, config.normswap)
 
     return type(f"NormSwap{architecture}", (base,), {"__init__": __init__, "__module__": __name__})
@@ -371,18 +373,45 @@ def base_config(path: str | os.PathLike):
     config_dict = read_config(path)
     if config_dict is None:
         raise CheckpointError(f"{path} is not a checkpoint saved by hf_normswap (no config.json with a normswap block)")
-    base = validation.check_base(config_dict["normswap"]["base"])
+    base = validation.check_block(config_dict["normswap"])["base"]
     config_dict = dict(config_dict, model_type=base["model_type"], architectures=[base["architecture"]])
     config_dict.pop("auto_map", None)
     return CONFIG_MAPPING[base["model_type"]].from_dict(config_dict)
 
 
+def weight_shapes(path: str | os.PathLike) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every tensor in a checkpoint's safetensors files, read from their headers only."""
+    directory = Path(path)
+    index = directory / "model.safetensors.index.json"
+    try:
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() \
+            else ["model.safetensors"]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
+        raise CheckpointError(f"{index}: not a readable weight index ({first_line(error)})") from None
+    shapes = {}
+    for name in files:
+        file = directory / name
+        if not file.is_file():
+            raise CheckpointError(f"{directory} has no weights file {name}: the checkpoint is incomplete")
+        try:
+            with safe_open(file, framework="pt") as handle:
+                for key in handle.keys():
+                    shapes[key] = tuple(handle.get_slice(key).get_shape())
+        except (SafetensorError, OSError, ValueError) as error:
+            raise CheckpointError(f"{file}: not a readable safetensors file ({first_line(error)}); it is truncated "
+                                  "or corrupt: save or download it again") from None
+    return shapes
+
+
 def load(path: str | os.PathLike, **kwargs) -> nn.Module:
     """Load a checkpoint saved by :func:`save_pretrained` with the package's modules (no remote code), in eval mode.
 
+    The normswap block is checked against the weights and the architecture first, so a damaged or tampered block
+    is one error instead of a model with uninitialized or ignored parameters.
     Keyword arguments go to ``from_pretrained`` (``dtype=``, ``device_map=`` ...).
     """
     config = base_config(path)
+    validation.check_block_against_weights(config.normswap, weight_shapes(path))
     model = normswap_class(config.normswap["base"]["architecture"]).from_pretrained(path, config=config, **kwargs)
     enable_save(model)
     return model.eval()

@@ -249,3 +249,59 @@ def _count_steps(model, directory: Path) -> int:
     os.waitpid(pid, 0)
     os.close(write)
     return int(os.read(read, 32))
+
+
+# ------------------------------------------------------------------------------------- tampered normswap block
+
+LAYER = "model.layers.0.input_layernorm"
+
+
+def _entry(config):
+    return config["normswap"]["converted"][LAYER]
+
+
+TAMPERED = {
+    "bias on a module without one": (lambda c: _entry(c).update(bias=True), f"{LAYER}.bias"),
+    "method changed on one module": (lambda c: _entry(c).update(method="dyt"), f"{LAYER}.method"),
+    "unknown method": (lambda c: c["normswap"].update(method="batchnorm"), "normswap.method"),
+    "entry dropped": (lambda c: c["normswap"]["converted"].pop(LAYER), f"{LAYER} is missing"),
+    "entry on a non-norm module": (lambda c: c["normswap"]["converted"].__setitem__("model.layers.0.mlp", _entry(c)),
+                                   "normswap.converted.model.layers.0.mlp: the weights hold no norm"),
+    "unknown module": (lambda c: c["normswap"]["converted"].__setitem__("model.nothing", _entry(c)),
+                       "normswap.converted.model.nothing"),
+    "shape changed": (lambda c: _entry(c).update(normalized_shape=[16]), f"{LAYER}.normalized_shape"),
+    "per-channel flipped": (lambda c: _entry(c).update(per_channel=True), f"{LAYER}.per_channel"),
+    "amplitude NaN": (lambda c: _entry(c).update(amplitude=float("nan")), f"{LAYER}.amplitude"),
+    "entry not an object": (lambda c: c["normswap"]["converted"].__setitem__(LAYER, 3), LAYER),
+    "block not an object": (lambda c: c["normswap"].update(base=[]), "normswap.base"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(TAMPERED))
+def test_tampered_block_is_one_line_naming_the_key(converted, tmp_path, capsys, case):
+    edit, key = TAMPERED[case]
+    tampered = _copy(converted, tmp_path / "tampered")
+    _edit_config(tampered, edit)
+    before = _tree(tampered)
+    code, line = _cli(["inspect", tampered], capsys)
+    assert code == 2 and key in line, line
+    with pytest.raises(ValidationError, match=key.replace(".", r"\.")):
+        hf_normswap.load(tampered)
+    assert _tree(tampered) == before
+
+
+def test_tampered_block_fails_eval_too(converted, tmp_path, capsys):
+    tampered = _copy(converted, tmp_path / "tampered")
+    _edit_config(tampered, TAMPERED["bias on a module without one"][0])
+    code, line = _cli(["eval", tampered, "--max-tokens", "8"], capsys)
+    assert code == 2 and f"{LAYER}.bias" in line
+
+
+@pytest.mark.parametrize("name, message", [("model.layers.0.mlp", "is a LlamaMLP, not a LayerNorm or RMSNorm"),
+                                           ("model.nothing", "has no module of that name")])
+def test_block_names_must_be_norms_of_the_architecture(name, message):
+    from hf_normswap.validation import check_block_against_model
+
+    block = {"converted": {name: {"normalized_shape": [32]}}}
+    with pytest.raises(ValidationError, match=message):
+        check_block_against_model(tiny_model("llama"), block)
