@@ -54,6 +54,9 @@ def resolve_token(token: str | None = None) -> str:
 def preflight(repo_id: str, token: str | None = None) -> str:
     """Check the repo name and find a token before any conversion or upload work; returns the token."""
     check_repo_id(repo_id)
+    if constants.HF_HUB_OFFLINE or os.environ.get("HF_HUB_OFFLINE", "").upper() in constants.ENV_VARS_TRUE_VALUES:
+        raise PushError("HF_HUB_OFFLINE is set, so nothing can be pushed: unset it, or save with --output and "
+                        "push later with `normswap push`")
     return resolve_token(token)
 
 

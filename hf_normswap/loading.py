@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 
 import transformers
+from safetensors import SafetensorError
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer
 
 from . import checkpoint
@@ -38,6 +40,27 @@ def resolve(spec: str) -> tuple[str, dict]:
     return spec, {}
 
 
+# sizes a config must give as positive integers; a negative one would only fail deep inside torch
+SIZE_KEYS = ("hidden_size", "intermediate_size", "vocab_size", "num_hidden_layers", "num_attention_heads",
+             "num_key_value_heads", "head_dim", "n_embd", "n_layer", "n_head", "d_model", "max_position_embeddings")
+
+
+def _check_config_file(path: Path, spec: str) -> None:
+    """A local config.json must be a JSON object whose sizes are positive: one line instead of a traceback."""
+    if not path.is_file():
+        return
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError) as error:
+        raise ModelLoadError(f"{spec}: config.json is not readable JSON ({first_line(error)})") from None
+    if not isinstance(config, dict):
+        raise ModelLoadError(f"{spec}: config.json holds a JSON {type(config).__name__}, not an object")
+    for key in SIZE_KEYS:
+        value = config.get(key)
+        if value is not None and not (isinstance(value, int) and not isinstance(value, bool) and value > 0):
+            raise ModelLoadError(f"{spec}: config.json {key} is {value!r}; it must be a positive integer")
+
+
 def load_model(spec: str, dtype=None, with_tokenizer: bool = True):
     """(model in eval mode, tokenizer or None). Raises ``ModelLoadError`` with a one-line reason."""
     location, extra = resolve(spec)
@@ -45,6 +68,7 @@ def load_model(spec: str, dtype=None, with_tokenizer: bool = True):
     if looks_local and not Path(location).exists():
         raise ModelLoadError(f"model not found: {spec} is not a directory, .gguf file or Hub id")
     kwargs = dict(extra, dtype=dtype) if dtype is not None else dict(extra)
+    _check_config_file(Path(location) / "config.json", spec)
     try:
         if "gguf_file" in extra:
             model = AutoModelForCausalLM.from_pretrained(location, **kwargs)
@@ -55,6 +79,8 @@ def load_model(spec: str, dtype=None, with_tokenizer: bool = True):
             model = _model_class(config).from_pretrained(location, **kwargs)
     except ValidationError as error:
         raise ModelLoadError(f"{spec}: {error}") from None
+    except (SafetensorError, RuntimeError) as error:  # truncated weights, sizes that make no tensor
+        raise ModelLoadError(f"cannot load {spec}: {first_line(error)}; the files are damaged") from None
     except (OSError, ValueError) as error:
         raise ModelLoadError(f"model not found or unreadable: {spec} ({first_line(error)})") from None
     tokenizer = None

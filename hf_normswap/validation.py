@@ -10,8 +10,10 @@ block is refused instead of loading a model with uninitialized or ignored parame
 from __future__ import annotations
 
 import math
+import os
 import re
 from numbers import Real
+from pathlib import Path
 
 import transformers
 from torch import nn
@@ -152,3 +154,50 @@ def check_block_against_model(model: nn.Module, block: dict) -> None:
         if isinstance(weight, nn.Parameter) and tuple(weight.shape) != shape:
             raise ValidationError(f"{key}.normalized_shape: {list(shape)}, but the model's norm has shape "
                                   f"{list(weight.shape)}")
+
+
+# ------------------------------------------------------------------------------------------ numeric options
+
+# Input RMS of real models runs from about 0.1 to a few thousand; inside this range alpha and beta stay far from
+# the clamps of modules.py in fp32, outside it the analytic initialization over- or underflows.
+INPUT_SCALE_RANGE = (1e-6, 1e6)
+
+
+def check_number(value, name: str, minimum: float | None = None, maximum: float | None = None):
+    """``value`` unless it is not a finite number within [minimum, maximum]; the error names ``name``."""
+    if isinstance(value, bool) or not isinstance(value, Real) or not math.isfinite(value):
+        raise ValidationError(f"{name} must be a finite number, got {_shown(value)}")
+    if minimum is not None and value < minimum:
+        raise ValidationError(f"{name} must be at least {minimum:g}, got {value:g}")
+    if maximum is not None and value > maximum:
+        raise ValidationError(f"{name} must be at most {maximum:g}, got {value:g}")
+    return value
+
+
+def check_input_scale(value, name: str = "input_scale") -> float:
+    """A typical input RMS for the analytic initialization: positive, finite, within :data:`INPUT_SCALE_RANGE`."""
+    if isinstance(value, Real) and not isinstance(value, bool) and math.isfinite(value) and value <= 0:
+        raise ValidationError(f"{name} must be positive (a typical input RMS), got {value:g}")
+    return check_number(value, name, *INPUT_SCALE_RANGE)
+
+
+# ------------------------------------------------------------------------------------------------ output paths
+
+
+def check_output_file(path, flag: str) -> None:
+    """A file the command will write at the end (``--report``): not a directory, in an existing writable one."""
+    path = Path(path).expanduser()
+    if path.is_dir():
+        raise ValidationError(f"{flag} {path} is a directory; give a file path such as {path / 'report.json'}")
+    parent = path.absolute().parent
+    if not parent.is_dir():
+        raise ValidationError(f"{flag} {path}: its directory does not exist; create it or pick another path")
+    if not os.access(path if path.exists() else parent, os.W_OK):
+        raise ValidationError(f"{flag} {path}: permission denied; pick a path you can write")
+
+
+def check_data_files(paths, flag: str) -> None:
+    """Local data files (as ``data.local_paths`` returns them) that hold text: an empty file scores nothing."""
+    files = [f for p in paths or () for f in (sorted(x for x in p.rglob("*") if x.is_file()) if p.is_dir() else [p])]
+    if paths and all(f.stat().st_size == 0 for f in files):
+        raise ValidationError(f"{flag} {', '.join(map(str, paths))}: no text (the files are empty)")

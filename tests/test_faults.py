@@ -305,3 +305,128 @@ def test_block_names_must_be_norms_of_the_architecture(name, message):
     block = {"converted": {name: {"normalized_shape": [32]}}}
     with pytest.raises(ValidationError, match=message):
         check_block_against_model(tiny_model("llama"), block)
+
+
+# ------------------------------------------------------------------------- options checked before any work
+
+MISSING = "/nonexistent/model/dir"  # if an option passed its check, the error would be "model not found"
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--input-scale", "nan"], "--input-scale must be a finite number"),
+    (["--input-scale", "inf"], "--input-scale must be a finite number"),
+    (["--input-scale", "1e200"], "--input-scale must be at most 1e+06"),
+    (["--input-scale", "-1"], "--input-scale must be positive"),
+    (["--calib-blocks", "0"], "--calib-blocks must be at least 1"),  # checked even without --calib
+    (["--calib-len", "-5"], "--calib-len must be at least 1"),
+    (["--max-tokens-per-norm", "0"], "--max-tokens-per-norm must be at least 1"),
+    (["--eval", "builtin", "--eval-batch-size", "0"], "--eval-batch-size must be at least 1"),
+    (["--roles", "attention"], "unknown role"),
+    (["--include", "("], "not a valid regular expression"),
+    (["--exclude", "[a-"], "not a valid regular expression"),
+])
+def test_bad_numbers_and_patterns_fail_before_the_model_loads(capsys, flags, message):
+    code, line = _cli(["convert", MISSING, "--to", "dyt", *flags], capsys)
+    assert code == 2 and message in line, line
+
+
+def test_inspect_checks_roles_before_loading(capsys):
+    code, line = _cli(["inspect", MISSING, "--roles", "attention"], capsys)
+    assert code == 2 and "unknown role" in line
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -1.0, 0.0, 1e200])
+def test_api_input_scale_is_checked(value):
+    model = tiny_model("llama")
+    with pytest.raises(ValidationError, match="input_scale"):
+        hf_normswap.convert(model, "dyt", input_scale=value)
+    assert not hasattr(model.config, "normswap")  # nothing was converted
+
+
+def test_output_paths_are_checked_before_loading(tmp_path, monkeypatch, capsys):
+    (tmp_path / "empty.txt").write_text("")
+    cases = [
+        (["--report", tmp_path], "is a directory"),
+        (["--report", tmp_path / "missing" / "r.json"], "directory does not exist"),
+        (["--eval", tmp_path / "empty.txt"], "--eval"),
+        (["--calib", tmp_path / "empty.txt"], "--calib"),
+    ]
+    for flags, message in cases:
+        code, line = _cli(["convert", MISSING, "--to", "eln", *flags], capsys)
+        assert code == 2 and message in line, line
+    monkeypatch.setenv("HF_TOKEN", "hf_fake")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    code, line = _cli(["convert", MISSING, "--to", "eln", "--push-to-hub", "me/model"], capsys)
+    assert code == 2 and "HF_HUB_OFFLINE is set" in line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty.txt"]
+
+
+def test_failed_save_keeps_the_converted_model_and_says_where(tmp_path, monkeypatch, capsys):
+    """The output vanishes under the run (here: the save into it fails); the converted model lands elsewhere."""
+    tiny_model("llama").save_pretrained(tmp_path / "source")
+    real_save = cli.save_pretrained
+
+    def failing(model, directory, **kwargs):
+        if Path(directory) == tmp_path / "out":
+            raise OSError(28, "No space left on device")
+        return real_save(model, directory, **kwargs)
+
+    monkeypatch.setattr(cli, "save_pretrained", failing)
+    code, line = _cli(["convert", tmp_path / "source", "--to", "eln", "--output", tmp_path / "out"], capsys)
+    assert code == 2 and "No space left on device" in line
+    kept = Path(line.split("kept in ")[1].split(":")[0])
+    assert checkpoint.read_config(kept)["normswap"]["method"] == "eln"
+    hf_normswap.load(kept)
+    shutil.rmtree(kept.parent)
+
+
+# -------------------------------------------------------------------------------------------- corrupt inputs
+
+
+def _corrupt(directory: Path, case: str) -> str:
+    weights = directory / "model.safetensors"
+    config = directory / "config.json"
+    if case == "truncated safetensors":
+        weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+        return "incomplete metadata"
+    if case == "garbage safetensors":
+        weights.write_bytes(random.Random(15).randbytes(4096))
+        return "Error while deserializing header"
+    if case == "config.json a list":
+        config.write_text("[1, 2]")
+        return "config.json holds a JSON list"
+    if case == "config.json not JSON":
+        config.write_text("{not json")
+        return "config.json is not readable JSON"
+    edited = json.loads(config.read_text())
+    edited["hidden_size"] = -32
+    config.write_text(json.dumps(edited))
+    return "config.json hidden_size is -32"
+
+
+CORRUPTIONS = ["truncated safetensors", "garbage safetensors", "config.json a list", "config.json not JSON",
+               "negative hidden_size"]
+
+
+@pytest.mark.parametrize("case", CORRUPTIONS)
+@pytest.mark.parametrize("kind", ["original", "converted"])
+def test_corrupt_model_files_are_one_line(converted, tmp_path, capsys, case, kind):
+    directory = tmp_path / "model"
+    if kind == "converted":
+        _copy(converted, directory)
+    else:
+        tiny_model("llama").save_pretrained(directory)
+    message = _corrupt(directory, case)
+    before = _tree(directory)
+    for command in (["inspect", directory], ["convert", directory, "--to", "eln", "--output", tmp_path / "out"]):
+        code, line = _cli(command, capsys)
+        assert code == 2 and message in line, line
+    assert _tree(directory) == before and not (tmp_path / "out").exists()
+
+
+def test_non_utf8_data_names_the_encoding(tmp_path):
+    from hf_normswap.data import DataError, load_texts
+
+    (tmp_path / "latin1.txt").write_bytes("caf\xe9 na\xefve".encode("latin-1"))
+    with pytest.raises(DataError, match=r"latin1.txt is not UTF-8 text \(byte 0xe9 at offset 3\)"):
+        load_texts(str(tmp_path / "latin1.txt"))
