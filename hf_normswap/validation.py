@@ -9,6 +9,7 @@ block is refused instead of loading a model with uninitialized or ignored parame
 
 from __future__ import annotations
 
+import difflib
 import math
 import os
 import re
@@ -201,3 +202,22 @@ def check_data_files(paths, flag: str) -> None:
     files = [f for p in paths or () for f in (sorted(x for x in p.rglob("*") if x.is_file()) if p.is_dir() else [p])]
     if paths and all(f.stat().st_size == 0 for f in files):
         raise ValidationError(f"{flag} {', '.join(map(str, paths))}: no text (the files are empty)")
+
+
+# ------------------------------------------------------------------------------------------- nested settings
+
+
+def check_keys(settings: dict, known: dict, prefix: str = "") -> None:
+    """Every key of ``settings`` is in ``known`` (key -> nested ``known`` dict, or None for a leaf); an unknown
+    key is refused with the nearest known one suggested, so a typo cannot be ignored silently."""
+    for key, value in settings.items():
+        name = f"{prefix}{key}"
+        if key not in known:
+            close = difflib.get_close_matches(str(key), [str(k) for k in known], n=1)
+            hint = f"did you mean {prefix}{close[0]}?" if close else f"known: {', '.join(sorted(map(str, known)))}"
+            raise ValidationError(f"unknown setting {name}: {hint}")
+        if isinstance(known[key], dict):
+            if not isinstance(value, dict):
+                raise ValidationError(f"setting {name} must be a mapping of {', '.join(sorted(known[key]))}, "
+                                      f"got {_shown(value)}")
+            check_keys(value, known[key], name + ".")

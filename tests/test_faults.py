@@ -430,3 +430,63 @@ def test_non_utf8_data_names_the_encoding(tmp_path):
     (tmp_path / "latin1.txt").write_bytes("caf\xe9 na\xefve".encode("latin-1"))
     with pytest.raises(DataError, match=r"latin1.txt is not UTF-8 text \(byte 0xe9 at offset 3\)"):
         load_texts(str(tmp_path / "latin1.txt"))
+
+
+# ------------------------------------------------------------------------------------------ the finetune recipe
+
+
+@pytest.fixture(scope="module")
+def recipe():
+    from file_modules import import_file
+
+    return import_file("recipes/finetune.py")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["lr.bse=0.5"], "unknown setting lr.bse: did you mean lr.base?"),
+    (["distill.wieght=0"], "unknown setting distill.wieght: did you mean distill.weight?"),
+    (["training.max_stepz=3"], "unknown setting training.max_stepz: did you mean training.max_steps?"),
+    (["modle=offline:smollm2"], "unknown setting modle: did you mean model?"),
+    (["method=foo"], "method 'foo' is unknown"),
+    (["trainable=some"], "trainable 'some' is unknown"),
+    (["calibration.num_blocks=0"], "calibration.num_blocks must be at least 1"),
+    (["block_len=-5"], "block_len must be at least 1"),
+    (["lr.base=.nan"], "lr.base must be a finite number"),
+    (["distill.temperature=0"], "distill.temperature must be at least"),
+    (["max_minutes=-1"], "max_minutes must be at least 0"),
+    (["lr=0.5"], "setting lr must be a mapping"),
+    (["progressive.enabled=true", "trainable=lora"], "progressive conversion works with trainable: norms or all"),
+    (["--config", "/nonexistent/config.yaml"], "--config /nonexistent/config.yaml"),
+    (["noequals"], "is not KEY=VALUE"),
+])
+def test_recipe_refuses_bad_settings_in_one_line_before_loading(recipe, capsys, argv, message):
+    with pytest.raises(SystemExit) as exit:
+        recipe.main(argv)
+    err = capsys.readouterr().err
+    assert exit.value.code == 2 and err.count("\n") == 1 and message in err, err
+
+
+def test_recipe_config_file_must_be_a_mapping(recipe, tmp_path, capsys):
+    (tmp_path / "list.yaml").write_text("- model\n- method\n")
+    with pytest.raises(SystemExit) as exit:
+        recipe.load_config(["--config", str(tmp_path / "list.yaml")])
+    assert exit.value.code == 2 and "expected a mapping of settings" in capsys.readouterr().err
+
+
+def test_recipe_accepts_its_shipped_configs(recipe):
+    for config in sorted(Path(recipe.__file__).parent.glob("configs/*.yaml")):
+        assert recipe.load_config(["--config", str(config)])["method"] in ("eln", "dyt")
+
+
+def test_recipe_sets_a_pad_token_when_the_tokenizer_has_none(recipe):
+    """Like GPT-2's and Llama's tokenizers: EOS, no pad; the Trainer's collator then pads with EOS."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<eos>": 1, "a": 2}
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="<unk>")),
+                                        eos_token="<eos>")
+    assert tokenizer.pad_token is None
+    recipe.ensure_pad_token(tokenizer)
+    assert tokenizer.pad_token == "<eos>"
+    assert tokenizer.pad([{"input_ids": [2]}, {"input_ids": [2, 2]}])["input_ids"] == [[2, 1], [2, 2]]
