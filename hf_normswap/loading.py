@@ -75,7 +75,7 @@ def load_model(spec: str, dtype=None, with_tokenizer: bool = True):
         elif checkpoint.read_config(location) is not None:  # converted checkpoint: the package's own modules
             model = checkpoint.load(location, **kwargs)
         else:
-            config = AutoConfig.from_pretrained(location)
+            config = AutoConfig.from_pretrained(location, trust_remote_code=False)  # refuse, never prompt
             model = _model_class(config).from_pretrained(location, **kwargs)
     except ValidationError as error:
         raise ModelLoadError(f"{spec}: {error}") from None
@@ -88,7 +88,7 @@ def load_model(spec: str, dtype=None, with_tokenizer: bool = True):
         logging.getLogger("transformers").disabled = True
         try:
             converted = {"config": checkpoint.base_config(location)} if checkpoint.read_config(location) else {}
-            tokenizer = AutoTokenizer.from_pretrained(location, **extra, **converted)
+            tokenizer = AutoTokenizer.from_pretrained(location, **extra, **converted, trust_remote_code=False)
         except (OSError, ValueError, TypeError):
             tokenizer = None  # vision and audio models have processors instead
         finally:

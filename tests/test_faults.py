@@ -490,3 +490,14 @@ def test_recipe_sets_a_pad_token_when_the_tokenizer_has_none(recipe):
     recipe.ensure_pad_token(tokenizer)
     assert tokenizer.pad_token == "<eos>"
     assert tokenizer.pad([{"input_ids": [2]}, {"input_ids": [2, 2]}])["input_ids"] == [[2, 1], [2, 2]]
+
+
+def test_loading_never_asks_to_run_custom_code(converted, tmp_path, monkeypatch, capsys):
+    """A checkpoint naming remote code (here: a converted one whose normswap block was removed) is refused, never
+    met with transformers' interactive "run custom code?" question."""
+    asked = []
+    monkeypatch.setattr("builtins.input", lambda *a: asked.append(a) or "y")
+    tampered = _copy(converted, tmp_path / "tampered")
+    _edit_config(tampered, lambda c: c.pop("normswap"))
+    code, line = _cli(["eval", tampered, "--max-tokens", "8"], capsys)
+    assert code == 2 and "custom code" in line and asked == []
