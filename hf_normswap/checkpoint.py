@@ -82,8 +82,8 @@ def recover_interrupted(path: str | os.PathLike) -> None:
         return
     old = _temporary_siblings(target, "old")
     if old and not (target.exists() or target.is_symlink()):
-        newest = old.pop()
-        legacy = newest / "old"  # earlier layout: the previous checkpoint one level down
+        newest = old[-1]
+        legacy = newest / "old"  # an earlier layout: the previous checkpoint one level down
         os.rename(legacy if legacy.is_dir() and not (newest / "config.json").exists() else newest, target)
     for leftover in old + _temporary_siblings(target, "partial"):
         shutil.rmtree(leftover, ignore_errors=True)

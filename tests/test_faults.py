@@ -226,7 +226,7 @@ def test_save_killed_at_every_step_leaves_old_or_new_and_is_cleaned_up(tmp_path)
         signum = rng.choice([signal.SIGKILL, signal.SIGTERM, signal.SIGINT])
         status = _save_in_child(new, out, at, signum)
         assert at > steps or os.WIFSIGNALED(status) or os.WEXITSTATUS(status) == 1, (at, status)
-        checkpoint.recover_interrupted(out)  # what the next save into the same place runs first
+        checkpoint.check_output_dir(out, overwrite=True)  # what the next save into the same place runs first
         assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".ckpt")) == [], at
         method = checkpoint.read_config(out)["normswap"]["method"]
         assert _tree(out) == trees[method], (at, method)  # the whole old or the whole new checkpoint, byte for byte
@@ -501,3 +501,19 @@ def test_loading_never_asks_to_run_custom_code(converted, tmp_path, monkeypatch,
     _edit_config(tampered, lambda c: c.pop("normswap"))
     code, line = _cli(["eval", tampered, "--max-tokens", "8"], capsys)
     assert code == 2 and "custom code" in line and asked == []
+
+
+def test_leftovers_of_dead_saves_go_and_those_of_running_saves_stay(converted, tmp_path):
+    import subprocess
+    import sys
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead_pid, live_pid = int(dead.stdout), os.getppid()
+    out = tmp_path / "ckpt"
+    for pid, kind in ((dead_pid, "partial"), (live_pid, "partial"), (dead_pid, "old")):
+        (tmp_path / f".ckpt.{kind}-{pid}-abc").mkdir()
+    legacy = tmp_path / ".ckpt.old-xyz" / "old"  # an earlier layout: the previous checkpoint one level down
+    shutil.copytree(converted, legacy)
+    checkpoint.check_output_dir(out, overwrite=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f".ckpt.partial-{live_pid}-abc", "ckpt"]
+    assert _tree(out) == _tree(converted)  # the checkpoint an interrupted overwrite had moved aside is back
