@@ -169,6 +169,8 @@ def _convert(args) -> None:
     check_selection(_roles(args.roles), args.include, args.exclude)
     if args.output:
         check_output_dir(args.output, args.overwrite)
+    if args.plots and Path(args.plots).exists() and not Path(args.plots).is_dir():
+        raise ConversionError(f"--plots {args.plots} is a file; give a directory for the plots")
     if args.report:
         check_output_file(args.report, "--report")
     for flag, spec in (("--calib", args.calib), ("--eval", args.eval_data)):  # a mistyped data path, an empty file

@@ -350,6 +350,7 @@ def test_output_paths_are_checked_before_loading(tmp_path, monkeypatch, capsys):
         (["--report", tmp_path / "missing" / "r.json"], "directory does not exist"),
         (["--eval", tmp_path / "empty.txt"], "--eval"),
         (["--calib", tmp_path / "empty.txt"], "--calib"),
+        (["--calib", "builtin", "--plots", tmp_path / "empty.txt"], "--plots"),
     ]
     for flags, message in cases:
         code, line = _cli(["convert", MISSING, "--to", "eln", *flags], capsys)
