@@ -66,11 +66,11 @@ def _temporary_siblings(target: Path, kind: str) -> list[Path]:
 
 def _alive(pid: int) -> bool:
     try:
-        os.kill(pid, 0)
+        os.kill(pid, 0)  # signal 0: only asks whether the process exists
     except ProcessLookupError:
         return False
-    except PermissionError:
-        return True
+    except PermissionError:  # exists, owned by someone else
+        pass
     return True
 
 
@@ -90,11 +90,19 @@ def recover_interrupted(path: str | os.PathLike) -> None:
 
 
 def _foreign_entries(directory: Path, also_own: set[str] = frozenset()) -> list[str]:
-    """Entries of an existing output that a save would not write (sorted), or ["(not a checkpoint)"]."""
-    if read_config(directory) is None:
-        return ["(it is not a checkpoint saved by hf_normswap)"]
+    """Entries of a checkpoint directory that a save would not write (sorted), besides ``also_own``."""
     return sorted(p.name for p in directory.iterdir()
                   if not (p.is_file() and not p.is_symlink() and (OWN_FILES.fullmatch(p.name) or p.name in also_own)))
+
+
+def _replaceable(directory: Path, also_own: set[str] = frozenset()) -> str | None:
+    """Why an overwrite may not replace ``directory``, or None when it holds a checkpoint's own files only."""
+    if read_config(directory) is None:
+        return "it is not empty and not a checkpoint saved by hf_normswap"
+    foreign = _foreign_entries(directory, also_own)
+    if foreign:
+        return f"it holds more than a checkpoint ({', '.join(foreign[:3])}{', ...' if len(foreign) > 3 else ''})"
+    return None
 
 
 def check_output_dir(path: str | os.PathLike, overwrite: bool = False, into_existing: bool = False) -> Path:
@@ -111,10 +119,9 @@ def check_output_dir(path: str | os.PathLike, overwrite: bool = False, into_exis
             if not overwrite:
                 raise OutputExistsError(f"output directory {path} is not empty; pass --overwrite (overwrite=True) "
                                         "to replace the checkpoint in it")
-            foreign = _foreign_entries(path)
-            if foreign:
-                raise OutputExistsError(f"output directory {path} holds more than a checkpoint ({', '.join(foreign[:3])}"
-                                        f"{', ...' if len(foreign) > 3 else ''}); overwriting replaces only a "
+            refused = _replaceable(path)
+            if refused:
+                raise OutputExistsError(f"output directory {path}: {refused}; overwriting replaces only a "
                                         "checkpoint's own files: choose a new or empty directory")
     ancestor = path.absolute()
     while not ancestor.exists():
@@ -130,7 +137,11 @@ def _replace(target: Path, staging: Path) -> None:
     name, or the old one waits in ``.NAME.old-*`` for :func:`recover_interrupted` to put it back."""
     previous = target.parent / f".{target.name}.old-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     os.rename(target, previous)
-    os.rename(staging, target)
+    try:
+        os.rename(staging, target)
+    except BaseException:
+        os.rename(previous, target)
+        raise
     shutil.rmtree(previous, ignore_errors=True)
 
 
@@ -166,13 +177,13 @@ def atomic_directory(path: str | os.PathLike, overwrite: bool = False, into_exis
     try:
         yield staging
         if target.exists() and any(target.iterdir()):
-            foreign = _foreign_entries(target, {p.name for p in staging.iterdir()})
-            if not foreign:
+            refused = _replaceable(target, {p.name for p in staging.iterdir()})
+            if not refused:
                 _replace(target, staging)
             elif into_existing:
                 _merge(target, staging)
             else:  # it was filled while we worked
-                raise OutputExistsError(f"output directory {target} was changed during the save ({', '.join(foreign[:3])})")
+                raise OutputExistsError(f"output directory {target} changed during the save: {refused}")
             return
         if target.exists():
             target.rmdir()

@@ -138,6 +138,7 @@ def known_settings() -> dict:
 
 def check_config(config: dict) -> None:
     """Every key known and every value in range, before anything is loaded: see :func:`known_settings`."""
+    from hf_normswap.checkpoint import CheckpointError, check_output_dir
     from hf_normswap.modules import METHODS
     from hf_normswap.validation import ValidationError, check_keys, check_number
 
@@ -173,7 +174,8 @@ def check_config(config: dict) -> None:
         at_least(config["seed"], "seed", 0)
         if config["progressive"]["enabled"] and config["trainable"] == "lora":
             raise ValidationError("progressive conversion works with trainable: norms or all, not lora")
-    except ValidationError as error:
+        check_output_dir(config["save_dir"] or Path(config["output_dir"]) / "final", overwrite=True)
+    except (ValidationError, CheckpointError) as error:
         fail(str(error))
 
 

@@ -24,12 +24,7 @@ from tiny_models import tiny_model
 PAYLOAD = "LlamaConfig, LlamaForCausalLM #\n-__import__('os').system('touch PWNED')"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
@@ -107,7 +102,7 @@ def test_overwrite_of_a_directory_holding_other_files_is_refused(tmp_path, monke
     (tmp_path / "notes.txt").write_text("mine")
     before = _tree(tmp_path)
     code, line = _cli(["convert", "source", "--to", "eln", "--output", ".", "--overwrite"], capsys)
-    assert code == 2 and "not a checkpoint saved by hf_normswap" in line and "new or empty directory" in line
+    assert code == 2 and "not empty and not a checkpoint saved by hf_normswap" in line and "new or empty" in line
     assert _tree(tmp_path) == before
 
 
@@ -381,6 +376,17 @@ def test_failed_save_keeps_the_converted_model_and_says_where(tmp_path, monkeypa
     shutil.rmtree(kept.parent)
 
 
+def test_failed_push_without_output_keeps_the_converted_model(tmp_path, monkeypatch, capsys):
+    tiny_model("llama").save_pretrained(tmp_path / "source")
+    monkeypatch.setenv("HF_TOKEN", "hf_fake")
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # nothing listens on the discard port
+    code, line = _cli(["convert", tmp_path / "source", "--to", "dyt", "--push-to-hub", "me/model"], capsys)
+    assert code == 2 and "cannot reach the Hub" in line and "normswap push" in line
+    kept = Path(line.split("kept in ")[1].split(": push it")[0])
+    assert checkpoint.read_config(kept)["normswap"]["method"] == "dyt"
+    shutil.rmtree(kept.parent)
+
+
 # -------------------------------------------------------------------------------------------- corrupt inputs
 
 
@@ -465,6 +471,14 @@ def test_recipe_refuses_bad_settings_in_one_line_before_loading(recipe, capsys, 
         recipe.main(argv)
     err = capsys.readouterr().err
     assert exit.value.code == 2 and err.count("\n") == 1 and message in err, err
+
+
+def test_recipe_refuses_a_save_dir_holding_other_files_before_loading(recipe, tmp_path, capsys):
+    (tmp_path / "checkpoint-1").mkdir()
+    with pytest.raises(SystemExit) as exit:
+        recipe.load_config([f"save_dir={tmp_path}"])
+    assert exit.value.code == 2 and "not a checkpoint saved by hf_normswap" in capsys.readouterr().err
+    assert [p.name for p in tmp_path.iterdir()] == ["checkpoint-1"]
 
 
 def test_recipe_config_file_must_be_a_mapping(recipe, tmp_path, capsys):
