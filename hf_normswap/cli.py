@@ -41,9 +41,11 @@ def _selection_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _calibration_args(parser: argparse.ArgumentParser) -> None:
-    from .calibrate import DEFAULT_STRATEGY, STRATEGIES, CalibrationConfig
+    from .calibrate import DEFAULT_STRATEGY, STRATEGIES, CalibrationConfig, strategy_help
 
     defaults = CalibrationConfig()
+    parser.epilog = strategy_help()  # one line per strategy, kept as written
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
     group = parser.add_argument_group("calibration (fit alpha/beta to real activations; see calibrate.py)")
     group.add_argument("--calib", metavar="SPEC",
                        help="calibration text: 'builtin' (offline, ships with Python), local txt/json/jsonl/parquet "
@@ -52,8 +54,8 @@ def _calibration_args(parser: argparse.ArgumentParser) -> None:
                        help="calibration blocks (default: %(default)s)")
     group.add_argument("--calib-len", type=int, default=defaults.block_len, metavar="L",
                        help="tokens per block (default: %(default)s)")
-    group.add_argument("--strategy", choices=sorted(STRATEGIES),
-                       help=f"calibration strategy (default: {DEFAULT_STRATEGY})")
+    group.add_argument("--strategy", choices=[DEFAULT_STRATEGY, *STRATEGIES],
+                       help=f"calibration strategy, listed at the end (default: {DEFAULT_STRATEGY})")
     group.add_argument("--max-tokens-per-norm", type=int, default=defaults.max_tokens_per_norm, metavar="K",
                        help="token vectors kept per norm, the memory cap (default: %(default)s)")
     group.add_argument("--plots", metavar="DIR", help="write one fit plot per norm (PNG) into DIR")
