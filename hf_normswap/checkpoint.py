@@ -176,6 +176,11 @@ def atomic_directory(path: str | os.PathLike, overwrite: bool = False, into_exis
     staging.mkdir()
     try:
         yield staging
+        umask = os.umask(0)
+        os.umask(umask)
+        for written in staging.rglob("*"):  # some writers (safetensors) create files private (0600)
+            if written.is_file():
+                written.chmod(0o666 & ~umask)
         if target.exists() and any(target.iterdir()):
             refused = _replaceable(target, {p.name for p in staging.iterdir()})
             if not refused:

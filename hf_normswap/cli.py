@@ -1,4 +1,5 @@
-"""``normswap`` command line: inspect and convert models. User mistakes exit non-zero with one line on stderr."""
+"""The normswap command line: inspect, convert, evaluate and push models. User mistakes exit non-zero with one line
+on stderr."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from pathlib import Path
 
 from .convert import DEFAULT_ROLES, ConversionError, check_selection, convert, plan
 from .data import DataError, first_line, local_paths
-from .evaluate import EvaluationError
+from .evaluate import EvaluationError, is_encoder
 from .fold import FoldError, fold
 from .checkpoint import CheckpointError, check_output_dir, save_pretrained
 from .hub import PushError, preflight, push
@@ -124,7 +125,8 @@ def build_parser() -> argparse.ArgumentParser:
     hub.add_argument("repo", help="Hub repository, NAME or OWNER/NAME (created if missing)")
     hub.add_argument("--private", action="store_true", help="create the repo private")
 
-    ev = commands.add_parser("eval", help="perplexity (token, word, byte) and, with --against, KL / top-1 vs original")
+    ev = commands.add_parser("eval", help="perplexity (token, word, byte) and, with --against, KL / top-1 vs original; "
+                                          "for an encoder (no LM head): embedding agreement with --against")
     ev.add_argument("model", help=model_help + ", or a converted checkpoint")
     ev.add_argument("--against", metavar="ORIGINAL", help="the original model: adds KL, top-1 agreement, ratios")
     ev.add_argument("--data", default="builtin",
@@ -288,6 +290,21 @@ def _evaluate_conversion(args, model, original, tokenizer) -> None:
         model.config.normswap["evaluation"] = evaluation.card("converted")
 
 
+def _embedding_evaluation(args, model, tokenizer, against, texts):
+    """``eval`` of an encoder (no LM head): agreement of its sentence embeddings with the original's."""
+    from .embeddings import evaluate_embeddings
+
+    if against is None:
+        raise EvaluationError(f"{args.model} is an encoder ({type(model).__name__}): its embeddings are compared "
+                              "with the original's; pass --against ORIGINAL")
+    if tokenizer is None:
+        raise EvaluationError(f"{args.model} has no tokenizer: sentence embeddings need one")
+    if args.stride:
+        raise EvaluationError("--stride applies to perplexity windows; an encoder is scored on whole sentences")
+    return evaluate_embeddings(model, against, tokenizer, texts, max_tokens=args.max_tokens,
+                               max_length=args.max_length, data=args.data)
+
+
 def _eval(args) -> None:
     from .data import load_texts
 
@@ -298,7 +315,10 @@ def _eval(args) -> None:
     texts = load_texts(args.data, default_split="evaluation")
     recorded = (getattr(getattr(model, "config", None), "normswap", None) or {}).get("calibration")
     _warn(_calibration_overlap(args.calib, recorded, args.data, texts))
-    evaluation = _run_evaluation(args, "", model, tokenizer, against, args.data, texts)
+    if is_encoder(model):
+        evaluation = _embedding_evaluation(args, model, tokenizer, against, texts)
+    else:
+        evaluation = _run_evaluation(args, "", model, tokenizer, against, args.data, texts)
     if args.json:
         print(json.dumps(evaluation.to_dict(), indent=2))
     else:
