@@ -6,13 +6,15 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import functools
 import json
+import shutil
 import sys
 import tempfile
 from pathlib import Path
 
-from .convert import DEFAULT_ROLES, ConversionError, convert, plan
-from .data import DataError, local_paths
+from .convert import DEFAULT_ROLES, ConversionError, check_selection, convert, plan
+from .data import DataError, first_line, local_paths
 from .evaluate import EvaluationError, is_encoder
 from .fold import FoldError, fold
 from .checkpoint import CheckpointError, check_output_dir, save_pretrained
@@ -23,9 +25,10 @@ from .modules import METHODS
 from .packaged import PackagedModelMissing
 from .roles import ROLES
 from .sensitivity import exact
+from .validation import ValidationError, check_data_files, check_input_scale, check_number, check_output_file
 
 USER_ERRORS = (ConversionError, ModelLoadError, PackagedModelMissing, DataError, EvaluationError, CheckpointError,
-               PushError, FoldError)
+               PushError, FoldError, ValidationError)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -62,16 +65,14 @@ def _calibration_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _check_calibration_args(args) -> None:
-    """Flag mistakes that need no model, so they fail before the (slow) load."""
+    """Flag mistakes that need no model, so they fail before the (slow) load; numbers are checked even unused."""
+    for flag, value in (("--calib-blocks", args.calib_blocks), ("--calib-len", args.calib_len),
+                        ("--max-tokens-per-norm", args.max_tokens_per_norm)):
+        check_number(value, flag, minimum=1)
     if not args.calib:
         for flag, value in (("--plots", args.plots), ("--strategy", args.strategy)):
             if value:
                 raise ConversionError(f"{flag} needs --calib SPEC (e.g. --calib builtin)")
-        return
-    for flag, value in (("--calib-blocks", args.calib_blocks), ("--calib-len", args.calib_len),
-                        ("--max-tokens-per-norm", args.max_tokens_per_norm)):
-        if value < 1:
-            raise ConversionError(f"{flag} must be at least 1, got {value}")
 
 
 def _calibration(args, tokenizer):
@@ -270,6 +271,7 @@ def _sensitivity(args) -> None:
 
 
 def _inspect(args) -> None:
+    check_selection(_roles(args.roles), args.include, args.exclude)
     model, _ = load_model(args.model, with_tokenizer=False)
     norms, selected, skipped = plan(model, _roles(args.roles), args.include, args.exclude)
     chosen = {n.name for n in selected}
@@ -286,21 +288,20 @@ def _inspect(args) -> None:
               f"{'yes' if n.weight_offset else 'no':<4} {n.size:>5}  {n.role:<15} {action}")
 
 
-def _check_report_path(path: str | None) -> None:
-    if path and not Path(path).resolve().parent.is_dir():
-        raise ConversionError(f"--report {path}: its directory does not exist; create it or pick another path")
-
-
 def _convert(args) -> None:
-    if args.output:  # refuse a bad destination before any loading or conversion work
-        check_output_dir(args.output, args.overwrite)
-    _check_report_path(args.report)
-    for spec in (args.calib, args.eval_data):  # a mistyped data path fails before the model loads
-        if spec:
-            local_paths(spec)
-    if args.input_scale <= 0:
-        raise ConversionError(f"--input-scale must be positive (a typical input RMS), got {args.input_scale}")
+    # every option and destination is checked before any loading or conversion work
+    check_input_scale(args.input_scale, "--input-scale")
     _check_calibration_args(args)
+    check_selection(_roles(args.roles), args.include, args.exclude)
+    if args.output:
+        check_output_dir(args.output, args.overwrite)
+    if args.plots and Path(args.plots).exists() and not Path(args.plots).is_dir():
+        raise ConversionError(f"--plots {args.plots} is a file; give a directory for the plots")
+    if args.report:
+        check_output_file(args.report, "--report")
+    for flag, spec in (("--calib", args.calib), ("--eval", args.eval_data)):  # a mistyped data path, an empty file
+        if spec:
+            check_data_files(local_paths(spec), flag)
     _check_evaluation_args(args, "eval_")
     if args.push_to_hub:
         preflight(args.push_to_hub)
@@ -338,14 +339,35 @@ def _convert(args) -> None:
 
 
 def _save_and_push(args, model, tokenizer) -> None:
+    """Save and push; when either fails, the converted model is kept in a temporary directory that the error names,
+    so a long conversion is never lost to a full disk, a vanished directory or a network failure."""
+    save = functools.partial(save_pretrained, model, tokenizer=tokenizer, base_model=hub_id(args.model))
     if args.output:
-        save_pretrained(model, args.output, tokenizer=tokenizer, overwrite=args.overwrite, base_model=hub_id(args.model))
+        try:
+            save(args.output, overwrite=args.overwrite)
+        except (OSError, CheckpointError) as error:
+            kept = _keep(save, Path(args.output).name)
+            raise CheckpointError(f"cannot save to {args.output} ({first_line(error)}); the converted model is kept "
+                                  f"in {kept}: move it into place") from None
         print(f"saved to {args.output}")
     if args.push_to_hub:
-        with tempfile.TemporaryDirectory() as scratch:
-            folder = args.output or save_pretrained(model, Path(scratch) / "checkpoint", tokenizer=tokenizer,
-                                                    base_model=hub_id(args.model))
+        folder = args.output or _keep(save, "checkpoint")
+        try:
             print(f"pushed to {push(folder, args.push_to_hub, private=args.private)}")
+        except PushError as error:
+            where = "" if args.output else f"; the converted model is kept in {folder}: push it with `normswap push`"
+            raise PushError(f"{error}{where}") from None
+        if not args.output:
+            shutil.rmtree(Path(folder).parent)
+
+
+def _keep(save, name: str) -> Path:
+    """Save into a fresh temporary directory (its ``name`` subfolder) and return the path."""
+    try:
+        return save(Path(tempfile.mkdtemp(prefix="normswap-")) / name)
+    except (OSError, CheckpointError) as error:
+        raise CheckpointError(f"cannot save the converted model, not even to a temporary directory "
+                              f"({first_line(error)}); free disk space and run again") from None
 
 
 def _push(args) -> None:
@@ -361,8 +383,8 @@ def _check_evaluation_args(args, prefix: str = "") -> None:
     get = lambda name: getattr(args, prefix + name)  # noqa: E731
     flag = lambda name: "--" + (prefix + name).replace("_", "-")  # noqa: E731
     for name in ("max_length", "stride", "max_tokens", "batch_size"):
-        if get(name) is not None and get(name) < 1:
-            raise EvaluationError(f"{flag(name)} must be at least 1, got {get(name)}")
+        if get(name) is not None:
+            check_number(get(name), flag(name), minimum=1)
     if get("stride") and get("max_length") and get("stride") > get("max_length"):
         raise EvaluationError(f"{flag('stride')} {get('stride')} is longer than {flag('max_length')} {get('max_length')}")
 
@@ -422,6 +444,7 @@ def _eval(args) -> None:
     from .data import load_texts
 
     _check_evaluation_args(args)
+    check_data_files(local_paths(args.data), "--data")
     model, tokenizer = load_model(args.model)
     against = load_model(args.against, with_tokenizer=False)[0] if args.against else None
     texts = load_texts(args.data, default_split="evaluation")

@@ -68,8 +68,20 @@ def _local(paths: list[Path]) -> list[str]:
     try:
         dataset = datasets.load_dataset(loader, data_files=[str(f) for f in files], split="train", **kwargs)
     except Exception as error:  # datasets raises many types for malformed json / parquet
-        raise DataError(f"cannot read {', '.join(map(str, paths))} as {loader}: {first_line(error)}") from None
+        raise DataError(f"cannot read {', '.join(map(str, paths))} as {loader}: {_decode_problem(error, files, loader)}") from None
     return [t for t in dataset[_text_column(dataset)] if t and t.strip()]
+
+
+def _decode_problem(error: BaseException, files: list[Path], loader: str) -> str:
+    """Why a load failed: for text or JSON that is not UTF-8 (datasets hides the UnicodeDecodeError behind a generic
+    message), the file, the byte and the encoding expected; else the error's first line."""
+    for file in files if loader != "parquet" else ():
+        try:
+            file.read_bytes().decode("utf-8")
+        except UnicodeDecodeError as bad:
+            return (f"{file} is not UTF-8 text (byte {bad.object[bad.start]:#04x} at offset {bad.start}); "
+                    "re-encode it as UTF-8, e.g. iconv -f latin1 -t utf-8")
+    return first_line(error)
 
 
 def _hub(spec: str, default_split: str) -> list[str]:

@@ -71,6 +71,12 @@ def merge(base: dict, update: dict) -> dict:
     return out
 
 
+def fail(message: str):
+    """A mistake in the settings: one line on stderr, exit code 2, before anything is loaded."""
+    print(f"finetune: error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
 def load_config(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", help="YAML file (recipes/configs/*.yaml)")
@@ -78,20 +84,99 @@ def load_config(argv=None) -> dict:
     args = parser.parse_args(argv)
     config = copy.deepcopy(DEFAULTS)
     if args.config:
-        config = merge(config, yaml.safe_load(Path(args.config).read_text()) or {})
+        try:
+            loaded = yaml.safe_load(Path(args.config).read_text()) or {}
+        except (OSError, yaml.YAMLError) as error:
+            fail(f"--config {args.config}: {str(error).splitlines()[0]}")
+        if not isinstance(loaded, dict):
+            fail(f"--config {args.config}: expected a mapping of settings, got a {type(loaded).__name__}")
+        config = merge(config, loaded)
     for item in args.overrides:
         key, sep, value = item.partition("=")
         if not sep:
-            parser.error(f"override {item!r} is not KEY=VALUE")
+            fail(f"override {item!r} is not KEY=VALUE")
         *path, last = key.lstrip("-").split(".")
         section = config
         for part in path:
             section = section.setdefault(part, {})
-        section[last] = yaml.safe_load(value)
-    unknown = sorted(set(config) - set(DEFAULTS))
-    if unknown:  # a typo would otherwise be ignored silently
-        parser.error(f"unknown setting(s) {', '.join(unknown)}: choose from {', '.join(sorted(DEFAULTS))}")
+            if not isinstance(section, dict):
+                fail(f"override {item!r}: {part} is not a section")
+        try:
+            section[last] = yaml.safe_load(value)
+        except yaml.YAMLError as error:
+            fail(f"override {item!r}: {str(error).splitlines()[0]}")
+    check_config(config)
     return config
+
+
+def known_settings() -> dict:
+    """Every setting the recipe reads, as nested dicts (leaves None): DEFAULTS, plus what the sections are passed
+    to accepts (TrainingArguments' fields, CalibrationConfig's, apply_lora's and evaluate's keyword arguments)."""
+    import dataclasses
+    import inspect
+
+    from transformers import TrainingArguments
+
+    from hf_normswap.calibrate import CalibrationConfig
+    from hf_normswap.distill import apply_lora
+    from hf_normswap.evaluate import evaluate
+
+    def leaves(names):
+        return dict.fromkeys(names)
+
+    known = {k: leaves(v) if isinstance(v, dict) else None for k, v in DEFAULTS.items()}
+    known["training"] = leaves(f.name for f in dataclasses.fields(TrainingArguments) if f.init)
+    known["calibration"] = leaves(f.name for f in dataclasses.fields(CalibrationConfig) if f.name != "tokenizer")
+    known["lora"] = leaves(inspect.signature(apply_lora).parameters)
+    known["lora"].pop("model", None)
+    known["final_eval"] = leaves(p.name for p in inspect.signature(evaluate).parameters.values()
+                                 if p.kind is p.KEYWORD_ONLY and p.name not in ("against", "docs", "data", "progress"))
+    for owned in ("output_dir", "seed", "learning_rate"):  # set from the recipe's own settings
+        known["training"].pop(owned, None)
+    return known
+
+
+def check_config(config: dict) -> None:
+    """Every key known and every value in range, before anything is loaded: see :func:`known_settings`."""
+    from hf_normswap.checkpoint import CheckpointError, check_output_dir
+    from hf_normswap.modules import METHODS
+    from hf_normswap.validation import ValidationError, check_keys, check_number
+
+    def at_least(value, name, minimum, optional=False):
+        if not (optional and value is None):
+            check_number(value, name, minimum=minimum)
+            if minimum >= 1 and value != int(value):
+                raise ValidationError(f"{name} must be a whole number, got {value!r}")
+
+    try:
+        check_keys(config, known_settings())
+        if config["method"] not in METHODS:
+            raise ValidationError(f"method {config['method']!r} is unknown: choose from {', '.join(METHODS)}")
+        if config["trainable"] not in ("norms", "all", "lora"):
+            raise ValidationError(f"trainable {config['trainable']!r} is unknown: choose norms, all or lora")
+        for name in ("model", "train_data", "eval_data", "output_dir"):
+            if not isinstance(config[name], str) or not config[name]:
+                raise ValidationError(f"{name} must be a non-empty string, got {config[name]!r}")
+        for name, value in (("block_len", config["block_len"]), ("eval_blocks", config["eval_blocks"]),
+                            ("calibration.num_blocks", config["calibration"].get("num_blocks")),
+                            ("calibration.block_len", config["calibration"].get("block_len")),
+                            ("lora.r", config["lora"].get("r"))):
+            at_least(value, name, 1)
+        for name, value in (("max_train_tokens", config["max_train_tokens"]), ("threads", config["threads"]),
+                            *((f"final_eval.{k}", v) for k, v in config["final_eval"].items())):
+            at_least(value, name, 1, optional=True)
+        at_least(config["distill"]["weight"], "distill.weight", 0)
+        at_least(config["distill"]["temperature"], "distill.temperature", 1e-6)
+        at_least(config["lr"]["base"], "lr.base", 0)
+        for name in ("shape", "gamma"):
+            at_least(config["lr"][name], f"lr.{name}", 0, optional=True)
+        at_least(config["max_minutes"], "max_minutes", 0, optional=True)
+        at_least(config["seed"], "seed", 0)
+        if config["progressive"]["enabled"] and config["trainable"] == "lora":
+            raise ValidationError("progressive conversion works with trainable: norms or all, not lora")
+        check_output_dir(config["save_dir"] or Path(config["output_dir"]) / "final", overwrite=True)
+    except (ValidationError, CheckpointError) as error:
+        fail(str(error))
 
 
 # --------------------------------------------------------------------------------------------------------- data
@@ -172,6 +257,15 @@ def load_models(config: dict, state):
             if state.is_main_process:
                 hf_normswap.save_pretrained(student, cache, tokenizer=tokenizer, overwrite=True)
     return trainable_dense(student), original, tokenizer
+
+
+def ensure_pad_token(tokenizer) -> None:
+    """GPT-2's and Llama's tokenizers have no pad token, and the Trainer's collator pads with it: use EOS (or UNK).
+    The blocks are packed to one length, so padding never changes what the model sees."""
+    if tokenizer is not None and tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token or tokenizer.unk_token
+        if tokenizer.pad_token is None:
+            fail("the tokenizer has no pad, end-of-sequence or unknown token to pad with")
 
 
 def trainable_dense(model):
@@ -285,6 +379,7 @@ def main(argv=None) -> int:
 
     # 1. models
     student, original, tokenizer = load_models(config, state)
+    ensure_pad_token(tokenizer)
     original.eval().requires_grad_(False)
     converted = dict(student.config.normswap["converted"])
     log(f"{len(converted)} {student.config.normswap['method'].upper()} norms; original {config['model']}")
@@ -307,8 +402,6 @@ def main(argv=None) -> int:
     progressive = config["progressive"]
     swap = None
     if progressive["enabled"]:
-        if config["trainable"] == "lora":
-            raise SystemExit("finetune: progressive conversion works with trainable: norms or all, not lora")
         stages = schedule({name: entry["role"] for name, entry in converted.items()}, start=progressive["start"],
                           every=progressive["every"], ramp=progressive["ramp"], order=progressive["order"],
                           role_order=progressive["role_order"], group=progressive["group"])
