@@ -201,12 +201,13 @@ def calibration_batches(model: nn.Module, config: CalibrationConfig) -> tuple[li
             raise ValueError("calibration from text needs a tokenizer: pass CalibrationConfig(tokenizer=...)")
         texts = load_texts(data, "calibration")
         fingerprint = content_fingerprint(texts)
+        block_len = min(config.block_len, getattr(model.config, "max_position_embeddings", None) or config.block_len)
         if _is_decoder(model):
-            ids = token_blocks(config.tokenizer, texts, config.num_blocks, config.block_len)
+            ids = token_blocks(config.tokenizer, texts, config.num_blocks, block_len)
             mask = torch.ones_like(ids)
         else:
             rows = _paragraphs(texts, config.num_blocks)
-            enc = config.tokenizer(rows, truncation=True, max_length=config.block_len, padding=True,
+            enc = config.tokenizer(rows, truncation=True, max_length=block_len, padding=True,
                                    return_tensors="pt")
             ids, mask = enc["input_ids"], enc["attention_mask"]
     ids, mask = ids[: config.num_blocks], mask[: config.num_blocks]
@@ -329,6 +330,7 @@ def calibrate_and_replace(model: nn.Module, selected: list[NormInfo], config: Ca
                    seconds=round(time.perf_counter() - start, 1),
                    cpu_seconds=round(time.process_time() - cpu_start, 1),
                    tokens=int(sum(int(b["attention_mask"].sum()) for b in batches)),
+                   sequences=sum(int(b["input_ids"].shape[0]) for b in batches),
                    capture_bytes_per_norm=fitter.capture_bytes,
                    peak_rss_mb=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1))
     if fingerprint is not None:
@@ -354,13 +356,33 @@ def as_config(calibration) -> CalibrationConfig:
 # ------------------------------------------------------------------------------------------------ the report
 
 
+FIT_TABLE_LEGEND = """\
+  param mean/min/max: the shape parameter (ELN beta, DyT alpha) when the norm was fitted, over its channels;
+    later block or model tuning moves it (the final value is on the norm's line above)
+  gamma: mean of weight / amplitude, the norm's scale as fitted
+  resid: the fit's weighted mean squared error, module output against the original norm's, on the sampled tokens
+  rel.err: ||output - original|| / ||original|| on ordinary tokens; rel.err@0: the same on first-position tokens
+    (the attention sink), '-' without any
+  sat.: share of output elements beyond 95% of the amplitude (the flat part of tanh / ISRU)"""
+
+
+def _calibration_line(summary: dict) -> str:
+    """Strategy, time, and the tokens used against those asked for (short texts give fewer)."""
+    asked = summary.get("num_blocks"), summary.get("block_len")
+    used = f"{summary['tokens']} tokens" + (f" in {summary['sequences']} sequences" if "sequences" in summary else "")
+    if all(asked) and not str(summary.get("data")).startswith("tensor"):  # token ids given: nothing was asked
+        used += f" (asked: {asked[0]} sequences of up to {asked[1]} tokens)"
+    parts = [f"{k}={summary[k]}" for k in ("strategy", "mode") if k in summary]
+    if "seconds" in summary:
+        parts.append(f"{summary['seconds']} s")
+    return "calibration: " + ", ".join(parts + [used])
+
+
 def fit_table(report) -> str:
-    """The per-norm fit statistics of a calibrated conversion report, as a text table."""
+    """The per-norm fit statistics of a calibrated conversion report, as a text table with its legend."""
     header = (f"  {'norm':<45} {'param':>6} {'mean':>10} {'min':>10} {'max':>10} {'gamma':>7} {'resid':>9} "
               f"{'rel.err':>8} {'rel.err@0':>9} {'sat.':>6}")
-    lines = ["calibration: " + ", ".join(f"{k}={report.calibration[k]}" for k in
-                                         ("strategy", "mode", "tokens", "seconds") if k in report.calibration),
-             header]
+    lines = [_calibration_line(report.calibration), header]
     for c in report.converted:
         if not c.fit:
             continue
@@ -373,6 +395,7 @@ def fit_table(report) -> str:
     if tuning:
         lines.append(f"  tuning ({tuning['objective']}, {tuning['steps']} steps on {tuning['rows']} rows): "
                      f"{tuning['loss_before']:.4g} -> {tuning['loss_after']:.4g}")
+    lines.append(FIT_TABLE_LEGEND)
     return "\n".join(lines)
 
 

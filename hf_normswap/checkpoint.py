@@ -14,17 +14,21 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 import shutil
-import tempfile
 import types
+import uuid
 from contextlib import contextmanager
+from glob import escape as glob_escape
 from pathlib import Path
 
 import transformers
+from safetensors import SafetensorError, safe_open
 from torch import nn
 from transformers import CONFIG_MAPPING
 
-from . import __version__, model_card, remote_code
+from . import __version__, model_card, remote_code, validation
+from .data import first_line
 from .modules import METHODS, ElementwiseNorm
 
 
@@ -38,44 +42,155 @@ class OutputExistsError(CheckpointError):
 
 # ----------------------------------------------------------------------------------------------- atomic output
 
+# The files a save writes: config, weights (one file or shards), remote code, card, tokenizer / processor. Only a
+# directory holding nothing else is replaced by an overwrite; anything else in it belongs to the user.
+OWN_FILES = re.compile(
+    r"config\.json|generation_config\.json|README\.md|" + re.escape(remote_code.FILE_NAME) + r"|"
+    r"model(-\d+-of-\d+)?\.safetensors(\.index\.json)?|"
+    r"(tokenizer|tokenizer_config|special_tokens_map|added_tokens|vocab|merges|chat_template|preprocessor_config|"
+    r"processor_config|spiece|sentencepiece\.bpe|normalizer)\.(json|txt|model|jinja)"
+)
+WEIGHT_FILES = re.compile(r"model(-\d+-of-\d+)?\.safetensors(\.index\.json)?")
 
-def check_output_dir(path: str | os.PathLike, overwrite: bool = False) -> Path:
-    """Refuse, before any work is done, an output that exists as a file or as a non-empty directory."""
+
+def _temporary_siblings(target: Path, kind: str) -> list[Path]:
+    """Leftovers of earlier saves into ``target`` (``.NAME.partial-PID-*``, ``.NAME.old-PID-*``) whose process is gone."""
+    found = []
+    for path in target.parent.glob(f".{glob_escape(target.name)}.{kind}-*"):
+        pid = path.name[len(f".{target.name}.{kind}-"):].partition("-")[0]
+        if pid.isdigit() and int(pid) != os.getpid() and _alive(int(pid)):
+            continue  # another save into the same place is running
+        found.append(path)
+    return sorted(found, key=lambda p: p.stat().st_mtime)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)  # signal 0: only asks whether the process exists
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        pass
+    return True
+
+
+def recover_interrupted(path: str | os.PathLike) -> None:
+    """Finish what an interrupted save into ``path`` left: put the previous checkpoint back if the overwrite
+    stopped between its two renames, and remove staging and superseded copies (they are the package's own)."""
+    target = Path(path).expanduser().absolute()
+    if not target.parent.is_dir():
+        return
+    old = _temporary_siblings(target, "old")
+    if old and not (target.exists() or target.is_symlink()):
+        newest = old[-1]
+        legacy = newest / "old"  # an earlier layout: the previous checkpoint one level down
+        os.rename(legacy if legacy.is_dir() and not (newest / "config.json").exists() else newest, target)
+    for leftover in old + _temporary_siblings(target, "partial"):
+        shutil.rmtree(leftover, ignore_errors=True)
+
+
+def _foreign_entries(directory: Path, also_own: set[str] = frozenset()) -> list[str]:
+    """Entries of a checkpoint directory that a save would not write (sorted), besides ``also_own``."""
+    return sorted(p.name for p in directory.iterdir()
+                  if not (p.is_file() and not p.is_symlink() and (OWN_FILES.fullmatch(p.name) or p.name in also_own)))
+
+
+def _replaceable(directory: Path, also_own: set[str] = frozenset()) -> str | None:
+    """Why an overwrite may not replace ``directory``, or None when it holds a checkpoint's own files only."""
+    if read_config(directory) is None:
+        return "it is not empty and not a checkpoint saved by hf_normswap"
+    foreign = _foreign_entries(directory, also_own)
+    if foreign:
+        return f"it holds more than a checkpoint ({', '.join(foreign[:3])}{', ...' if len(foreign) > 3 else ''})"
+    return None
+
+
+def check_output_dir(path: str | os.PathLike, overwrite: bool = False, into_existing: bool = False) -> Path:
+    """Refuse, before any work is done, an output that exists as a file, or where nothing can be written, or that
+    is a non-empty directory (without ``overwrite``) or holds anything but a checkpoint's own files (with it;
+    ``into_existing`` allows that, see :func:`atomic_directory`). An interrupted save into the same place is
+    cleaned up first (see :func:`recover_interrupted`)."""
     path = Path(path).expanduser()
+    recover_interrupted(path)
     if path.exists() or path.is_symlink():
         if not path.is_dir():
             raise OutputExistsError(f"output {path} exists and is not a directory; choose another --output")
-        if any(path.iterdir()) and not overwrite:
-            raise OutputExistsError(f"output directory {path} is not empty; pass --overwrite (overwrite=True) to replace it")
+        if any(path.iterdir()) and not into_existing:
+            if not overwrite:
+                raise OutputExistsError(f"output directory {path} is not empty; pass --overwrite (overwrite=True) "
+                                        "to replace the checkpoint in it")
+            refused = _replaceable(path)
+            if refused:
+                raise OutputExistsError(f"output directory {path}: {refused}; overwriting replaces only a "
+                                        "checkpoint's own files: choose a new or empty directory")
+    ancestor = path.absolute()
+    while not ancestor.exists():
+        ancestor = ancestor.parent
+    writable_in = ancestor if ancestor != path.absolute() else ancestor.parent
+    if not os.access(writable_in, os.W_OK | os.X_OK):
+        raise OutputExistsError(f"output {path}: cannot write in {writable_in} (permission denied); choose another --output")
     return path
 
 
-@contextmanager
-def atomic_directory(path: str | os.PathLike, overwrite: bool = False):
-    """Yield a temporary directory beside ``path``; on success it replaces ``path`` by rename, on any error it is removed.
+def _replace(target: Path, staging: Path) -> None:
+    """Put ``staging`` at ``target`` (an existing checkpoint) so that at every moment one of the two sits under the
+    name, or the old one waits in ``.NAME.old-*`` for :func:`recover_interrupted` to put it back."""
+    previous = target.parent / f".{target.name}.old-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    os.rename(target, previous)
+    try:
+        os.rename(staging, target)
+    except BaseException:
+        os.rename(previous, target)
+        raise
+    shutil.rmtree(previous, ignore_errors=True)
 
-    An interrupted save (exception, Ctrl-C) leaves ``path`` as it was: absent, empty, or the previous checkpoint.
+
+def _merge(target: Path, staging: Path) -> None:
+    """Write the checkpoint's files into a directory that holds other things (a Trainer's output_dir with its
+    checkpoint-N folders), file by file like transformers' own save; stale weight shards of an earlier save go."""
+    written = {p.name for p in staging.iterdir()}
+    for stale in target.iterdir():
+        if WEIGHT_FILES.fullmatch(stale.name) and stale.name not in written and stale.is_file():
+            stale.unlink()
+    for name in sorted(written, key=lambda n: n == "config.json"):  # config last: it marks the checkpoint complete
+        os.replace(staging / name, target / name)
+    staging.rmdir()
+
+
+@contextmanager
+def atomic_directory(path: str | os.PathLike, overwrite: bool = False, into_existing: bool = False):
+    """Yield a temporary directory beside ``path``; on success it becomes ``path``, on any error it is removed.
+
+    ``path`` absent or empty: renamed into place. ``path`` a checkpoint (``overwrite``): replaced by two renames
+    (see :func:`_replace`). ``into_existing``: a directory holding other things keeps them and gets the files (see
+    :func:`_merge`). An interrupted save leaves ``path`` as it was, or the new checkpoint; what it leaves beside
+    it, the next save into the same place cleans up.
     """
-    target = check_output_dir(path, overwrite).absolute()
+    target = check_output_dir(path, overwrite, into_existing).absolute()
     created = []
     for parent in reversed(target.parents):
         if not parent.exists():
             parent.mkdir()
             created.append(parent)
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.partial-", dir=target.parent))
-    umask = os.umask(0)
-    os.umask(umask)
-    staging.chmod(0o777 & ~umask)  # mkdtemp makes it private; the checkpoint should look like any directory
+    staging = target.parent / f".{target.name}.partial-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    staging.mkdir()
     try:
         yield staging
+        umask = os.umask(0)
+        os.umask(umask)
+        for written in staging.rglob("*"):  # some writers (safetensors) create files private (0600)
+            if written.is_file():
+                written.chmod(0o666 & ~umask)
+        if target.exists() and any(target.iterdir()):
+            refused = _replaceable(target, {p.name for p in staging.iterdir()})
+            if not refused:
+                _replace(target, staging)
+            elif into_existing:
+                _merge(target, staging)
+            else:  # it was filled while we worked
+                raise OutputExistsError(f"output directory {target} changed during the save: {refused}")
+            return
         if target.exists():
-            check_output_dir(target, overwrite)  # it may have been filled while we worked
-            if any(target.iterdir()):
-                previous = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
-                os.rename(target, previous / "old")
-                os.rename(staging, target)
-                shutil.rmtree(previous, ignore_errors=True)
-                return
             target.rmdir()
         os.rename(staging, target)
     except BaseException:
@@ -94,7 +209,7 @@ def atomic_directory(path: str | os.PathLike, overwrite: bool = False):
 def _base(model: nn.Module, block: dict) -> dict:
     """The original architecture: recorded by an earlier save, else read from the (unconverted-class) model."""
     if block.get("base"):
-        return dict(block["base"])
+        return dict(validation.check_base(block["base"]))
     config = model.config
     if type(model).__name__.startswith("NormSwap") or config.model_type.startswith(remote_code.MODEL_TYPE_PREFIX):
         raise CheckpointError("the model's normswap block does not record its original architecture")
@@ -184,6 +299,7 @@ def save_pretrained(
     *,
     tokenizer=None,
     overwrite: bool = False,
+    into_existing: bool = False,
     base_model: str | None = None,
     evaluation: dict | None = None,
     **kwargs,
@@ -193,12 +309,14 @@ def save_pretrained(
     ``tokenizer`` (or processor) is saved alongside. ``base_model`` is the Hub id of the original model for the
     card (defaults to the one the model was loaded from, when that is a Hub id). ``evaluation`` is an optional
     ``{"dataset": str, "metrics": {"perplexity": {"original": x, "converted": y}, ...}}`` shown in the card.
+    ``overwrite`` replaces a checkpoint already at ``save_directory`` (never a directory holding anything else);
+    ``into_existing`` writes the files into a directory that holds other things, as transformers does.
     Other keyword arguments go to transformers' ``save_pretrained`` (e.g. ``max_shard_size``).
     """
     block = getattr(getattr(model, "config", None), "normswap", None)
     if not block:
         raise CheckpointError("the model has no normswap block in its config: convert it with hf_normswap.convert first")
-    check_output_dir(save_directory, overwrite)
+    check_output_dir(save_directory, overwrite, into_existing)
     base = _base(model, block)
     if base_model is None:
         base_model = block.get("base_model") or model_card.hub_id(getattr(model.config, "_name_or_path", None))
@@ -206,7 +324,7 @@ def save_pretrained(
     modeling = remote_code.render(base["architecture"], base["config_class"], base["model_type"])
     remote_code.check_remote_modules(modeling)
     kwargs.pop("push_to_hub", None)
-    with atomic_directory(save_directory, overwrite) as staging:
+    with atomic_directory(save_directory, overwrite, into_existing) as staging:
         with _dense(model):
             transformers.PreTrainedModel.save_pretrained(model, staging, save_original_format=False, **kwargs)
         if tokenizer is not None:
@@ -222,8 +340,13 @@ def enable_save(model: nn.Module) -> None:
     if not isinstance(model, transformers.PreTrainedModel):
         return
 
-    def save(self, save_directory, *args, **kwargs):
-        kwargs.setdefault("overwrite", True)  # transformers' own save_pretrained writes into existing directories
+    def save(self, save_directory, *args, is_main_process: bool = True, **kwargs):
+        if not is_main_process:  # the Trainer calls every rank; one writes
+            return Path(save_directory)
+        # transformers' own save_pretrained writes into existing directories (a Trainer's output_dir): so does this,
+        # replacing a checkpoint already there and leaving everything else (checkpoint-N folders) alone
+        kwargs.setdefault("overwrite", True)
+        kwargs.setdefault("into_existing", True)
         return save_pretrained(self, save_directory, **kwargs)
 
     model.save_pretrained = types.MethodType(save, model)
@@ -241,19 +364,17 @@ def read_config(path: str | os.PathLike) -> dict | None:
         config = json.loads(config_file.read_text())
     except (OSError, ValueError):
         return None
-    block = config.get("normswap")
-    return config if isinstance(block, dict) and block.get("base") else None
+    return config if isinstance(config, dict) and "normswap" in config else None  # the block is checked on load
 
 
 @functools.cache
 def normswap_class(architecture: str) -> type:
     """Subclass of the transformers class ``architecture`` that rebuilds the recorded norms with the package's modules."""
-    base = getattr(transformers, architecture, None)
-    if base is None:
-        raise CheckpointError(f"transformers {transformers.__version__} has no class {architecture}; upgrade it")
+    base = validation.transformers_class(architecture, transformers.PreTrainedModel, "normswap.base.architecture")
 
     def __init__(self, config, *args, **kwargs):
         base.__init__(self, config, *args, **kwargs)
+        validation.check_block_against_model(self, config.normswap)
         remote_code.rebuild_norms(self, config.normswap)
 
     return type(f"NormSwap{architecture}", (base,), {"__init__": __init__, "__module__": __name__})
@@ -268,20 +389,45 @@ def base_config(path: str | os.PathLike):
     config_dict = read_config(path)
     if config_dict is None:
         raise CheckpointError(f"{path} is not a checkpoint saved by hf_normswap (no config.json with a normswap block)")
-    base = config_dict["normswap"]["base"]
-    if base["model_type"] not in CONFIG_MAPPING:
-        raise CheckpointError(f"transformers {transformers.__version__} does not know model type {base['model_type']}")
+    base = validation.check_block(config_dict["normswap"])["base"]
     config_dict = dict(config_dict, model_type=base["model_type"], architectures=[base["architecture"]])
     config_dict.pop("auto_map", None)
     return CONFIG_MAPPING[base["model_type"]].from_dict(config_dict)
 
 
+def weight_shapes(path: str | os.PathLike) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every tensor in a checkpoint's safetensors files, read from their headers only."""
+    directory = Path(path)
+    index = directory / "model.safetensors.index.json"
+    try:
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() \
+            else ["model.safetensors"]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
+        raise CheckpointError(f"{index}: not a readable weight index ({first_line(error)})") from None
+    shapes = {}
+    for name in files:
+        file = directory / name
+        if not file.is_file():
+            raise CheckpointError(f"{directory} has no weights file {name}: the checkpoint is incomplete")
+        try:
+            with safe_open(file, framework="pt") as handle:
+                for key in handle.keys():
+                    shapes[key] = tuple(handle.get_slice(key).get_shape())
+        except (SafetensorError, OSError, ValueError) as error:
+            raise CheckpointError(f"{file}: not a readable safetensors file ({first_line(error)}); it is truncated "
+                                  "or corrupt: save or download it again") from None
+    return shapes
+
+
 def load(path: str | os.PathLike, **kwargs) -> nn.Module:
     """Load a checkpoint saved by :func:`save_pretrained` with the package's modules (no remote code), in eval mode.
 
+    The normswap block is checked against the weights and the architecture first, so a damaged or tampered block
+    is one error instead of a model with uninitialized or ignored parameters.
     Keyword arguments go to ``from_pretrained`` (``dtype=``, ``device_map=`` ...).
     """
     config = base_config(path)
+    validation.check_block_against_weights(config.normswap, weight_shapes(path))
     model = normswap_class(config.normswap["base"]["architecture"]).from_pretrained(path, config=config, **kwargs)
     enable_save(model)
     return model.eval()

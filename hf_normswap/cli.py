@@ -1,17 +1,21 @@
-"""``normswap`` command line: inspect and convert models. User mistakes exit non-zero with one line on stderr."""
+"""The normswap command line: inspect, convert, evaluate and push models. User mistakes exit non-zero with one line
+on stderr."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
+import functools
 import json
+import shutil
 import sys
 import tempfile
 from pathlib import Path
 
-from .convert import DEFAULT_ROLES, ConversionError, convert, plan
-from .data import DataError, local_paths
-from .evaluate import EvaluationError
+from .convert import DEFAULT_ROLES, ConversionError, check_selection, convert, plan
+from .data import DataError, first_line, local_paths
+from .evaluate import EvaluationError, is_encoder
 from .fold import FoldError, fold
 from .checkpoint import CheckpointError, check_output_dir, save_pretrained
 from .hub import PushError, preflight, push
@@ -20,9 +24,11 @@ from .model_card import hub_id
 from .modules import METHODS
 from .packaged import PackagedModelMissing
 from .roles import ROLES
+from .sensitivity import exact
+from .validation import ValidationError, check_data_files, check_input_scale, check_number, check_output_file
 
 USER_ERRORS = (ConversionError, ModelLoadError, PackagedModelMissing, DataError, EvaluationError, CheckpointError,
-               PushError, FoldError)
+               PushError, FoldError, ValidationError)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -59,16 +65,14 @@ def _calibration_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _check_calibration_args(args) -> None:
-    """Flag mistakes that need no model, so they fail before the (slow) load."""
+    """Flag mistakes that need no model, so they fail before the (slow) load; numbers are checked even unused."""
+    for flag, value in (("--calib-blocks", args.calib_blocks), ("--calib-len", args.calib_len),
+                        ("--max-tokens-per-norm", args.max_tokens_per_norm)):
+        check_number(value, flag, minimum=1)
     if not args.calib:
         for flag, value in (("--plots", args.plots), ("--strategy", args.strategy)):
             if value:
                 raise ConversionError(f"{flag} needs --calib SPEC (e.g. --calib builtin)")
-        return
-    for flag, value in (("--calib-blocks", args.calib_blocks), ("--calib-len", args.calib_len),
-                        ("--max-tokens-per-norm", args.max_tokens_per_norm)):
-        if value < 1:
-            raise ConversionError(f"{flag} must be at least 1, got {value}")
 
 
 def _calibration(args, tokenizer):
@@ -117,13 +121,17 @@ def build_parser() -> argparse.ArgumentParser:
                       help="after converting, evaluate against the original on DATA (same forms as `eval --data`) "
                            "and print the side-by-side table; it is stored in config.json and the model card")
     _evaluation_args(conv, prefix="eval-")
+    _budget_args(conv)
+
+    _sensitivity_parser(commands, model_help)
 
     hub = commands.add_parser("push", help="upload a saved checkpoint to the Hugging Face Hub")
     hub.add_argument("directory", help="checkpoint directory written by `normswap convert --output`")
     hub.add_argument("repo", help="Hub repository, NAME or OWNER/NAME (created if missing)")
     hub.add_argument("--private", action="store_true", help="create the repo private")
 
-    ev = commands.add_parser("eval", help="perplexity (token, word, byte) and, with --against, KL / top-1 vs original")
+    ev = commands.add_parser("eval", help="perplexity (token, word, byte) and, with --against, KL / top-1 vs original; "
+                                          "for an encoder (no LM head): embedding agreement with --against")
     ev.add_argument("model", help=model_help + ", or a converted checkpoint")
     ev.add_argument("--against", metavar="ORIGINAL", help="the original model: adds KL, top-1 agreement, ratios")
     ev.add_argument("--data", default="builtin",
@@ -145,7 +153,125 @@ def _evaluation_args(parser: argparse.ArgumentParser, prefix: str = "") -> None:
     parser.add_argument(f"--{prefix}batch-size", type=int, default=1, help="windows per forward pass (default: 1)")
 
 
+# ------------------------------------------------------------------------------ sensitivity and quality budgets
+
+
+def _sensitivity_parser(commands, model_help: str) -> None:
+    from .sensitivity import CALIB_BLOCKS, CALIB_LEN, EVAL_LEN, EVAL_WINDOWS, SENTENCES
+
+    sens = commands.add_parser("sensitivity", help="damage of each norm converted alone, and the greedy curve")
+    sens.add_argument("model", help=model_help)
+    sens.add_argument("--to", required=True, choices=sorted(METHODS), type=str.lower, help="element-wise method")
+    sens.add_argument("--data", default="builtin", help="text scored against the original (same forms as `eval "
+                      "--data`; default: %(default)s)")
+    sens.add_argument("--windows", type=int, default=EVAL_WINDOWS, help="windows of --window-len tokens scored "
+                      "(language models; default: %(default)s)")
+    sens.add_argument("--window-len", type=int, default=EVAL_LEN, help="tokens per window (default: %(default)s)")
+    sens.add_argument("--sentences", type=int, default=SENTENCES, help="sentences embedded (encoders; default: "
+                      "%(default)s)")
+    sens.add_argument("--tune-steps", type=int, default=0, help="end-to-end calibration steps per measurement "
+                      "(default: %(default)s; the strategy's own count makes each a full calibration)")
+    sens.add_argument("--per-channel", action="store_true", help="as convert: one alpha/beta per channel")
+    sens.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    sens.add_argument("--plot", metavar="PNG", help="draw per-norm bars by layer and role and the greedy curve")
+    sens.add_argument("--log", metavar="JSONL", help="append each measurement to this file as it is made")
+    _calibration_args(sens)
+    sens.set_defaults(calib_blocks=CALIB_BLOCKS, calib_len=CALIB_LEN)
+    _selection_args(sens)
+
+
+def _budget_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("quality budget (convert the largest greedy subset within it; see "
+                                      "`normswap sensitivity`)").add_mutually_exclusive_group()
+    group.add_argument("--budget-kl", type=float, metavar="X", help="KL(original || converted) at most X nats/token")
+    group.add_argument("--budget-ppl-ratio", type=float, metavar="R", help="perplexity at most R times the original's")
+    group.add_argument("--budget-cosine", type=float, metavar="C", help="encoders: mean embedding cosine at least C")
+    parser.add_argument("--budget-data", default="builtin", help="text the budget is measured on (default: "
+                        "%(default)s, the evaluation half)")
+
+
+def _budget(args) -> tuple[str, float] | None:
+    for metric in ("kl", "ppl_ratio", "cosine"):
+        limit = getattr(args, f"budget_{metric}")
+        if limit is not None:
+            if limit <= 0 or (metric == "ppl_ratio" and limit < 1) or (metric == "cosine" and limit > 1):
+                raise ConversionError(f"--budget-{metric.replace('_', '-')} {limit} is out of range: give a KL > 0, "
+                                      "a perplexity ratio >= 1 or a cosine in (0, 1]")
+            return metric, limit
+    return None
+
+
+def _measurer(args, model, tokenizer, texts, calibration, **slice_options):
+    from .sensitivity import Measurer, Reference
+
+    if tokenizer is None:
+        raise ConversionError(f"{args.model} has no tokenizer: the sensitivity map needs one to score text")
+    reference = Reference(model, tokenizer, texts, **slice_options)
+    return Measurer(model, reference, args.to, calibration, roles=_roles(args.roles), per_channel=args.per_channel)
+
+
+def _select_within_budget(args, model, tokenizer):
+    """The budget search on a copy: the map on the sensitivity slice, then a bisection of its greedy curve."""
+    from dataclasses import replace
+
+    from .data import load_texts
+    from .sensitivity import CALIB_BLOCKS, CALIB_LEN, is_encoder, measure_map, select_within_budget
+
+    metric, limit = _budget(args)
+    if (metric == "cosine") != is_encoder(model):
+        raise ConversionError(f"--budget-{metric.replace('_', '-')} does not apply to {args.model}: use "
+                              + ("--budget-cosine for an encoder" if is_encoder(model) else
+                                 "--budget-kl or --budget-ppl-ratio for a model with an output head"))
+    calibration = _calibration(args, tokenizer)
+    if calibration is not None:  # measured cheaply; the final conversion runs the full calibration
+        calibration = replace(calibration, num_blocks=CALIB_BLOCKS, block_len=CALIB_LEN, tune_steps=0, plots=None,
+                              progress=False)
+    measurer = _measurer(args, model, tokenizer, load_texts(args.budget_data, "evaluation"), calibration)
+    _, selected, skipped = plan(model, _roles(args.roles), args.include, args.exclude)
+    budget = select_within_budget(measure_map(measurer, selected), measurer, metric, limit)
+    if not budget.converted:
+        raise ConversionError(f"no norm converts within the budget: {budget.kept[0]['reason']}")
+    return budget, {s["name"]: s["reason"] for s in skipped}
+
+
+def _sensitivity(args) -> None:
+    from .data import load_texts
+    from .sensitivity import measure_map, plot
+
+    _check_calibration_args(args)
+    for flag in ("windows", "window_len", "sentences"):
+        if getattr(args, flag) < 1:
+            raise ConversionError(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
+    if args.tune_steps < 0:
+        raise ConversionError(f"--tune-steps must be at least 0, got {args.tune_steps}")
+    for spec in (args.calib, args.data):
+        if spec:
+            local_paths(spec)
+    for flag, path in (("--plot", args.plot), ("--log", args.log)):
+        if path and not Path(path).resolve().parent.is_dir():
+            raise ConversionError(f"{flag} {path}: its directory does not exist; create it or pick another path")
+    model, tokenizer = load_model(args.model)
+    _, selected, _ = plan(model, _roles(args.roles), args.include, args.exclude)
+    texts = load_texts(args.data, default_split="evaluation")
+    calibration = _calibration(args, tokenizer)
+    if calibration is not None:
+        calibration.tune_steps, calibration.progress = args.tune_steps, False
+        _warn(_calibration_overlap(args.calib, None, args.data, texts))
+    measurer = _measurer(args, model, tokenizer, texts, calibration, windows=args.windows,
+                         window_len=args.window_len, sentences=args.sentences)
+    with open(args.log, "a") if args.log else contextlib.nullcontext() as log:
+        def write(entry: dict) -> None:
+            log.write(json.dumps(entry) + "\n")
+            log.flush()
+
+        sensitivity = measure_map(measurer, selected, log=write if log else None)
+    if args.plot:
+        plot(sensitivity, args.plot)
+    print(json.dumps(sensitivity.to_dict(), indent=2) if args.json else sensitivity.table())
+
+
 def _inspect(args) -> None:
+    check_selection(_roles(args.roles), args.include, args.exclude)
     model, _ = load_model(args.model, with_tokenizer=False)
     norms, selected, skipped = plan(model, _roles(args.roles), args.include, args.exclude)
     chosen = {n.name for n in selected}
@@ -162,32 +288,44 @@ def _inspect(args) -> None:
               f"{'yes' if n.weight_offset else 'no':<4} {n.size:>5}  {n.role:<15} {action}")
 
 
-def _check_report_path(path: str | None) -> None:
-    if path and not Path(path).resolve().parent.is_dir():
-        raise ConversionError(f"--report {path}: its directory does not exist; create it or pick another path")
-
-
 def _convert(args) -> None:
-    if args.output:  # refuse a bad destination before any loading or conversion work
-        check_output_dir(args.output, args.overwrite)
-    _check_report_path(args.report)
-    for spec in (args.calib, args.eval_data):  # a mistyped data path fails before the model loads
-        if spec:
-            local_paths(spec)
-    if args.input_scale <= 0:
-        raise ConversionError(f"--input-scale must be positive (a typical input RMS), got {args.input_scale}")
+    # every option and destination is checked before any loading or conversion work
+    check_input_scale(args.input_scale, "--input-scale")
     _check_calibration_args(args)
+    check_selection(_roles(args.roles), args.include, args.exclude)
+    if args.output:
+        check_output_dir(args.output, args.overwrite)
+    if args.plots and Path(args.plots).exists() and not Path(args.plots).is_dir():
+        raise ConversionError(f"--plots {args.plots} is a file; give a directory for the plots")
+    if args.report:
+        check_output_file(args.report, "--report")
+    for flag, spec in (("--calib", args.calib), ("--eval", args.eval_data)):  # a mistyped data path, an empty file
+        if spec:
+            check_data_files(local_paths(spec), flag)
     _check_evaluation_args(args, "eval_")
     if args.push_to_hub:
         preflight(args.push_to_hub)
     elif args.private:
         raise PushError("--private needs --push-to-hub REPO")
+    budget = _budget(args)
+    if budget and args.budget_data:
+        local_paths(args.budget_data)
     model, tokenizer = load_model(args.model)
     original = copy.deepcopy(model) if args.eval_data else None  # the reference for --eval
+    if budget:
+        budget, reasons = _select_within_budget(args, model, tokenizer)
     report = convert(model, to=args.to, calibration=_calibration(args, tokenizer),
-                     roles=_roles(args.roles), include=args.include, exclude=args.exclude,
-                     per_channel=args.per_channel, input_scale=args.input_scale)
+                     roles=_roles(args.roles), include=exact(budget.converted) if budget else args.include,
+                     exclude=None if budget else args.exclude, per_channel=args.per_channel,
+                     input_scale=args.input_scale)
+    if budget:  # the selection's own reasons, not the exact-name pattern the budgeted conversion used
+        kept = {k["name"] for k in budget.kept}
+        for entry in report.skipped:
+            entry["reason"] = "kept by the quality budget" if entry["name"] in kept else reasons[entry["name"]]
+        report.budget = model.config.normswap["budget"] = budget.to_dict()
     print(report)
+    if budget:
+        print(budget)
     if args.fold:
         print(fold(model))
     if original is not None:
@@ -201,14 +339,35 @@ def _convert(args) -> None:
 
 
 def _save_and_push(args, model, tokenizer) -> None:
+    """Save and push; when either fails, the converted model is kept in a temporary directory that the error names,
+    so a long conversion is never lost to a full disk, a vanished directory or a network failure."""
+    save = functools.partial(save_pretrained, model, tokenizer=tokenizer, base_model=hub_id(args.model))
     if args.output:
-        save_pretrained(model, args.output, tokenizer=tokenizer, overwrite=args.overwrite, base_model=hub_id(args.model))
+        try:
+            save(args.output, overwrite=args.overwrite)
+        except (OSError, CheckpointError) as error:
+            kept = _keep(save, Path(args.output).name)
+            raise CheckpointError(f"cannot save to {args.output} ({first_line(error)}); the converted model is kept "
+                                  f"in {kept}: move it into place") from None
         print(f"saved to {args.output}")
     if args.push_to_hub:
-        with tempfile.TemporaryDirectory() as scratch:
-            folder = args.output or save_pretrained(model, Path(scratch) / "checkpoint", tokenizer=tokenizer,
-                                                    base_model=hub_id(args.model))
+        folder = args.output or _keep(save, "checkpoint")
+        try:
             print(f"pushed to {push(folder, args.push_to_hub, private=args.private)}")
+        except PushError as error:
+            where = "" if args.output else f"; the converted model is kept in {folder}: push it with `normswap push`"
+            raise PushError(f"{error}{where}") from None
+        if not args.output:
+            shutil.rmtree(Path(folder).parent)
+
+
+def _keep(save, name: str) -> Path:
+    """Save into a fresh temporary directory (its ``name`` subfolder) and return the path."""
+    try:
+        return save(Path(tempfile.mkdtemp(prefix="normswap-")) / name)
+    except (OSError, CheckpointError) as error:
+        raise CheckpointError(f"cannot save the converted model, not even to a temporary directory "
+                              f"({first_line(error)}); free disk space and run again") from None
 
 
 def _push(args) -> None:
@@ -224,8 +383,8 @@ def _check_evaluation_args(args, prefix: str = "") -> None:
     get = lambda name: getattr(args, prefix + name)  # noqa: E731
     flag = lambda name: "--" + (prefix + name).replace("_", "-")  # noqa: E731
     for name in ("max_length", "stride", "max_tokens", "batch_size"):
-        if get(name) is not None and get(name) < 1:
-            raise EvaluationError(f"{flag(name)} must be at least 1, got {get(name)}")
+        if get(name) is not None:
+            check_number(get(name), flag(name), minimum=1)
     if get("stride") and get("max_length") and get("stride") > get("max_length"):
         raise EvaluationError(f"{flag('stride')} {get('stride')} is longer than {flag('max_length')} {get('max_length')}")
 
@@ -266,16 +425,35 @@ def _evaluate_conversion(args, model, original, tokenizer) -> None:
         model.config.normswap["evaluation"] = evaluation.card("converted")
 
 
+def _embedding_evaluation(args, model, tokenizer, against, texts):
+    """``eval`` of an encoder (no LM head): agreement of its sentence embeddings with the original's."""
+    from .embeddings import evaluate_embeddings
+
+    if against is None:
+        raise EvaluationError(f"{args.model} is an encoder ({type(model).__name__}): its embeddings are compared "
+                              "with the original's; pass --against ORIGINAL")
+    if tokenizer is None:
+        raise EvaluationError(f"{args.model} has no tokenizer: sentence embeddings need one")
+    if args.stride:
+        raise EvaluationError("--stride applies to perplexity windows; an encoder is scored on whole sentences")
+    return evaluate_embeddings(model, against, tokenizer, texts, max_tokens=args.max_tokens,
+                               max_length=args.max_length, data=args.data)
+
+
 def _eval(args) -> None:
     from .data import load_texts
 
     _check_evaluation_args(args)
+    check_data_files(local_paths(args.data), "--data")
     model, tokenizer = load_model(args.model)
     against = load_model(args.against, with_tokenizer=False)[0] if args.against else None
     texts = load_texts(args.data, default_split="evaluation")
     recorded = (getattr(getattr(model, "config", None), "normswap", None) or {}).get("calibration")
     _warn(_calibration_overlap(args.calib, recorded, args.data, texts))
-    evaluation = _run_evaluation(args, "", model, tokenizer, against, args.data, texts)
+    if is_encoder(model):
+        evaluation = _embedding_evaluation(args, model, tokenizer, against, texts)
+    else:
+        evaluation = _run_evaluation(args, "", model, tokenizer, against, args.data, texts)
     if args.json:
         print(json.dumps(evaluation.to_dict(), indent=2))
     else:
@@ -285,7 +463,8 @@ def _eval(args) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        {"inspect": _inspect, "convert": _convert, "eval": _eval, "push": _push}[args.command](args)
+        {"inspect": _inspect, "convert": _convert, "eval": _eval, "push": _push,
+         "sensitivity": _sensitivity}[args.command](args)
     except USER_ERRORS as error:
         print(f"normswap: error: {error}", file=sys.stderr)
         return 2

@@ -19,6 +19,7 @@ from .calibrate import as_config, calibrate_and_replace, fit_table
 from .discovery import NormInfo, find_norms, norm_parameters
 from .modules import METHODS, ElementwiseNorm
 from .roles import ROLES, assign_roles
+from .validation import check_input_scale
 
 DEFAULT_ROLES = tuple(r for r in ROLES if r not in ("qk_norm", "other"))
 
@@ -46,6 +47,7 @@ class ConversionReport:
     skipped: list[dict] = field(default_factory=list)  # {"name", "class", "reason"}
     found: list[NormInfo] = field(default_factory=list)
     calibration: dict | None = None  # calibration summary (data, strategy, time, memory), when calibrated
+    budget: dict | None = None  # a quality-budget conversion: the norms kept and why (sensitivity.Budget)
 
     def to_dict(self) -> dict:
         return {
@@ -53,6 +55,7 @@ class ConversionReport:
             "converted": [asdict(c) for c in self.converted],
             "skipped": self.skipped,
             "calibration": self.calibration,
+            **({"budget": self.budget} if self.budget else {}),
         }
 
     def to_json(self) -> str:
@@ -70,10 +73,10 @@ class ConversionReport:
         return "\n".join(lines)
 
 
-def _select(norms: list[NormInfo], roles: Iterable[str], include: str | None, exclude: str | None):
-    """Split norms into (selected, skipped-with-reason)."""
-    roles = set(roles)
-    unknown = roles - set(ROLES)
+def check_selection(roles: Iterable[str], include: str | None, exclude: str | None) -> dict:
+    """Compiled include / exclude patterns; ``ConversionError`` for an unknown role or a bad pattern (no model needed,
+    so the CLI calls it before the slow load)."""
+    unknown = set(roles) - set(ROLES)
     if unknown:
         raise ConversionError(f"unknown role(s) {sorted(unknown)}: choose from {', '.join(ROLES)}")
     patterns = {}
@@ -82,6 +85,13 @@ def _select(norms: list[NormInfo], roles: Iterable[str], include: str | None, ex
             patterns[label] = re.compile(pattern) if pattern else None
         except re.error as error:
             raise ConversionError(f"--{label} pattern {pattern!r} is not a valid regular expression: {error}") from None
+    return patterns
+
+
+def _select(norms: list[NormInfo], roles: Iterable[str], include: str | None, exclude: str | None):
+    """Split norms into (selected, skipped-with-reason)."""
+    roles = set(roles)
+    patterns = check_selection(roles, include, exclude)
     selected, skipped = [], []
     for norm in norms:
         reason = None
@@ -173,6 +183,7 @@ def convert(
     method = to.lower()
     if method not in METHODS:
         raise ConversionError(f"unknown method {to!r}: use --to eln or --to dyt")
+    check_input_scale(input_scale, "input_scale")
     if calibration is not None:
         try:
             calibration = as_config(calibration)

@@ -3,7 +3,7 @@
 Spec forms (``--calib`` and ``--data`` take the same):
 - ``builtin`` or ``builtin:calibration`` / ``builtin:evaluation``: the Python language reference that ships with
   Python (``pydoc_data.topics``, ~465 kB), split by topic into two disjoint halves so calibration and evaluation
-  never see the same text. No download and no ``../shared`` needed.
+  never see the same text. No download needed.
 - a local file or directory: ``.txt`` / ``.raw`` / ``.tokens`` (any other suffix is read as text), ``.json`` /
   ``.jsonl``, ``.parquet``; loaded through ``datasets``. Several paths may be joined with commas.
 - a Hub dataset ``name[:config][:split]``, e.g. ``wikitext:wikitext-2-raw-v1:test`` (split defaults to ``train``
@@ -68,8 +68,20 @@ def _local(paths: list[Path]) -> list[str]:
     try:
         dataset = datasets.load_dataset(loader, data_files=[str(f) for f in files], split="train", **kwargs)
     except Exception as error:  # datasets raises many types for malformed json / parquet
-        raise DataError(f"cannot read {', '.join(map(str, paths))} as {loader}: {first_line(error)}") from None
+        raise DataError(f"cannot read {', '.join(map(str, paths))} as {loader}: {_decode_problem(error, files, loader)}") from None
     return [t for t in dataset[_text_column(dataset)] if t and t.strip()]
+
+
+def _decode_problem(error: BaseException, files: list[Path], loader: str) -> str:
+    """Why a load failed: for text or JSON that is not UTF-8 (datasets hides the UnicodeDecodeError behind a generic
+    message), the file, the byte and the encoding expected; else the error's first line."""
+    for file in files if loader != "parquet" else ():
+        try:
+            file.read_bytes().decode("utf-8")
+        except UnicodeDecodeError as bad:
+            return (f"{file} is not UTF-8 text (byte {bad.object[bad.start]:#04x} at offset {bad.start}); "
+                    "re-encode it as UTF-8, e.g. iconv -f latin1 -t utf-8")
+    return first_line(error)
 
 
 def _hub(spec: str, default_split: str) -> list[str]:
@@ -79,8 +91,12 @@ def _hub(spec: str, default_split: str) -> list[str]:
     try:
         dataset = datasets.load_dataset(name, config or None, split=split or default_split)
     except Exception as error:  # datasets raises many types for missing names, configs and network failures
-        raise DataError(f"cannot load dataset {spec!r}: {first_line(error)}") from None
-    return [t for t in dataset[_text_column(dataset)] if t and t.strip()]
+        raise DataError(f"cannot load dataset {spec!r} ({first_line(error)}): offline, name a local text file "
+                        "instead") from None
+    rows = dataset[_text_column(dataset)]
+    if "" in rows:  # one line per row, blank lines kept (WikiText): the split is one text, as its raw file reads
+        return ["\n".join(rows)]
+    return [t for t in rows if t and t.strip()]
 
 
 def local_paths(spec: str) -> list[Path] | None:

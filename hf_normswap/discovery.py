@@ -56,7 +56,8 @@ class _Candidate:
     shape: tuple[int, ...] = field(default_factory=tuple)
 
 
-def _is_candidate(module: nn.Module) -> bool:
+def is_norm_candidate(module: nn.Module) -> bool:
+    """Whether a module looks like a norm: nn.LayerNorm / nn.RMSNorm, or a class named like one (T5LayerNorm...)."""
     if isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
         return True
     name = type(module).__name__
@@ -137,7 +138,7 @@ def find_norms(model: nn.Module) -> list[NormInfo]:
     hidden = getattr(getattr(model, "config", None), "hidden_size", None)
     found = []
     for name, module in model.named_modules():
-        if not _is_candidate(module) or any(_is_candidate(child) for child in module.modules() if child is not module):
+        if not is_norm_candidate(module) or any(is_norm_candidate(child) for child in module.modules() if child is not module):
             continue  # containers of norms (per-head norm lists) are represented by their leaves
         weight = _own_param(module, WEIGHT_NAMES)
         bias = _own_param(module, BIAS_NAMES)

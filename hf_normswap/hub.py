@@ -14,7 +14,7 @@ from huggingface_hub import HfApi, constants, get_token
 from huggingface_hub.errors import HFValidationError, HfHubHTTPError
 from huggingface_hub.utils import validate_repo_id
 
-from . import checkpoint
+from . import checkpoint, validation
 from .data import first_line
 
 try:  # the HTTP client huggingface_hub uses; its transport errors mean "could not talk to the endpoint"
@@ -54,6 +54,9 @@ def resolve_token(token: str | None = None) -> str:
 def preflight(repo_id: str, token: str | None = None) -> str:
     """Check the repo name and find a token before any conversion or upload work; returns the token."""
     check_repo_id(repo_id)
+    if constants.HF_HUB_OFFLINE or os.environ.get("HF_HUB_OFFLINE", "").upper() in constants.ENV_VARS_TRUE_VALUES:
+        raise PushError("HF_HUB_OFFLINE is set, so nothing can be pushed: unset it, or save with --output and "
+                        "push later with `normswap push`")
     return resolve_token(token)
 
 
@@ -64,6 +67,10 @@ def push(folder: str | os.PathLike, repo_id: str, *, private: bool = False, toke
     config = checkpoint.read_config(folder)
     if config is None:
         raise PushError(f"{folder} is not a checkpoint saved by hf_normswap: save it with `normswap convert --output`")
+    try:
+        validation.check_block(config["normswap"])
+    except validation.ValidationError as error:
+        raise PushError(f"{folder}: {error}") from None
     token = preflight(repo_id, token)
     url = endpoint()
     api = HfApi(endpoint=url, token=token)

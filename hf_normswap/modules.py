@@ -1,8 +1,8 @@
 """Element-wise replacements for LayerNorm / RMSNorm: Dynamic Tanh (DyT) and Elementwise LayerNorm (ELN).
 
 Both compute ``y = weight * f(x) + bias`` with ``|f| < 1``, so ``weight`` carries the source norm's learned
-scale times the *amplitude* of the theory (``sqrt(C-1)`` for LayerNorm, ``sqrt(C)`` for RMSNorm); see
-``../shared/DESIGN.md``. The shape parameter (``alpha`` for DyT, ``beta`` for ELN) is stored as a clamped log so
+scale times the *amplitude* of the theory (``sqrt(C-1)`` for LayerNorm, ``sqrt(C)`` for RMSNorm; Stollenwerk 2025,
+referenced in README.md). The shape parameter (``alpha`` for DyT, ``beta`` for ELN) is stored as a clamped log so
 that any optimizer step leaves ``alpha`` finite and ``beta`` positive and finite. Arithmetic runs in fp32 and the
 result is cast back to the input dtype: real models carry activations near 1000, and ``x*x`` overflows fp16 above 256.
 """

@@ -27,9 +27,15 @@ ORDERS = ("depth", "role", "reverse_depth")
 LAYER = re.compile(r"\.(\d+)(\.|$)")
 
 
-def _depth(name: str) -> int:
+def layer_of(name: str) -> int | None:
+    """The index of the repeated block a module sits in, or None outside the blocks (embedding, final norm)."""
     match = LAYER.search(name)
-    return int(match.group(1)) if match else 10 ** 6  # outside the blocks (final norm): last
+    return int(match.group(1)) if match else None
+
+
+def _depth(name: str) -> int:
+    layer = layer_of(name)
+    return 10 ** 6 if layer is None else layer  # outside the blocks (final norm): last
 
 
 @dataclass
@@ -54,14 +60,17 @@ def schedule(roles: dict[str, str], *, start: int = 0, every: int = 10, ramp: in
 
     ``order="depth"``: block by block from the input (``group`` blocks per stage; norms outside the blocks last);
     ``"reverse_depth"``: from the output; ``"role"``: one stage per role in ``role_order`` (default: the roles
-    as they first appear), each all depths at once. A new stage starts every ``every`` steps from ``start``;
+    as they first appear), each all depths at once; a path to a ``.json`` sensitivity map (``normswap
+    sensitivity --json``): least damage first, ``group`` norms per stage. A new stage starts every ``every`` steps from ``start``;
     each stage's mix ramps over ``ramp`` steps (default ``every``).
     """
-    if order not in ORDERS:
-        raise ValueError(f"progressive order must be one of {ORDERS}, got {order!r}")
+    if order not in ORDERS and not str(order).endswith(".json"):
+        raise ValueError(f"progressive order must be one of {ORDERS} or a sensitivity map .json file, got {order!r}")
     ramp = every if ramp is None else ramp
     names = list(roles)
-    if order == "role":
+    if str(order).endswith(".json"):
+        buckets = _sensitivity_buckets(order, names, max(1, group))
+    elif order == "role":
         ordering = role_order or list(dict.fromkeys(roles.values()))
         unknown = set(roles.values()) - set(ordering)
         ordering = list(ordering) + sorted(unknown)
@@ -72,6 +81,20 @@ def schedule(roles: dict[str, str], *, start: int = 0, every: int = 10, ramp: in
         buckets = [[n for n in names if _depth(n) in chunk] for chunk in chunks]
     buckets = [b for b in buckets if b]
     return [Stage(start + i * every, ramp, b) for i, b in enumerate(buckets)]
+
+
+def _sensitivity_buckets(path: str, names: list[str], group: int) -> list[list[str]]:
+    """``names`` in the order of a sensitivity map (least damage first), ``group`` a stage; the map may list norms
+    that were not converted (a budgeted conversion keeps some), but must rank every converted one."""
+    from .sensitivity import load_order
+
+    converted = set(names)
+    ranked = [n for n in load_order(path) if n in converted]
+    missing = sorted(set(names) - set(ranked))
+    if missing:
+        raise ValueError(f"{path} does not rank {len(missing)} converted norm(s), e.g. {missing[0]}: measure the map "
+                         "on the same model and norm selection")
+    return [ranked[i:i + group] for i in range(0, len(ranked), group)]
 
 
 def schedule_length(stages: list[Stage]) -> int:

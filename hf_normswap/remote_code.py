@@ -13,6 +13,7 @@ Because the code is copied from the package when a checkpoint is saved, the two 
 from __future__ import annotations
 
 import ast
+import functools
 import inspect
 import textwrap
 
@@ -22,6 +23,7 @@ from torch import nn
 
 from . import __version__, modules
 from .modules import METHODS
+from .validation import check_base
 
 FILE_NAME = "modeling_normswap.py"
 MODULE_NAME = FILE_NAME[: -len(".py")]
@@ -88,8 +90,11 @@ def _modules_source() -> str:
     return "".join(kept)
 
 
-def auto_classes(architecture: str, model_type: str) -> list[str]:
-    """Names of the transformers Auto classes that map ``model_type`` to ``architecture`` (AutoModel when none)."""
+@functools.cache
+def auto_classes(architecture: str, model_type: str) -> tuple[str, ...]:
+    """Names of the transformers Auto classes that map ``model_type`` to ``architecture`` (AutoModel when none).
+
+    Cached: listing transformers' lazy namespace takes most of a small model's save time."""
     found = []
     for name in sorted(dir(transformers)):
         if not name.startswith("AutoModel"):
@@ -98,7 +103,7 @@ def auto_classes(architecture: str, model_type: str) -> list[str]:
         target = mapping.get(model_type) if isinstance(mapping, dict) else None
         if target == architecture or (isinstance(target, (tuple, list)) and architecture in target):
             found.append(name)
-    return found or ["AutoModel"]
+    return tuple(found) or ("AutoModel",)
 
 
 def class_names(architecture: str) -> tuple[str, str]:
@@ -109,8 +114,10 @@ def class_names(architecture: str) -> tuple[str, str]:
 def render(architecture: str, config_class: str, model_type: str) -> str:
     """Text of ``modeling_normswap.py`` for a checkpoint of ``architecture`` (e.g. LlamaForCausalLM).
 
-    ``model_type`` is the original one (``llama``); the generated config class gets ``normswap_llama``.
+    ``model_type`` is the original one (``llama``); the generated config class gets ``normswap_llama``. The three
+    names come from a config.json: each must name what transformers exports, or nothing is generated.
     """
+    check_base({"architecture": architecture, "config_class": config_class, "model_type": model_type})
     config_name, model_name = class_names(architecture)
     header = f'''"""Remote code for a checkpoint converted by hf-normswap {__version__}: {architecture} with its norms replaced by
 element-wise DyT / ELN modules. Generated from the hf-normswap package; imports only torch and transformers.

@@ -52,7 +52,7 @@ DEFAULTS = {
     "distill": {"weight": 0.5, "temperature": 1.0, "logits": True, "hidden": 0.0, "sink_weight": 0.0},
     "lr": {"base": 1.0e-4, "shape": None, "gamma": None},  # log alpha (log beta: 2x), gamma / bias; default: base
     "progressive": {"enabled": False, "order": "depth", "every": 20, "ramp": None, "start": 0, "group": 1,
-                    "role_order": None},
+                    "role_order": None},  # order: depth | reverse_depth | role | PATH.json (`normswap sensitivity`)
     "max_minutes": None,         # wall-clock budget for this launch; stops with a checkpoint
     "resume": True,              # continue from the last checkpoint in output_dir
     "output_dir": "out/finetune",
@@ -77,6 +77,12 @@ def merge(base: dict, update: dict) -> dict:
     return out
 
 
+def fail(message: str):
+    """A mistake in the settings: one line on stderr, exit code 2, before anything is loaded."""
+    print(f"finetune: error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
 def load_config(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", help="YAML file (recipes/configs/*.yaml)")
@@ -84,23 +90,116 @@ def load_config(argv=None) -> dict:
     args = parser.parse_args(argv)
     config = copy.deepcopy(DEFAULTS)
     if args.config:
-        config = merge(config, yaml.safe_load(Path(args.config).read_text()) or {})
+        try:
+            loaded = yaml.safe_load(Path(args.config).read_text()) or {}
+        except (OSError, yaml.YAMLError) as error:
+            fail(f"--config {args.config}: {str(error).splitlines()[0]}")
+        if not isinstance(loaded, dict):
+            fail(f"--config {args.config}: expected a mapping of settings, got a {type(loaded).__name__}")
+        config = merge(config, loaded)
     for item in args.overrides:
         key, sep, value = item.partition("=")
         if not sep:
-            parser.error(f"override {item!r} is not KEY=VALUE")
+            fail(f"override {item!r} is not KEY=VALUE")
         *path, last = key.lstrip("-").split(".")
         section = config
         for part in path:
             section = section.setdefault(part, {})
-        section[last] = yaml.safe_load(value)
-    unknown = sorted(set(config) - set(DEFAULTS))
-    if unknown:  # a typo would otherwise be ignored silently
-        parser.error(f"unknown setting(s) {', '.join(unknown)}: choose from {', '.join(sorted(DEFAULTS))}")
+            if not isinstance(section, dict):
+                fail(f"override {item!r}: {part} is not a section")
+        try:
+            section[last] = yaml.safe_load(value)
+        except yaml.YAMLError as error:
+            fail(f"override {item!r}: {str(error).splitlines()[0]}")
+    check_config(config)
     return config
 
 
+def known_settings() -> dict:
+    """Every setting the recipe reads, as nested dicts (leaves None): DEFAULTS, plus what the sections are passed
+    to accepts (TrainingArguments' fields, CalibrationConfig's, apply_lora's and evaluate's keyword arguments)."""
+    import dataclasses
+    import inspect
+
+    from transformers import TrainingArguments
+
+    from hf_normswap.calibrate import CalibrationConfig
+    from hf_normswap.distill import apply_lora
+    from hf_normswap.evaluate import evaluate
+
+    def leaves(names):
+        return dict.fromkeys(names)
+
+    known = {k: leaves(v) if isinstance(v, dict) else None for k, v in DEFAULTS.items()}
+    known["training"] = leaves(f.name for f in dataclasses.fields(TrainingArguments) if f.init)
+    known["calibration"] = leaves(f.name for f in dataclasses.fields(CalibrationConfig) if f.name != "tokenizer")
+    known["lora"] = leaves(inspect.signature(apply_lora).parameters)
+    known["lora"].pop("model", None)
+    known["final_eval"] = leaves(p.name for p in inspect.signature(evaluate).parameters.values()
+                                 if p.kind is p.KEYWORD_ONLY and p.name not in ("against", "docs", "data", "progress"))
+    for owned in ("output_dir", "seed", "learning_rate"):  # set from the recipe's own settings
+        known["training"].pop(owned, None)
+    return known
+
+
+def check_config(config: dict) -> None:
+    """Every key known and every value in range, before anything is loaded: see :func:`known_settings`."""
+    from hf_normswap.checkpoint import CheckpointError, check_output_dir
+    from hf_normswap.modules import METHODS
+    from hf_normswap.validation import ValidationError, check_keys, check_number
+
+    def at_least(value, name, minimum, optional=False):
+        if not (optional and value is None):
+            check_number(value, name, minimum=minimum)
+            if minimum >= 1 and value != int(value):
+                raise ValidationError(f"{name} must be a whole number, got {value!r}")
+
+    try:
+        check_keys(config, known_settings())
+        if config["method"] not in METHODS:
+            raise ValidationError(f"method {config['method']!r} is unknown: choose from {', '.join(METHODS)}")
+        if config["trainable"] not in ("norms", "all", "lora"):
+            raise ValidationError(f"trainable {config['trainable']!r} is unknown: choose norms, all or lora")
+        for name in ("model", "train_data", "eval_data", "output_dir"):
+            if not isinstance(config[name], str) or not config[name]:
+                raise ValidationError(f"{name} must be a non-empty string, got {config[name]!r}")
+        for name, value in (("block_len", config["block_len"]), ("eval_blocks", config["eval_blocks"]),
+                            ("calibration.num_blocks", config["calibration"].get("num_blocks")),
+                            ("calibration.block_len", config["calibration"].get("block_len")),
+                            ("lora.r", config["lora"].get("r"))):
+            at_least(value, name, 1)
+        for name, value in (("max_train_tokens", config["max_train_tokens"]), ("threads", config["threads"]),
+                            *((f"final_eval.{k}", v) for k, v in config["final_eval"].items())):
+            at_least(value, name, 1, optional=True)
+        at_least(config["distill"]["weight"], "distill.weight", 0)
+        at_least(config["distill"]["temperature"], "distill.temperature", 1e-6)
+        at_least(config["lr"]["base"], "lr.base", 0)
+        for name in ("shape", "gamma"):
+            at_least(config["lr"][name], f"lr.{name}", 0, optional=True)
+        at_least(config["max_minutes"], "max_minutes", 0, optional=True)
+        at_least(config["seed"], "seed", 0)
+        if config["progressive"]["enabled"] and config["trainable"] == "lora":
+            raise ValidationError("progressive conversion works with trainable: norms or all, not lora")
+        check_output_dir(config["save_dir"] or Path(config["output_dir"]) / "final", overwrite=True)
+    except (ValidationError, CheckpointError) as error:
+        fail(str(error))
+
+
 # --------------------------------------------------------------------------------------------------------- data
+
+
+def check_data(config: dict) -> None:
+    """Read every text source before any model loads, so a missing file or an unreachable Hub dataset stops the
+    run at once with one line naming the key that overrides it."""
+    from hf_normswap.data import DataError, load_texts
+
+    for key, spec, split in (("calibration.data", config["calibration"]["data"], "calibration"),
+                             ("train_data", config["train_data"], "calibration"),
+                             ("eval_data", config["eval_data"], "evaluation")):
+        try:
+            load_texts(spec, split)
+        except DataError as error:
+            raise SystemExit(f"finetune: {key}: {error} ({key}=PATH)") from None
 
 
 def block_dataset(tokenizer, spec: str, split: str, block_len: int, max_tokens: int | None = None,
@@ -166,6 +265,15 @@ def load_models(config: dict, state):
     return trainable_dense(student), original, tokenizer
 
 
+def ensure_pad_token(tokenizer) -> None:
+    """GPT-2's and Llama's tokenizers have no pad token, and the Trainer's collator pads with it: use EOS (or UNK).
+    The blocks are packed to one length, so padding never changes what the model sees."""
+    if tokenizer is not None and tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token or tokenizer.unk_token
+        if tokenizer.pad_token is None:
+            fail("the tokenizer has no pad, end-of-sequence or unknown token to pad with")
+
+
 def trainable_dense(model):
     """A GGUF model is loaded dequantized into ordinary tensors but keeps its (inference-only) quantizer, and the
     Trainer refuses quantized models: drop the quantizer when no weight is still packed."""
@@ -203,33 +311,39 @@ def final_evaluation(model, original, tokenizer, config: dict, name: str):
 
 
 def plot_history(history: list[dict], path: Path, original_ppl: float | None, title: str) -> Path:
-    """Training loss and learning rate, and eval perplexity, over steps (PNG)."""
+    """Training loss, each parameter group's learning rate, and eval perplexity, over training tokens (PNG)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    def tokens(rows):
+        return [h.get("num_input_tokens_seen", 0) for h in rows]
+
     train = [h for h in history if "loss" in h]
     evals = [h for h in history if "eval_perplexity" in h]
-    fig, (ax_loss, ax_ppl) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (ax_loss, ax_lr, ax_ppl) = plt.subplots(1, 3, figsize=(15, 4))
     if train:
-        ax_loss.plot([h["step"] for h in train], [h["loss"] for h in train], label="training loss")
+        ax_loss.plot(tokens(train), [h["loss"] for h in train], label="training loss")
         for key, label in (("ce_loss", "cross-entropy"), ("kd_loss", "distillation KL")):
-            if any(key in h for h in train):
-                ax_loss.plot([h["step"] for h in train if key in h], [h[key] for h in train if key in h],
-                             lw=0.8, label=label)
-        ax_lr = ax_loss.twinx()
-        ax_lr.plot([h["step"] for h in train], [h.get("learning_rate", float("nan")) for h in train],
-                   c="grey", ls=":", label="learning rate")
-        ax_lr.set_ylabel("learning rate")
-    ax_loss.set(xlabel="step", ylabel="loss", title="training")
-    ax_loss.legend(fontsize=8)
+            rows = [h for h in train if key in h]
+            if rows:
+                ax_loss.plot(tokens(rows), [h[key] for h in rows], lw=0.8, label=label)
+        ax_loss.legend(fontsize=8)
+    for key in sorted({k for h in train for k in h if k.startswith("learning_rate/")}):
+        rows = [h for h in train if key in h]
+        ax_lr.plot(tokens(rows), [h[key] for h in rows], label=key.split("/", 1)[1])
+    if ax_lr.lines:
+        ax_lr.legend(fontsize=8, title="parameter group", title_fontsize=8)
+    ax_loss.set(xlabel="training tokens", ylabel="loss", title="training")
+    ax_lr.set(xlabel="training tokens", ylabel="learning rate", title="learning rate per parameter group",
+              yscale="log")
     if evals:
-        ax_ppl.plot([h["step"] for h in evals], [h["eval_perplexity"] for h in evals], "o-", label="converted")
+        ax_ppl.plot(tokens(evals), [h["eval_perplexity"] for h in evals], "o-", label="converted")
     if original_ppl is not None:
         ax_ppl.axhline(original_ppl, c="k", ls="--", label=f"original ({original_ppl:.4g})")
         ax_ppl.axhline(1.3 * original_ppl, c="grey", ls=":", label="1.3 x original")
-    ax_ppl.set(xlabel="step", ylabel="perplexity", title="eval perplexity", yscale="log")
+    ax_ppl.set(xlabel="training tokens", ylabel="perplexity", title="eval perplexity", yscale="log")
     ax_ppl.legend(fontsize=8)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
@@ -256,6 +370,7 @@ def reloads_identically(model, directory: Path, tokenizer) -> bool:
 
 def main(argv=None) -> int:
     config = load_config(argv)
+    check_data(config)
     if config["threads"]:
         torch.set_num_threads(int(config["threads"]))
     from accelerate import PartialState
@@ -286,6 +401,7 @@ def main(argv=None) -> int:
 
     # 1. models
     student, original, tokenizer = load_models(config, state)
+    ensure_pad_token(tokenizer)
     original.eval().requires_grad_(False)
     converted = dict(student.config.normswap["converted"])
     log(f"{len(converted)} {student.config.normswap['method'].upper()} norms; original {config['model']}")
@@ -311,8 +427,6 @@ def main(argv=None) -> int:
     progressive = config["progressive"]
     swap = None
     if progressive["enabled"]:
-        if config["trainable"] == "lora":
-            raise SystemExit("finetune: progressive conversion works with trainable: norms or all, not lora")
         stages = schedule({name: entry["role"] for name, entry in converted.items()}, start=progressive["start"],
                           every=progressive["every"], ramp=progressive["ramp"], order=progressive["order"],
                           role_order=progressive["role_order"], group=progressive["group"])

@@ -6,7 +6,7 @@ but the 3 largest on average) of normal and of heavy tokens: when they are alike
 their massive channels, and no element-wise function can give their ordinary channels the ~median/heavy smaller
 output that RMSNorm gives them. Usage:
 
-    python scripts/activation_stats.py offline:smollm2 --data ../shared/data/wikitext-2/wiki.valid.tokens
+    python scripts/activation_stats.py offline:smollm2 --data wikitext:wikitext-2-v1:validation   # or a local file
 """
 
 from __future__ import annotations

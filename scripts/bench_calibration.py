@@ -13,6 +13,9 @@ BERT's [CLS]) or at every other position (``rest``).
 
     python scripts/bench_calibration.py --model offline:smollm2 --to eln --out /tmp/calib.jsonl   # auto: block
     python scripts/bench_calibration.py --model offline:minilm --to eln --strategy kl --out /tmp/calib.jsonl
+
+The text comes from ``--calib`` and ``--eval`` (any ``hf_normswap.data`` spec), by default from ``$WIKITEXT``, a
+directory holding WikiText-2's ``wiki.valid.tokens`` and ``wiki.test.raw`` (what BENCHMARKS.md's rows used).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import os
 import resource
 import time
 from pathlib import Path
@@ -32,7 +36,7 @@ from hf_normswap.data import load_texts
 from hf_normswap.loading import load_model
 from hf_normswap.similarity import sentence_similarity
 
-DATA = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "wikitext-2"
+WIKITEXT = os.environ.get("WIKITEXT")  # a directory with WikiText-2's files, when the data are not named
 
 
 def rss_mb() -> float:
@@ -90,10 +94,12 @@ def main(argv=None) -> int:
     parser.add_argument("--tune-blocks", type=int, default=None, help="override the strategy's tuning sequences")
     parser.add_argument("--exact-at", choices=sorted(POSITIONS), action="append", default=[],
                         help="also score with the original norms' outputs at these positions (repeatable)")
-    parser.add_argument("--calib", default=str(DATA / "wiki.valid.tokens"))
+    parser.add_argument("--calib", default=WIKITEXT and str(Path(WIKITEXT) / "wiki.valid.tokens"),
+                        required=not WIKITEXT, help="calibration text (default: $WIKITEXT/wiki.valid.tokens)")
     parser.add_argument("--calib-blocks", type=int, default=64)
     parser.add_argument("--calib-len", type=int, default=512)
-    parser.add_argument("--eval", default=str(DATA / "wiki.test.raw"))
+    parser.add_argument("--eval", default=WIKITEXT and str(Path(WIKITEXT) / "wiki.test.raw"),
+                        required=not WIKITEXT, help="evaluation text (default: $WIKITEXT/wiki.test.raw)")
     parser.add_argument("--eval-len", type=int, default=512, help="perplexity window (non-overlapping)")
     parser.add_argument("--max-eval-tokens", type=int, default=8192)
     parser.add_argument("--sentences", type=int, default=512, help="MiniLM: sentences compared")

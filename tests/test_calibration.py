@@ -213,7 +213,8 @@ def test_report_config_and_plots(tmp_path):
     assert data["calibration"]["strategy"] == "kl" and data["calibration"]["fit"] == ["shape", "weight", "bias"]
     block = model.config.normswap
     assert block["calibration"]["strategy"] == "kl" and block["per_channel"] is True
-    assert "rel.err" in str(report)
+    assert "rel.err" in str(report) and "rel.err@0: the same on first-position tokens" in str(report)
+    assert "256 tokens in 8 sequences\n" in str(report)  # token ids given: all used
     pngs = sorted(p.name for p in tmp_path.glob("*.png"))
     assert len(pngs) == len(report.converted) and pngs[0].endswith(".png")
 
@@ -244,6 +245,9 @@ def test_padded_text_calibration_for_encoder():
                                                                  block_len=16, strategy="kl", tune_steps=0))
     assert 0 < report.calibration["tokens"] <= 6 * 16  # padding excluded: at most the unpadded block budget
     assert report.converted[0].fit["tokens_seen"] == report.calibration["tokens"]
+    tokens, sequences = report.calibration["tokens"], report.calibration["sequences"]
+    assert sequences == 6
+    assert f"{tokens} tokens in 6 sequences (asked: 6 sequences of up to 16 tokens)" in str(report)
 
 
 def test_cli_calibration_flags_without_calib_and_bad_calib_data_are_one_line_errors(tmp_path, capsys):
@@ -282,3 +286,12 @@ def test_every_strategy_has_its_line_in_convert_help_and_the_readme(capsys):
         assert strategy.help_line() in help_text
         row = next(line for line in readme.splitlines() if line.startswith(f"| `{strategy.name}` |"))
         assert strategy.measured in row and strategy.cost in row and strategy.auto in row
+
+
+def test_calibration_blocks_fit_the_model_context():
+    from tiny_models import tiny_tokenizer
+
+    model = tiny_model("gpt2")  # 64 positions: 512-token blocks would index past its position embeddings
+    report = convert(model, "eln", calibration=_cfg(data="builtin", tokenizer=tiny_tokenizer(), num_blocks=2,
+                                                    block_len=512, strategy="fast"))
+    assert report.calibration["tokens"] == 2 * 64

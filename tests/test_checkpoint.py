@@ -23,13 +23,7 @@ from tiny_models import ARCHITECTURES, tiny_model
 METHOD = {arch: ("dyt" if i % 3 == 1 else "eln") for i, arch in enumerate(ARCHITECTURES)}  # both methods covered
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models on a shared 2-core machine: extra intra-op threads only add contention."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
@@ -125,6 +119,9 @@ def test_saved_files_and_config(saved):
     names = {p.name for p in directory.iterdir()}
     assert {"config.json", "model.safetensors", "generation_config.json", "modeling_normswap.py", "README.md"} <= names
     assert not [n for n in os.listdir(directory.parent) if n.startswith(".")]  # no staging leftovers
+    umask = os.umask(0)
+    os.umask(umask)
+    assert {oct((directory / n).stat().st_mode & 0o777) for n in names} == {oct(0o666 & ~umask)}  # none private
     config = json.loads((directory / "config.json").read_text())
     assert config["model_type"] == "normswap_llama"
     assert config["architectures"] == ["NormSwapLlamaForCausalLM"]
@@ -263,8 +260,10 @@ def test_cli_convert_saves_and_overwrite_replaces(tmp_path, capsys):
     (out / "stale.txt").write_text("old")
     assert cli.main(["convert", str(source), "--to", "eln", "--output", str(out)]) == 2
     assert "not empty" in capsys.readouterr().err
+    assert cli.main(["convert", str(source), "--to", "eln", "--output", str(out), "--overwrite"]) == 2
+    assert "it holds more than a checkpoint (stale.txt)" in capsys.readouterr().err  # overwrite replaces only its own
+    (out / "stale.txt").unlink()
     assert cli.main(["convert", str(source), "--to", "eln", "--output", str(out), "--overwrite"]) == 0
-    assert not (out / "stale.txt").exists()
     assert json.loads((out / "config.json").read_text())["normswap"]["method"] == "eln"
     model, _ = hf_normswap.loading.load_model(str(out), with_tokenizer=False)  # the CLI's loader reads it back
     assert isinstance(model.get_submodule("gpt_neox.final_layer_norm"), hf_normswap.ELN)

@@ -1,12 +1,9 @@
-"""Push to the Hub with the real huggingface_hub client against a local HTTP endpoint that records the calls."""
+"""Push to the Hub with the real huggingface_hub client against a local Hub mirror that records the calls."""
 
 from __future__ import annotations
 
-import base64
 import json
 import socket
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -15,89 +12,17 @@ from huggingface_hub import ModelCard, constants
 
 import hf_normswap
 from hf_normswap import cli
+from hub_mirror import TOKEN, USER, HubMirror
 from tiny_models import tiny_model
-
-TOKEN = "hf_local_test_token"
-
-
-class FakeHub:
-    """The few Hub API routes that create_repo + upload_folder use; every request is recorded."""
-
-    def __init__(self):
-        self.calls: list[dict] = []
-        self.repos: dict[str, dict] = {}  # repo id -> create payload
-        self.files: dict[str, dict[str, bytes]] = {}  # repo id -> path -> content
-        self.commits: list[dict] = []
-        hub = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args):
-                pass
-
-            def do_GET(self):
-                self._handle()
-
-            def do_POST(self):
-                self._handle()
-
-            def _reply(self, status: int, body: dict) -> None:
-                data = json.dumps(body).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            def _handle(self):
-                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-                path = self.path.split("?")[0]
-                hub.calls.append({"method": self.command, "path": path, "auth": self.headers.get("Authorization")})
-                if self.headers.get("Authorization") != f"Bearer {TOKEN}":
-                    return self._reply(401, {"error": "Invalid credentials in Authorization header"})
-                parts = path.strip("/").split("/")
-                if path == "/api/repos/create":
-                    payload = json.loads(body)
-                    repo_id = f"{payload.get('organization') or 'local-user'}/{payload['name']}"
-                    hub.repos[repo_id] = payload
-                    return self._reply(200, {"url": f"{hub.url}/{repo_id}", "name": repo_id})
-                if path == "/api/validate-yaml":
-                    return self._reply(200, {})
-                if len(parts) == 6 and parts[:2] == ["api", "models"] and parts[4] == "preupload":
-                    files = json.loads(body)["files"]
-                    return self._reply(200, {"files": [{"path": f["path"], "uploadMode": "regular",
-                                                        "shouldIgnore": False} for f in files]})
-                if len(parts) == 6 and parts[:2] == ["api", "models"] and parts[4] == "commit":
-                    repo_id = f"{parts[2]}/{parts[3]}"
-                    if repo_id not in hub.repos:
-                        return self._reply(404, {"error": f"Repository {repo_id} not found"})
-                    lines = [json.loads(line) for line in body.decode().splitlines() if line.strip()]
-                    hub.commits.append({"repo": repo_id, "header": lines[0]["value"]})
-                    stored = hub.files.setdefault(repo_id, {})
-                    for line in lines[1:]:
-                        assert line["key"] == "file" and line["value"]["encoding"] == "base64", line["key"]
-                        stored[line["value"]["path"]] = base64.b64decode(line["value"]["content"])
-                    return self._reply(200, {"commitUrl": f"{hub.url}/{repo_id}/commit/{'1' * 40}",
-                                             "commitOid": "1" * 40, "pullRequestUrl": None})
-                return self._reply(404, {"error": f"no route {self.command} {path}"})
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-
-    def paths(self) -> list[str]:
-        return [c["path"] for c in self.calls]
 
 
 @pytest.fixture
 def hub(monkeypatch):
-    server = FakeHub()
-    server.thread.start()
-    monkeypatch.setenv("HF_ENDPOINT", server.url)
-    monkeypatch.setenv("HF_TOKEN", TOKEN)
-    monkeypatch.setenv("HF_HUB_DISABLE_TELEMETRY", "1")
-    yield server
-    server.server.shutdown()
-    server.server.server_close()
+    with HubMirror() as server:
+        monkeypatch.setenv("HF_ENDPOINT", server.url)
+        monkeypatch.setenv("HF_TOKEN", TOKEN)
+        monkeypatch.setenv("HF_HUB_DISABLE_TELEMETRY", "1")
+        yield server
 
 
 @pytest.fixture(scope="module")
@@ -113,12 +38,12 @@ def checkpoint_dir(tmp_path_factory):
 def test_push_command_creates_repo_and_uploads_the_checkpoint(hub, checkpoint_dir, capsys):
     assert cli.main(["push", str(checkpoint_dir), "someone/tiny-eln", "--private"]) == 0
     assert f"pushed to {hub.url}/someone/tiny-eln" in capsys.readouterr().out
-    assert hub.repos == {"someone/tiny-eln": {"name": "tiny-eln", "organization": "someone", "visibility": "private",
+    assert hub.created == {"someone/tiny-eln": {"name": "tiny-eln", "organization": "someone", "visibility": "private",
                                               "type": "model"}}
     assert hub.paths()[0] == "/api/repos/create"
     assert hub.paths()[-1] == "/api/models/someone/tiny-eln/commit/main"
     assert all(c["auth"] == f"Bearer {TOKEN}" for c in hub.calls)
-    uploaded = hub.files["someone/tiny-eln"]
+    uploaded = hub.files("someone/tiny-eln")
     local = {p.name for p in checkpoint_dir.iterdir()}
     assert set(uploaded) == local
     assert {"config.json", "model.safetensors", "modeling_normswap.py", "README.md", "generation_config.json"} <= local
@@ -140,9 +65,9 @@ def test_convert_push_to_hub_without_output(hub, tmp_path, capsys):
     tiny_model("gpt2").save_pretrained(source)
     assert cli.main(["convert", str(source), "--to", "dyt", "--push-to-hub", "plain-name"]) == 0
     assert "pushed to" in capsys.readouterr().out
-    assert hub.repos["local-user/plain-name"]["organization"] is None
-    assert "visibility" not in hub.repos["local-user/plain-name"]
-    uploaded = hub.files["local-user/plain-name"]
+    assert hub.created[f"{USER}/plain-name"]["organization"] is None
+    assert "visibility" not in hub.created[f"{USER}/plain-name"]
+    uploaded = hub.files(f"{USER}/plain-name")
     assert {"config.json", "model.safetensors", "modeling_normswap.py", "README.md"} <= set(uploaded)
     config = json.loads(uploaded["config.json"])
     assert config["normswap"]["method"] == "dyt" and config["model_type"] == "normswap_gpt2"
@@ -192,7 +117,7 @@ def test_rejected_token_is_one_line(hub, checkpoint_dir, monkeypatch, capsys):
     monkeypatch.setenv("HF_TOKEN", "hf_wrong")
     assert cli.main(["push", str(checkpoint_dir), "someone/x"]) == 2
     assert "rejected the token (401)" in _one_line_error(capsys)
-    assert hub.paths()[0] == "/api/repos/create" and hub.files == {} and hub.repos == {}
+    assert hub.paths()[0] == "/api/repos/create" and hub.created == {} and hub.repos == {}
 
 
 def test_push_refuses_a_directory_that_is_not_a_checkpoint(hub, tmp_path, capsys):
@@ -210,4 +135,4 @@ def test_private_needs_push_to_hub(tmp_path, capsys):
 def test_push_api_returns_repo_url(hub, checkpoint_dir):
     url = hf_normswap.hub.push(Path(checkpoint_dir), "org/api-push")
     assert url == f"{hub.url}/org/api-push"
-    assert "config.json" in hub.files["org/api-push"]
+    assert "config.json" in hub.files("org/api-push")

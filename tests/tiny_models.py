@@ -3,6 +3,8 @@ DyT / ELN modules."""
 
 from __future__ import annotations
 
+import string
+
 import torch
 import transformers
 
@@ -52,15 +54,16 @@ TINY = {
 ARCHITECTURES = sorted(TINY)
 
 
-def tiny_config(model_type: str):
+def tiny_config(model_type: str, **changes):
     overrides, _ = TINY[model_type]
-    return transformers.AutoConfig.for_model(model_type, **overrides)
+    return transformers.AutoConfig.for_model(model_type, **dict(overrides, **changes))
 
 
-def tiny_model(model_type: str, seed: int = 0, randomize_norms: bool = True):
-    """A tiny random model; norm weights are randomized so a wrong weight mapping cannot pass unnoticed."""
+def tiny_model(model_type: str, seed: int = 0, randomize_norms: bool = True, **changes):
+    """A tiny random model; norm weights are randomized so a wrong weight mapping cannot pass unnoticed.
+    ``changes`` override config values."""
     torch.manual_seed(seed)
-    config = tiny_config(model_type)
+    config = tiny_config(model_type, **changes)
     model = getattr(transformers, TINY[model_type][1])(config).eval()
     if randomize_norms:
         with torch.no_grad():
@@ -83,3 +86,18 @@ def random_elementwise(cls, size: int, *, shape: float, amplitude: float, per_ch
             module.bias.copy_(torch.randn(size))
         module.set_shape_parameter(shape * (torch.rand(size if per_channel else ()) + 0.5))
     return module.to(dtype)
+
+
+def tiny_tokenizer(vocab_size: int = 128):
+    """A byte-level BPE tokenizer over printable ASCII with ``vocab_size`` ids (the tiny models' vocabulary), trained
+    offline in a fraction of a second, with ``<s>`` / ``</s>`` / ``<unk>``: what a Hub repository ships beside the
+    weights."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<unk>", "<s>", "</s>"], show_progress=False)
+    tokenizer.train_from_iterator([string.printable, "the model of the norm and the data in the text " * 4], trainer)
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>", bos_token="<s>",
+                                                eos_token="</s>")
