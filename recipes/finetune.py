@@ -297,12 +297,11 @@ def is_encoder(model) -> bool:
 def final_evaluation(model, original, tokenizer, config: dict, name: str):
     from hf_normswap.data import load_texts
     from hf_normswap.evaluate import evaluate
-    from hf_normswap.similarity import Similarity, sentence_similarity
+    from hf_normswap.embeddings import evaluate_embeddings
 
     texts = load_texts(config["eval_data"], "evaluation")
-    if is_encoder(original):  # the embedding its users consume: mean cosine to the original's
-        count = config["final_eval"].get("sentences", 512)
-        return Similarity(name, sentence_similarity(original, {name: model}, tokenizer, texts, count)[name], count)
+    if is_encoder(original):  # the embedding its users consume: cosine, neighbours and rank correlation
+        return evaluate_embeddings(model, original, tokenizer, texts, data=config["eval_data"], **config["final_eval"])
     return evaluate({name: model}, tokenizer, texts, against=original, data=config["eval_data"], progress=False,
                     **config["final_eval"])
 
@@ -480,7 +479,7 @@ def main(argv=None) -> int:
                     "world_size": state.num_processes, "train_loss": result.training_loss}
         model.config.normswap["training"] = training
         hf_normswap.save_pretrained(model, save_dir, tokenizer=tokenizer, overwrite=True,
-                                    evaluation=after.card("finetuned"))
+                                    evaluation=None if encoder else after.card("finetuned"))
         identical = reloads_identically(model, save_dir, tokenizer)
         original_block_ppl = None if encoder else block_perplexity(original, eval_set)
         curve = plot_history(history, out / "curve.png", original_block_ppl,
@@ -490,8 +489,8 @@ def main(argv=None) -> int:
                        reload_identical=identical, curve=str(curve), checkpoint=str(save_dir),
                        original_eval_block_perplexity=original_block_ppl)
         summary_path.write_text(json.dumps(summary, indent=1, default=str))
-        measure = "mean_cosine_similarity" if encoder else "ratio"
-        ratio = {k: summary[k][measure].get(k) for k in ("calibrated", "finetuned")}
+        ratio = {k: summary[k]["results"]["converted"]["cosine"] if encoder else summary[k]["ratio"].get(k)
+                 for k in ("calibrated", "finetuned")}
         log(f"{'embedding cosine to' if encoder else 'perplexity /'} original: {ratio['calibrated']:.4g} after "
             f"calibration -> {ratio['finetuned']:.4g} after "
             f"{trainer.state.global_step} steps ({tokens:,} tokens, {wall / 60:.1f} min); saved {save_dir} "

@@ -34,7 +34,6 @@ from hf_normswap import convert
 from hf_normswap.calibrate import DEFAULT_STRATEGY, STRATEGIES, CalibrationConfig
 from hf_normswap.data import load_texts
 from hf_normswap.loading import load_model
-from hf_normswap.similarity import sentence_similarity
 
 WIKITEXT = os.environ.get("WIKITEXT")  # a directory with WikiText-2's files, when the data are not named
 
@@ -49,6 +48,26 @@ def rss_mb() -> float:
 
 def peak_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def sentence_similarity(original, models: dict, tokenizer, texts: list[str], count: int) -> dict[str, float]:
+    """Mean cosine similarity of each model's mean-pooled last hidden states (sentence-transformers' pooling for
+    MiniLM) to the original's, on the same sentences."""
+    lines = [t.strip() for text in texts for t in text.split("\n") if len(t.split()) >= 5 and not t.strip().startswith("=")]
+    lines = lines[:count]
+    sims = {name: [] for name in models}
+
+    def pooled(model, enc, mask):
+        return (model(**enc).last_hidden_state * mask).sum(1) / mask.sum(1)
+
+    with torch.no_grad():
+        for start in range(0, len(lines), 32):
+            enc = tokenizer(lines[start:start + 32], padding=True, truncation=True, max_length=256, return_tensors="pt")
+            mask = enc["attention_mask"].unsqueeze(-1).float()
+            reference = pooled(original, enc, mask)
+            for name, model in models.items():
+                sims[name].append(torch.nn.functional.cosine_similarity(reference, pooled(model, enc, mask), dim=-1))
+    return {name: float(torch.cat(values).mean()) for name, values in sims.items()}
 
 
 POSITIONS = {"first": slice(0, 1), "rest": slice(1, None)}
