@@ -1,0 +1,65 @@
+"""precision: auto picks bf16 autocast only where the probe finds it faster; bf16 keeps fp32 master weights."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from hf_normswap.precision import choose_precision
+from tiny_models import tiny_model
+
+
+def _fake_timed_step(fp32_seconds: float, bf16_seconds: float):
+    """A step and a timer whose clock advances by the step's fake duration under the active precision."""
+    clock = itertools.count()
+    now = [0.0]
+
+    def step():
+        now[0] += bf16_seconds if torch.is_autocast_enabled("cpu") else fp32_seconds
+
+    def timer():
+        next(clock)
+        return now[0]
+
+    return step, timer
+
+
+@pytest.mark.parametrize("fp32, bf16, expected", [(10.0, 5.0, "bf16"), (5.0, 10.0, "fp32"), (10.0, 9.8, "fp32")])
+def test_auto_picks_bf16_only_when_the_probe_finds_it_faster(fp32, bf16, expected):
+    step, timer = _fake_timed_step(fp32, bf16)
+    choice = choose_precision("auto", step, timer=timer)
+    assert choice.precision == expected
+    assert (choice.fp32_seconds, choice.bf16_seconds) == (fp32, bf16)
+    assert f"{fp32:.3g}s" in choice.describe()
+
+
+def test_fixed_precisions_do_not_probe_and_unknown_ones_fail():
+    assert choose_precision("fp32").precision == "fp32" and choose_precision("bf16").bf16
+    with pytest.raises(ValueError, match="precision must be one of"):
+        choose_precision("fp16")
+
+
+def test_probe_restores_the_random_state():
+    torch.manual_seed(0)
+    choose_precision("auto", lambda: torch.rand(1), repetitions=1)
+    after = torch.rand(1)
+    torch.manual_seed(0)
+    assert torch.equal(after, torch.rand(1))
+
+
+def test_bf16_autocast_step_keeps_fp32_master_weights_and_gradients():
+    from hf_normswap.precision import autocast
+
+    model = tiny_model("llama").train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ids = torch.randint(0, 128, (2, 8))
+    with autocast(True):
+        out = model(input_ids=ids, labels=ids)
+        assert out.logits.dtype == torch.bfloat16  # the matmuls did run in bf16
+    out.loss.backward()
+    optimizer.step()
+    assert all(p.dtype == torch.float32 and p.grad.dtype == torch.float32 for p in model.parameters())
+    assert all(s.dtype == torch.float32 for state in optimizer.state.values() for s in state.values()
+               if isinstance(s, torch.Tensor) and s.dim())
