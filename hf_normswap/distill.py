@@ -165,6 +165,11 @@ def distillation_step(model: nn.Module, teacher: nn.Module | None, inputs: dict,
     return (1.0 - distill_weight) * outputs.loss + distill_weight * kd, outputs.loss, kd
 
 
+def head_chunk_for(model: nn.Module, teacher: nn.Module, requested: int) -> int:
+    """``requested`` when both output heads are plain linear maps (:func:`head_is_plain`), else 0 (full logits)."""
+    return int(requested) if requested and head_is_plain(model) and head_is_plain(teacher) else 0
+
+
 def _unwrapped(model: nn.Module) -> nn.Module:
     """The model inside a DDP wrapper (whose output head is the one to bypass)."""
     return getattr(model, "module", model)
@@ -209,9 +214,9 @@ class NormSwapTrainer(Trainer):
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         if self.distill_weight == 0 or not model.training:  # evaluation: plain cross-entropy, for perplexity
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
-        if self.head_chunk is None and self.requested_head_chunk:  # decided once, on the models as trained
-            plain = head_is_plain(self.accelerator.unwrap_model(model)) and head_is_plain(self.teacher)
-            self.head_chunk = self.requested_head_chunk if plain else 0
+        if self.head_chunk is None:  # decided once, on the models as trained
+            self.head_chunk = head_chunk_for(self.accelerator.unwrap_model(model), self.teacher,
+                                             self.requested_head_chunk)
         with self.accelerator.autocast():  # the teacher and the head loss as the student's forward (bf16 or not)
             loss, ce, kd = distillation_step(model, self.teacher, inputs, distill_weight=self.distill_weight,
                                              temperature=self.temperature, head_chunk=self.head_chunk)
