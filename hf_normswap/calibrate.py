@@ -41,6 +41,7 @@ from .discovery import NormInfo, normalized_reference
 from .fitting import FitStats, analytic_input_scale, fit_module, outlier_mask, saturating_init
 from .model_inputs import first_tensor, text_config
 from .modules import adam_groups
+from .precision import autocast, check_precision, choose_precision, forward_backward
 from .roles import block_of
 
 # per-channel alpha / beta and gamma (amplitude) and bias, all tokens at natural frequency
@@ -123,6 +124,7 @@ class CalibrationConfig:
     shape_lr_scale: float = 1.0  # the log shape parameter's rate in block / end-to-end tuning, times block_lr / tune_lr
     max_iter: int = 100
     seed: int = 0
+    precision: str = "fp32"  # or "bf16" (autocast), or "auto": bf16 where a timed probe finds it faster (precision.py)
     progress: bool = True
     plots: str | None = None
     tokenizer: Any = field(default=None, repr=False)
@@ -143,6 +145,7 @@ class CalibrationConfig:
             if current is None or (key == "first_token_share" and current == "strategy"):
                 setattr(out, key, value)
         out.fit = tuple(out.fit)
+        check_precision(out.precision)
         if out.init not in ("analytic", "saturating"):
             raise ValueError(f"unknown calibration init {out.init!r}: choose 'analytic' or 'saturating'")
         return out
@@ -330,9 +333,23 @@ def calibrate_and_replace(model: nn.Module, selected: list[NormInfo], method: st
     """Fit and swap in replacements for ``selected`` norms; ``build(source, info, input_scale=, per_channel=)``
     makes a module and ``replace(model, name, module)`` sets it (both from ``convert``)."""
     config = config.resolved(selected, _outputs_logits(model))
-    start, cpu_start = time.perf_counter(), time.process_time()
     torch.manual_seed(config.seed)
     batches, fingerprint = calibration_batches(model, config)
+    device, probe_start = _input_device(model), time.perf_counter()
+    probe_params = [p for info in selected for p in model.get_submodule(info.name).parameters() if p.requires_grad]
+    row = {k: v[:1] for k, v in batches[0].items()}  # one sequence: a probe, not a pass
+    precision = choose_precision(config.precision, lambda: forward_backward(lambda: _forward(model, row),
+                                                                            probe_params), device=device,
+                                 repetitions=2)
+    probe_seconds = time.perf_counter() - probe_start
+    with autocast(precision.bf16, device):  # every forward / backward pass of calibration; fits stay fp32
+        result = _calibrate(model, selected, config, batches, fingerprint, build, replace, per_channel)
+    result.summary.update(precision=vars(precision), precision_probe_seconds=round(probe_seconds, 1))
+    return result
+
+
+def _calibrate(model, selected, config, batches, fingerprint, build, replace, per_channel) -> CalibrationResult:
+    start, cpu_start = time.perf_counter(), time.process_time()
     fitter = _Fitter(config, build, per_channel)
     was_training = model.training
     model.eval()

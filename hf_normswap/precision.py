@@ -99,3 +99,14 @@ def choose_precision(precision: str, step: Callable[[], object] | None = None, *
     choice = PrecisionChoice("bf16" if bf16 < (1 - MARGIN) * fp32 else "fp32", "auto", fp32, bf16)
     logger.info(choice.describe())
     return choice
+
+
+def forward_backward(run: Callable[[], object], params: list[torch.nn.Parameter]) -> None:
+    """A probe step: ``run()`` (a forward) and a backward of its first output to ``params`` through
+    ``torch.autograd.grad``, whose gradients are dropped, so that no ``.grad`` changes. Without ``params``: the
+    forward alone."""
+    with torch.enable_grad() if params else torch.no_grad():
+        output = run()
+        first = output[0] if isinstance(output, (tuple, list)) else next(iter(output.values()))
+        if params:
+            torch.autograd.grad(first.float().square().mean(), params, allow_unused=True)
