@@ -11,6 +11,9 @@ slows all candidates alike and the ratios stay meaningful. Sections:
   activations are timed), eager and ``torch.compile``;
 * calibration: ``convert(..., calibration=...)`` time and peak RSS against plain forward passes over the same data,
   each measured in a fresh process;
+* head: the distillation loss alone (CE + KL over the vocabulary, forward + backward) for tokens x C hidden states
+  through a V x C head: from full logits against chunked (``hf_normswap.head_loss``); time interleaved in one
+  process, peak RSS above the inputs in a fresh process each;
 * train: one optimizer step of the converted model (all weights train), batch x seq tokens, as the recipe takes it
   (``NormSwapTrainer``: distillation from the original, chunked head loss, the precision ``auto`` picks by its probe)
   against the baseline, a plain ``transformers.Trainer`` step in fp32 with full logits (cross-entropy only). Tokens/s
@@ -374,6 +377,65 @@ def calibration_section(args) -> list[dict]:
     return rows
 
 
+# ---------------------------------------------------------------------------------------------------- head loss
+def head_inputs(args):
+    generator = torch.Generator().manual_seed(5)
+    tokens, (size, vocab) = args.train_batch * args.seq, args.head_dims
+    hidden = torch.randn(args.train_batch, args.seq, size, generator=generator).requires_grad_()
+    weight = (torch.randn(vocab, size, generator=generator) / size ** 0.5).requires_grad_()
+    teacher_hidden = torch.randn(args.train_batch, args.seq, size, generator=generator)
+    teacher_weight = torch.randn(vocab, size, generator=generator) / size ** 0.5
+    labels = torch.randint(0, vocab, (args.train_batch, args.seq), generator=generator)
+    return tokens, hidden, weight, teacher_hidden, teacher_weight, labels
+
+
+def head_steps(hidden, weight, teacher_hidden, teacher_weight, labels) -> dict:
+    """Forward + backward of 0.5 CE + 0.5 KD: from full logits (the recipe's former loss), and chunked."""
+    from hf_normswap.distill import distillation_loss
+    from hf_normswap.head_loss import head_loss
+
+    def full():
+        logits = hidden @ weight.T
+        with torch.no_grad():
+            teacher_logits = teacher_hidden @ teacher_weight.T
+        ce = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten())
+        (0.5 * ce + 0.5 * distillation_loss(logits, teacher_logits)).backward()
+        hidden.grad = weight.grad = None
+
+    def chunked():
+        head_loss(hidden, weight, labels, teacher_hidden=teacher_hidden, teacher_weight=teacher_weight,
+                  ce_weight=0.5, kd_weight=0.5)[0].backward()
+        hidden.grad = weight.grad = None
+
+    return {"full-logits": full, "chunked": chunked}
+
+
+def head_job(args) -> dict:
+    """Peak RSS of one loss variant (this fresh process) above its inputs: two forward + backward passes."""
+    _, *inputs = head_inputs(args)
+    step = head_steps(*inputs)[args.head_job]
+    with PeakRSS() as memory:
+        for _ in range(2):
+            step()
+    return dict(peak_mib=memory.mib)
+
+
+def head_section(args) -> list[dict]:
+    tokens, *inputs = head_inputs(args)
+    med = interleaved(head_steps(*inputs), args.train_reps)
+    rows = []
+    for name, seconds in med.items():
+        command = [sys.executable, __file__, "--head-job", name, "--seq", str(args.seq), "--train-batch",
+                   str(args.train_batch), "--head-dims", ",".join(map(str, args.head_dims))]
+        result = subprocess.run(command, capture_output=True, text=True, check=True)
+        memory = json.loads(result.stdout.strip().splitlines()[-1])["peak_mib"]
+        rows.append(dict(section="head", tokens=tokens, hidden=args.head_dims[0], vocab=args.head_dims[1],
+                         variant=name, ms=seconds * 1e3, speedup=med["full-logits"] / seconds, peak_mib=memory))
+        log(f"head loss {name:<12} {tokens} tokens x {args.head_dims[1]} vocabulary: {seconds * 1e3:.0f} ms "
+            f"({med['full-logits'] / seconds:.2f}x), peak RSS above the inputs {memory:.0f} MiB")
+    return rows
+
+
 # ------------------------------------------------------------------------------------------------------ training
 TRAIN_VARIANTS = {
     # name: (distillation with the recipe's trainer, head chunk, precision, freeze embeddings)
@@ -550,6 +612,8 @@ def parse_args(argv=None):
     parser.add_argument("--train-variants", default="baseline,recipe",
                         help=f"train section, comma-separated: {', '.join(TRAIN_VARIANTS)}")
     parser.add_argument("--train-job", help=argparse.SUPPRESS)  # internal: one variant's peak RSS (a child)
+    parser.add_argument("--head-dims", default="576,49152", help="head section: hidden size, vocabulary (SmolLM2)")
+    parser.add_argument("--head-job", help=argparse.SUPPRESS)  # internal: one loss variant's peak RSS (a child)
     parser.add_argument("--json", help="write all rows to this file")
     args = parser.parse_args(argv)
     if args.quick:
@@ -558,6 +622,7 @@ def parse_args(argv=None):
     for name in ("sections", "dtypes", "models", "methods", "calib_strategies", "train_variants"):
         setattr(args, name, [s.strip() for s in getattr(args, name).split(",") if s.strip()])
     args.sizes = [int(s) for s in args.sizes.split(",")]
+    args.head_dims = [int(s) for s in args.head_dims.split(",")]
     return args
 
 
@@ -569,12 +634,15 @@ def main(argv=None) -> int:
     if args.train_job:
         print(json.dumps(train_job(args)))
         return 0
+    if args.head_job:
+        print(json.dumps(head_job(args)))
+        return 0
     info = machine()
     log(f"machine: {info}")
     log(f"command: python scripts/bench_speed.py {' '.join(sys.argv[1:] if argv is None else argv)}")
     rows = []
     sections = {"module": module_section, "model": model_section, "calibration": calibration_section,
-                "train": train_section}
+                "head": head_section, "train": train_section}
     for name in args.sections:
         start = time.perf_counter()
         rows += sections[name](args)
