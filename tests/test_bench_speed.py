@@ -36,11 +36,18 @@ def test_model_variants_are_calibrated_unless_asked_not_to():
             assert len(norms) == 9 and all(m.per_channel == calibrate for m in norms)
 
 
-def test_quick_train_section_writes_the_keys_a_script_checks(tmp_path):
+def test_quick_train_section_writes_the_keys_a_script_checks(tmp_path, monkeypatch):
+    import torch
+
     bench = import_file("scripts/bench_speed.py")
     out = tmp_path / "train.json"
-    assert bench.main(["--quick", "--sections", "train", "--seq", "64", "--train-variants",
-                       "baseline,recipe,recipe-frozen-embeddings", "--json", str(out)]) == 0
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the peak-RSS children; two threads on a loaded machine crawl
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert bench.main(["--quick", "--sections", "train", "--seq", "32", "--json", str(out)]) == 0
+    finally:
+        torch.set_num_threads(threads)
     result = json.loads(out.read_text())
     for key in ("baseline_tokens_per_s", "recipe_tokens_per_s", "baseline_peak_rss_mb", "recipe_peak_rss_mb"):
         assert result[key] > 0, key
