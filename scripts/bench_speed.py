@@ -467,10 +467,11 @@ def train_setup(args):
     return student, original, dict(input_ids=ids, labels=ids)
 
 
-def train_steps(variants, student, teacher, inputs, directory: str) -> tuple[dict, dict]:
+def train_steps(variants, student, teacher, inputs, directory: str, precision: str | None = None) -> tuple[dict, dict]:
     """``({variant: step()}, {variant: PrecisionChoice})``: one Trainer step each (the Trainer's ``training_step``,
     gradient clipping at 1.0, AdamW, zero_grad) sharing the student and one optimizer (parameters a variant
-    freezes get no gradient and AdamW skips them)."""
+    freezes get no gradient and AdamW skips them). ``precision``: use it instead of probing (a child measuring
+    memory takes the parent's choice)."""
     from transformers import Trainer, TrainingArguments
 
     from hf_normswap.distill import NormSwapTrainer, distillation_step, freeze_embeddings, head_chunk_for
@@ -479,14 +480,16 @@ def train_steps(variants, student, teacher, inputs, directory: str) -> tuple[dic
     optimizer = torch.optim.AdamW(student.parameters(), lr=1e-5)
     steps, choices = {}, {}
     for name in variants:
-        distill, chunk, precision, frozen = TRAIN_VARIANTS[name]
+        distill, chunk, variant_precision, frozen = TRAIN_VARIANTS[name]
+        if precision is not None:
+            variant_precision = precision
 
         def trainable(frozen=frozen):
             student.requires_grad_(True)
             if frozen:
                 freeze_embeddings(student)
 
-        if precision == "auto":  # the recipe's probe: its own step on one sequence
+        if variant_precision == "auto":  # the recipe's probe: its own step on one sequence
             one = {k: v[:1] for k, v in inputs.items()}
             chunk_used = head_chunk_for(student, teacher, chunk)
 
@@ -497,7 +500,7 @@ def train_steps(variants, student, teacher, inputs, directory: str) -> tuple[dic
             student.train()
             choices[name] = choose_precision("auto", probe_step, repetitions=2)
         else:
-            choices[name] = choose_precision(precision)
+            choices[name] = choose_precision(variant_precision)
         training = TrainingArguments(output_dir=directory, use_cpu=True, report_to="none", bf16=choices[name].bf16,
                                      per_device_train_batch_size=inputs["input_ids"].shape[0])
         trainer = (NormSwapTrainer(model=student, args=training, teacher=teacher, distill_weight=0.5, head_chunk=chunk)
@@ -520,16 +523,17 @@ def train_job(args) -> dict:
 
     student, teacher, inputs = train_setup(args)
     with tempfile.TemporaryDirectory() as directory:
-        steps, _ = train_steps([args.train_job], student, teacher, inputs, directory)
+        steps, _ = train_steps([args.train_job], student, teacher, inputs, directory, args.train_precision)
         with PeakRSS() as memory:
             for _ in range(2):
                 steps[args.train_job]()
     return dict(peak_rss_mib=memory.absolute_mib)
 
 
-def run_train_job(args, variant: str) -> dict:
+def run_train_job(args, variant: str, precision: str) -> dict:
     command = [sys.executable, __file__, "--train-job", variant, "--models", args.models[0], "--methods",
-               args.methods[0], "--seq", str(args.seq), "--train-batch", str(args.train_batch)]
+               args.methods[0], "--seq", str(args.seq), "--train-batch", str(args.train_batch), "--train-precision",
+               precision]
     if not args.model_calib:
         command.append("--no-model-calib")
     result = subprocess.run(command, capture_output=True, text=True)
@@ -551,7 +555,7 @@ def train_section(args) -> list[dict]:
         med = interleaved(steps, args.train_reps)
     del student, teacher, steps  # the children below measure memory: leave them the RAM
     gc.collect()
-    memory = {name: run_train_job(args, name)["peak_rss_mib"] for name in args.train_variants}
+    memory = {name: run_train_job(args, name, choices[name].precision)["peak_rss_mib"] for name in args.train_variants}
     base = med["baseline"]
     rows = [dict(section="train", model=args.models[0], variant=name, tokens=tokens, seconds=seconds,
                  tokens_per_s=tokens / seconds, speedup=base / seconds, precision=choices[name].precision,
@@ -612,6 +616,7 @@ def parse_args(argv=None):
     parser.add_argument("--train-variants", default="baseline,recipe",
                         help=f"train section, comma-separated: {', '.join(TRAIN_VARIANTS)}")
     parser.add_argument("--train-job", help=argparse.SUPPRESS)  # internal: one variant's peak RSS (a child)
+    parser.add_argument("--train-precision", help=argparse.SUPPRESS)  # internal: the child's precision
     parser.add_argument("--head-dims", default="576,49152", help="head section: hidden size, vocabulary (SmolLM2)")
     parser.add_argument("--head-job", help=argparse.SUPPRESS)  # internal: one loss variant's peak RSS (a child)
     parser.add_argument("--json", help="write all rows to this file")
