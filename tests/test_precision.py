@@ -85,3 +85,13 @@ def test_bf16_calibration_runs_its_passes_under_autocast_and_keeps_fp32_modules(
         assert norms and all(p.dtype == torch.float32 for m in norms for p in m.parameters())
         results[precision] = torch.cat([p.detach().flatten() for m in norms for p in m.parameters()])
     torch.testing.assert_close(results["bf16"], results["fp32"], rtol=0.1, atol=0.05)  # same fit, bf16 rounding
+
+
+def test_recipe_rejects_an_unknown_precision_before_any_work(capsys):
+    from file_modules import import_file
+
+    recipe = import_file("recipes/finetune.py")
+    assert recipe.load_config(["precision=bf16"])["precision"] == "bf16"
+    with pytest.raises(SystemExit) as error:
+        recipe.load_config(["precision=fp16"])
+    assert error.value.code == 2 and "precision must be auto, fp32 or bf16" in capsys.readouterr().err
