@@ -553,6 +553,8 @@ def train_section(args) -> list[dict]:
         for name, choice in choices.items():
             log(f"train {name}: {choice.describe()}")
         med = interleaved(steps, args.train_reps)
+    log("train speed (before the memory runs): " + ", ".join(
+        f"{name} {seconds:.2f}s/step ({med['baseline'] / seconds:.2f}x)" for name, seconds in med.items()))
     del student, teacher, steps  # the children below measure memory: leave them the RAM
     gc.collect()
     memory = {name: run_train_job(args, name, choices[name].precision)["peak_rss_mib"] for name in args.train_variants}
