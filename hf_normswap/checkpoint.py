@@ -68,6 +68,9 @@ def atomic_directory(path: str | os.PathLike, overwrite: bool = False):
     staging.chmod(0o777 & ~umask)  # mkdtemp makes it private; the checkpoint should look like any directory
     try:
         yield staging
+        for written in staging.rglob("*"):  # some writers (safetensors) create files private (0600)
+            if written.is_file():
+                written.chmod(0o666 & ~umask)
         if target.exists():
             check_output_dir(target, overwrite)  # it may have been filled while we worked
             if any(target.iterdir()):

@@ -1,4 +1,5 @@
-"""``normswap`` command line: inspect and convert models. User mistakes exit non-zero with one line on stderr."""
+"""The normswap command line: inspect, convert, evaluate and push models. User mistakes exit non-zero with one line
+on stderr."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from pathlib import Path
 
 from .convert import DEFAULT_ROLES, ConversionError, convert, plan
 from .data import DataError, local_paths
-from .evaluate import EvaluationError
+from .evaluate import EvaluationError, is_encoder
 from .fold import FoldError, fold
 from .checkpoint import CheckpointError, check_output_dir, save_pretrained
 from .hub import PushError, preflight, push
@@ -38,9 +39,11 @@ def _selection_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _calibration_args(parser: argparse.ArgumentParser) -> None:
-    from .calibrate import DEFAULT_STRATEGY, STRATEGIES, CalibrationConfig
+    from .calibrate import DEFAULT_STRATEGY, STRATEGIES, CalibrationConfig, strategy_help
 
     defaults = CalibrationConfig()
+    parser.epilog = strategy_help()  # one line per strategy, kept as written
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
     group = parser.add_argument_group("calibration (fit alpha/beta to real activations; see calibrate.py)")
     group.add_argument("--calib", metavar="SPEC",
                        help="calibration text: 'builtin' (offline, ships with Python), local txt/json/jsonl/parquet "
@@ -49,8 +52,8 @@ def _calibration_args(parser: argparse.ArgumentParser) -> None:
                        help="calibration blocks (default: %(default)s)")
     group.add_argument("--calib-len", type=int, default=defaults.block_len, metavar="L",
                        help="tokens per block (default: %(default)s)")
-    group.add_argument("--strategy", choices=sorted(STRATEGIES),
-                       help=f"calibration strategy (default: {DEFAULT_STRATEGY})")
+    group.add_argument("--strategy", choices=[DEFAULT_STRATEGY, *STRATEGIES],
+                       help=f"calibration strategy, listed at the end (default: {DEFAULT_STRATEGY})")
     group.add_argument("--max-tokens-per-norm", type=int, default=defaults.max_tokens_per_norm, metavar="K",
                        help="token vectors kept per norm, the memory cap (default: %(default)s)")
     group.add_argument("--plots", metavar="DIR", help="write one fit plot per norm (PNG) into DIR")
@@ -124,7 +127,8 @@ def build_parser() -> argparse.ArgumentParser:
     hub.add_argument("repo", help="Hub repository, NAME or OWNER/NAME (created if missing)")
     hub.add_argument("--private", action="store_true", help="create the repo private")
 
-    ev = commands.add_parser("eval", help="perplexity (token, word, byte) and, with --against, KL / top-1 vs original")
+    ev = commands.add_parser("eval", help="perplexity (token, word, byte) and, with --against, KL / top-1 vs original; "
+                                          "for an encoder (no LM head): embedding agreement with --against")
     ev.add_argument("model", help=model_help + ", or a converted checkpoint")
     ev.add_argument("--against", metavar="ORIGINAL", help="the original model: adds KL, top-1 agreement, ratios")
     ev.add_argument("--data", default="builtin",
@@ -267,6 +271,21 @@ def _evaluate_conversion(args, model, original, tokenizer) -> None:
         model.config.normswap["evaluation"] = evaluation.card("converted")
 
 
+def _embedding_evaluation(args, model, tokenizer, against, texts):
+    """``eval`` of an encoder (no LM head): agreement of its sentence embeddings with the original's."""
+    from .embeddings import evaluate_embeddings
+
+    if against is None:
+        raise EvaluationError(f"{args.model} is an encoder ({type(model).__name__}): its embeddings are compared "
+                              "with the original's; pass --against ORIGINAL")
+    if tokenizer is None:
+        raise EvaluationError(f"{args.model} has no tokenizer: sentence embeddings need one")
+    if args.stride:
+        raise EvaluationError("--stride applies to perplexity windows; an encoder is scored on whole sentences")
+    return evaluate_embeddings(model, against, tokenizer, texts, max_tokens=args.max_tokens,
+                               max_length=args.max_length, data=args.data)
+
+
 def _eval(args) -> None:
     from .data import load_texts
 
@@ -276,7 +295,10 @@ def _eval(args) -> None:
     texts = load_texts(args.data, default_split="evaluation")
     recorded = (getattr(getattr(model, "config", None), "normswap", None) or {}).get("calibration")
     _warn(_calibration_overlap(args.calib, recorded, args.data, texts))
-    evaluation = _run_evaluation(args, "", model, tokenizer, against, args.data, texts)
+    if is_encoder(model):
+        evaluation = _embedding_evaluation(args, model, tokenizer, against, texts)
+    else:
+        evaluation = _run_evaluation(args, "", model, tokenizer, against, args.data, texts)
     if args.json:
         print(json.dumps(evaluation.to_dict(), indent=2))
     else:

@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field
 from torch import nn
 
 from . import __version__
+from .calibrate import as_config, calibrate_and_replace, fit_table
 from .discovery import NormInfo, find_norms, norm_parameters
 from .modules import METHODS, ElementwiseNorm
 from .roles import ROLES, assign_roles
@@ -63,8 +64,6 @@ class ConversionReport:
             (key, value), = c.shape_parameter.items()
             lines.append(f"  {c.name:<55} {c.kind:<9} {c.role:<15} C={c.size:<5} A={c.amplitude:<7.4g} {key}={value:.4g}")
         if self.calibration is not None:
-            from .calibrate import fit_table
-
             lines.append(fit_table(self))
         for s in self.skipped:
             lines.append(f"  skipped {s['name']} ({s['class']}): {s['reason']}")
@@ -168,19 +167,25 @@ def convert(
 
     Without ``calibration`` the shape parameters come from the theory for inputs of scale ``input_scale``. With
     a :class:`~hf_normswap.calibrate.CalibrationConfig` (or token ids, shorthand for one with default options)
-    each module is fitted to captured activations instead; see ``calibrate.py``.
+    each module is per-channel and fitted to captured activations instead; see ``calibrate.py``.
     Returns a :class:`ConversionReport`; the same summary is stored as ``model.config.normswap``.
     """
     method = to.lower()
     if method not in METHODS:
         raise ConversionError(f"unknown method {to!r}: use --to eln or --to dyt")
+    if calibration is not None:
+        try:
+            calibration = as_config(calibration)
+        except ValueError as error:
+            raise ConversionError(str(error)) from None
     norms, selected, skipped = plan(model, roles, include, exclude)
     report = ConversionReport(method=method, skipped=skipped, found=norms)
     fits = {}
     if calibration is not None:
-        from .calibrate import calibrate_selected
+        def build(source, info, *, input_scale, per_channel):
+            return build_replacement(source, info, method, input_scale=input_scale, per_channel=per_channel)
 
-        result = calibrate_selected(model, selected, method, calibration, per_channel=per_channel)
+        result = calibrate_and_replace(model, selected, calibration, build, replace_module)
         fits, report.calibration = result.fits, result.summary
     for info in selected:
         if calibration is not None:

@@ -233,7 +233,20 @@ class NormSwapTrainer(Trainer):
             for key in ("ce_loss", "kd_loss"):
                 logs[key] = round(self._component_sums[key] / count, 6)
             self._component_sums = {"ce_loss": 0.0, "kd_loss": 0.0, "count": 0}
+        if "loss" in logs and self.optimizer is not None:
+            logs.update(group_learning_rates(self.optimizer))
         super().log(logs, start_time)
+
+
+def group_learning_rates(optimizer) -> dict[str, float]:
+    """``{"learning_rate/NAME": rate}`` for each optimizer group: the Trainer's own ``learning_rate`` is the first
+    group's only, which here is the shape parameters' (often 100x the base rate)."""
+    rates, counts = {}, {}
+    for group in optimizer.param_groups:
+        name = group.get("name", "group")
+        counts[name] = counts.get(name, 0) + 1
+        rates[f"learning_rate/{name}" + (f" {counts[name]}" if counts[name] > 1 else "")] = group["lr"]
+    return rates
 
 
 class WallClockStop(TrainerCallback):

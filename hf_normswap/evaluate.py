@@ -145,13 +145,22 @@ def _prefix_token(model: nn.Module, tokenizer) -> int:
     raise EvaluationError("the tokenizer has neither a BOS nor an EOS token to start documents with")
 
 
+def is_causal_lm(model: nn.Module) -> bool:
+    can_generate = getattr(model, "can_generate", None)
+    looks_causal = any(k in type(model).__name__ for k in ("CausalLM", "LMHead"))
+    return looks_causal or (callable(can_generate) and can_generate())
+
+
+def is_encoder(model: nn.Module) -> bool:
+    """A model that encodes text but predicts no next token (BERT, MiniLM): scored by its embeddings instead."""
+    return not getattr(getattr(model, "config", None), "is_encoder_decoder", False) and not is_causal_lm(model)
+
+
 def _check_causal(name: str, model: nn.Module) -> None:
     config = getattr(model, "config", None)
     if getattr(config, "is_encoder_decoder", False):
         raise EvaluationError(f"{name}: perplexity needs a decoder-only causal language model, not encoder-decoder")
-    can_generate = getattr(model, "can_generate", None)
-    looks_causal = any(k in type(model).__name__ for k in ("CausalLM", "LMHead"))
-    if not looks_causal and not (callable(can_generate) and can_generate()):
+    if not is_causal_lm(model):
         raise EvaluationError(f"{name}: {type(model).__name__} is not a causal language model; perplexity needs one")
 
 

@@ -180,12 +180,6 @@ def _stats(module, x, target, fitted, weight, is_first, loss_before, loss, itera
         )
 
 
-def outlier_mask(normalized: torch.Tensor, threshold: float) -> torch.Tensor:
-    """Per-element weight 1 where the source norm's normalized output (before its affine map) exceeds
-    ``threshold`` in magnitude: the paper's outlier-only fit, which fits the curve where it bends."""
-    return (normalized.abs() > threshold).to(torch.float64)
-
-
 def fit_curve(
     kind: str,
     method: str,

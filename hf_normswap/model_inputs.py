@@ -1,4 +1,5 @@
-"""Small random inputs that any supported model accepts, for probing roles and for smoke tests."""
+"""Model inputs and outputs: small random inputs any supported model accepts (for probing roles and smoke tests),
+the main tensor of an output, and a forward pass without a KV cache."""
 
 from __future__ import annotations
 
@@ -57,3 +58,9 @@ def first_tensor(output) -> torch.Tensor:
     if hasattr(output, "to_tuple"):
         return first_tensor(output.to_tuple()[0])
     raise TypeError(f"no tensor in output of type {type(output).__name__}")
+
+
+def forward_without_cache(model: nn.Module, batch: dict):
+    """``model(**batch)`` without a KV cache, which calibration never reuses."""
+    kwargs = {"use_cache": False} if getattr(model.config, "use_cache", None) is not None else {}
+    return model(**batch, **kwargs)

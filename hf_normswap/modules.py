@@ -68,11 +68,11 @@ class ElementwiseNorm(nn.Module):
     def _log_param(self) -> torch.Tensor:
         return getattr(self, f"log_{self.shape_name}")
 
-    def lr_factor(self, param_name: str, shape_scale: float = 1.0) -> float:
-        """Learning-rate multiplier of a parameter: ``|scale_power| * shape_scale`` for the log shape parameter,
-        else 1. Adam moves a log parameter by about the learning rate a step, so with one rate ELN's curve (log beta
-        = 2 log scale) would follow a change of input scale half as fast as DyT's (log alpha = -log scale)."""
-        return abs(self.scale_power) * shape_scale if param_name == f"log_{self.shape_name}" else 1
+    def lr_factor(self, param_name: str) -> float:
+        """Learning-rate multiplier of a parameter: ``|scale_power|`` for the log shape parameter, else 1. Adam moves
+        a log parameter by about the learning rate a step, so with one rate ELN's curve (log beta = 2 log scale)
+        would follow a change of input scale half as fast as DyT's (log alpha = -log scale)."""
+        return abs(self.scale_power) if param_name == f"log_{self.shape_name}" else 1
 
     def shape_parameter(self) -> torch.Tensor:
         """alpha (DyT) or beta (ELN) as used in the forward pass, in at least fp32."""
@@ -199,12 +199,12 @@ class ELN(ElementwiseNorm):
 DyISRU = ELN
 
 
-def adam_groups(modules: list[ElementwiseNorm], lr: float, shape_scale: float = 1.0) -> list[dict]:
+def adam_groups(modules: list[ElementwiseNorm], lr: float) -> list[dict]:
     """Optimizer groups for the modules' parameters, each at ``lr`` times its :meth:`ElementwiseNorm.lr_factor`."""
     groups: dict[float, list[nn.Parameter]] = {}
     for module in modules:
         for name, param in module.named_parameters(recurse=False):
-            groups.setdefault(lr * module.lr_factor(name, shape_scale), []).append(param)
+            groups.setdefault(lr * module.lr_factor(name), []).append(param)
     return [{"params": params, "lr": group_lr} for group_lr, params in groups.items()]
 
 

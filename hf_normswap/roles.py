@@ -1,4 +1,5 @@
-"""Label each norm with its role in the network, from how data flows through one forward pass.
+"""Label each norm with its role in the network, from how data flows through two forward passes (whatever the
+number of norms).
 
 Roles: ``attention_input`` / ``mlp_input`` (pre-norm: the norm's output feeds that sublayer), ``post_norm``
 (the norm's output is the residual stream itself, BERT-style, or is added to it, Gemma2-style sandwich),
@@ -93,34 +94,66 @@ def _trace(model: nn.Module, norms: list[NormInfo], inputs: dict) -> tuple[list[
     return order, consumer
 
 
-def _on_residual_path(model: nn.Module, norm: str, block: str, inputs: dict) -> bool:
-    """True when, with the norm's output zeroed, the block's output no longer depends on the block's input."""
+def _residual_norms(model: nn.Module, norms: list[NormInfo], inputs: dict) -> set[str]:
+    """Names of the norms that sit on the residual path, all tested in one batched forward pass.
+
+    The batch holds two copies of the input per norm; in both, that norm's output is zeroed, and the second copy also
+    gets noise added to the input of the norm's block. A norm is on the residual path when the block's outputs for
+    the two copies still agree: zeroing it cut the block's input off from its output. Batch rows do not interact, so
+    one pass answers for every norm, whatever their number (hidden states are batch-first in every supported model).
+    """
+    rows = 2 * len(norms)
+    pair = {norm.name: slice(2 * i, 2 * i + 2) for i, norm in enumerate(norms)}
+    noisy_rows: dict[str, list[int]] = {}
+    for i, norm in enumerate(norms):
+        noisy_rows.setdefault(block_of(norm.name), []).append(2 * i + 1)
+    batch = {k: v.repeat(rows, *[1] * (v.dim() - 1)) for k, v in inputs.items()}
+    outputs: dict[str, torch.Tensor] = {}
     modules = dict(model.named_modules())
-    captured = []
 
-    def zero(module, args, output):
-        return torch.zeros_like(output)
+    def zero(rows_of_norm):
+        def hook(module, args, output):
+            output = output.clone()
+            output[rows_of_norm] = 0
+            return output
 
-    def capture(module, args, output):
-        captured.append(first_tensor(output).detach().float().clone())
-        raise StopForward  # the rest of the model need not run
+        return hook
 
-    def perturb(module, args, kwargs):
-        if args:
-            return (args[0] + torch.randn_like(args[0]),) + tuple(args[1:]), kwargs
-        kwargs["hidden_states"] = kwargs["hidden_states"] + torch.randn_like(kwargs["hidden_states"])
-        return args, kwargs
+    def perturb(noisy):
+        def hook(module, args, kwargs):
+            x = args[0] if args else kwargs["hidden_states"]
+            noise = torch.zeros_like(x)
+            noise[noisy] = torch.randn_like(x[noisy])
+            if args:
+                return (x + noise,) + tuple(args[1:]), kwargs
+            kwargs["hidden_states"] = x + noise
+            return args, kwargs
 
-    for noisy in (False, True):
-        handles = [modules[norm].register_forward_hook(zero), modules[block].register_forward_hook(capture)]
-        if noisy:
-            handles.append(modules[block].register_forward_pre_hook(perturb, with_kwargs=True))
-        with _hooks(handles), torch.no_grad():
-            try:
-                model(**inputs)
-            except StopForward:
-                pass
-    return torch.allclose(captured[0], captured[1], atol=1e-5, rtol=1e-4)
+        return hook
+
+    def capture(block):
+        def hook(module, args, output):
+            outputs.setdefault(block, first_tensor(output).detach().float())
+            if len(outputs) == len(noisy_rows):
+                raise StopForward  # every tested block has run: the rest of the model need not
+
+        return hook
+
+    handles = [modules[norm.name].register_forward_hook(zero(pair[norm.name])) for norm in norms]
+    for block, noisy in noisy_rows.items():
+        handles.append(modules[block].register_forward_pre_hook(perturb(noisy), with_kwargs=True))
+        handles.append(modules[block].register_forward_hook(capture(block)))
+    with _hooks(handles), torch.no_grad():
+        try:
+            model(**batch)
+        except StopForward:
+            pass
+    residual = set()
+    for norm in norms:
+        clean, noisy = outputs[block_of(norm.name)][pair[norm.name]]
+        if torch.allclose(clean, noisy, atol=1e-5, rtol=1e-4):
+            residual.add(norm.name)
+    return residual
 
 
 def _consumer_role(name: str, module: nn.Module) -> str | None:
@@ -155,13 +188,15 @@ def assign_roles(model: nn.Module, norms: list[NormInfo]) -> None:
     first_call = {}
     for i, name in enumerate(order):
         first_call.setdefault(name, i)
+    in_blocks = [n for n in token_norms if n.name in first_call and block_of(n.name) is not None]
+    residual = _residual_norms(model, in_blocks, inputs) if in_blocks else set()
     for norm in token_norms:
         block = block_of(norm.name)
         if norm.name not in first_call:
             norm.role = "other"  # never ran on this input
         elif block is None:
             norm.role = _outside_role(norm.name, order, first_call)
-        elif _on_residual_path(model, norm.name, block, inputs):
+        elif norm.name in residual:
             norm.role = "post_norm"
         elif consumer[norm.name] is None:
             norm.role = "post_norm"  # output only added to the residual stream (sandwich norm)

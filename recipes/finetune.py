@@ -227,33 +227,39 @@ def training_precision(config: dict, student, original, train_set, state):
 
 
 def plot_history(history: list[dict], path: Path, original_ppl: float | None, title: str) -> Path:
-    """Training loss and learning rate, and eval perplexity, over steps (PNG)."""
+    """Training loss, each parameter group's learning rate, and eval perplexity, over training tokens (PNG)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    def tokens(rows):
+        return [h.get("num_input_tokens_seen", 0) for h in rows]
+
     train = [h for h in history if "loss" in h]
     evals = [h for h in history if "eval_perplexity" in h]
-    fig, (ax_loss, ax_ppl) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (ax_loss, ax_lr, ax_ppl) = plt.subplots(1, 3, figsize=(15, 4))
     if train:
-        ax_loss.plot([h["step"] for h in train], [h["loss"] for h in train], label="training loss")
+        ax_loss.plot(tokens(train), [h["loss"] for h in train], label="training loss")
         for key, label in (("ce_loss", "cross-entropy"), ("kd_loss", "distillation KL")):
-            if any(key in h for h in train):
-                ax_loss.plot([h["step"] for h in train if key in h], [h[key] for h in train if key in h],
-                             lw=0.8, label=label)
-        ax_lr = ax_loss.twinx()
-        ax_lr.plot([h["step"] for h in train], [h.get("learning_rate", float("nan")) for h in train],
-                   c="grey", ls=":", label="learning rate")
-        ax_lr.set_ylabel("learning rate")
-    ax_loss.set(xlabel="step", ylabel="loss", title="training")
-    ax_loss.legend(fontsize=8)
+            rows = [h for h in train if key in h]
+            if rows:
+                ax_loss.plot(tokens(rows), [h[key] for h in rows], lw=0.8, label=label)
+        ax_loss.legend(fontsize=8)
+    for key in sorted({k for h in train for k in h if k.startswith("learning_rate/")}):
+        rows = [h for h in train if key in h]
+        ax_lr.plot(tokens(rows), [h[key] for h in rows], label=key.split("/", 1)[1])
+    if ax_lr.lines:
+        ax_lr.legend(fontsize=8, title="parameter group", title_fontsize=8)
+    ax_loss.set(xlabel="training tokens", ylabel="loss", title="training")
+    ax_lr.set(xlabel="training tokens", ylabel="learning rate", title="learning rate per parameter group",
+              yscale="log")
     if evals:
-        ax_ppl.plot([h["step"] for h in evals], [h["eval_perplexity"] for h in evals], "o-", label="converted")
+        ax_ppl.plot(tokens(evals), [h["eval_perplexity"] for h in evals], "o-", label="converted")
     if original_ppl is not None:
         ax_ppl.axhline(original_ppl, c="k", ls="--", label=f"original ({original_ppl:.4g})")
         ax_ppl.axhline(1.3 * original_ppl, c="grey", ls=":", label="1.3 x original")
-    ax_ppl.set(xlabel="step", ylabel="perplexity", title="eval perplexity", yscale="log")
+    ax_ppl.set(xlabel="training tokens", ylabel="perplexity", title="eval perplexity", yscale="log")
     ax_ppl.legend(fontsize=8)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()

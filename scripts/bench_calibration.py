@@ -11,8 +11,8 @@ model is scored beside it (same windows, one pass of the original) with every co
 the original norm's output on the same input at the first position of each sequence (``first``: the attention sink,
 BERT's [CLS]) or at every other position (``rest``).
 
-    python scripts/bench_calibration.py --model offline:smollm2 --to eln --strategy kl --out /tmp/calib.jsonl
-    python scripts/bench_calibration.py --model offline:minilm --to eln --strategy channel --out /tmp/calib.jsonl
+    python scripts/bench_calibration.py --model offline:smollm2 --to eln --out /tmp/calib.jsonl   # auto: block
+    python scripts/bench_calibration.py --model offline:minilm --to eln --strategy kl --out /tmp/calib.jsonl
 """
 
 from __future__ import annotations
@@ -103,13 +103,10 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="offline:smollm2")
     parser.add_argument("--to", default="eln", choices=("eln", "dyt", "none"))
-    parser.add_argument("--strategy", default=DEFAULT_STRATEGY, choices=sorted(STRATEGIES))
-    parser.add_argument("--no-sequential", action="store_true", help="fit all norms on the original's activations")
-    parser.add_argument("--first-token-share", type=float, default=None, help="override the strategy's value")
+    parser.add_argument("--strategy", default=DEFAULT_STRATEGY, choices=[DEFAULT_STRATEGY, *STRATEGIES])
     parser.add_argument("--tune-steps", type=int, default=None, help="override the strategy's end-to-end steps")
     parser.add_argument("--block-steps", type=int, default=None, help="override the strategy's per-block steps")
     parser.add_argument("--tune-blocks", type=int, default=None, help="override the strategy's tuning sequences")
-    parser.add_argument("--shape-lr-scale", type=float, default=None, help="override the shape parameter's rate scale")
     parser.add_argument("--exact-at", choices=sorted(POSITIONS), action="append", default=[],
                         help="also score with the original norms' outputs at these positions (repeatable)")
     parser.add_argument("--calib", default=str(DATA / "wiki.valid.tokens"))
@@ -133,16 +130,9 @@ def main(argv=None) -> int:
               "calib": args.calib, "calib_blocks": args.calib_blocks, "calib_len": args.calib_len}
     rss_before = rss_mb()
     if args.to != "none":
-        options = {}
-        if args.first_token_share is not None:
-            options["first_token_share"] = args.first_token_share
-        if args.shape_lr_scale is not None:
-            options["shape_lr_scale"] = args.shape_lr_scale
         config = CalibrationConfig(data=args.calib, num_blocks=args.calib_blocks, block_len=args.calib_len,
-                                   strategy=args.strategy, sequential=False if args.no_sequential else None,
-                                   tune_steps=args.tune_steps, tune_blocks=args.tune_blocks,
-                                   block_steps=args.block_steps, tokenizer=tokenizer,
-                                   **options)
+                                   strategy=args.strategy, tune_steps=args.tune_steps, tune_blocks=args.tune_blocks,
+                                   block_steps=args.block_steps, tokenizer=tokenizer)
         start, cpu_start = time.perf_counter(), time.process_time()
         report = convert(model, args.to, calibration=config)
         record["calibration_seconds"] = round(time.perf_counter() - start, 1)

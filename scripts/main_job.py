@@ -103,13 +103,17 @@ def main(argv=None) -> int:
                                       f"--calib-len {args.calib_len}")
     window = f"max-length {args.eval_len} --{{}}max-tokens {args.eval_tokens}"
     print(f"""
+How to read the table: each ratio is the converted model's perplexity over the original's on this text (1 = no
+loss). The README's status numbers are on WikiText-2 with a larger calibration (BENCHMARKS.md, "Calibration").
+
+The commands below assume the virtualenv is active: . .venv/bin/activate
 Much the same with the command line, one model per command (the CLI's calibration tunes on its default number of
 blocks, where this job uses {args.tune_blocks}):
   normswap convert {MODEL} --to eln{calib} --eval {args.data} --eval-{window.format("eval-")} --output {out}/smollm2-eln
   normswap eval {out}/smollm2-eln --against {MODEL} --data {args.data} --{window.format("")}
 
 Next:
-  fine-tune against the original (distillation):  .venv/bin/python recipes/finetune.py --config recipes/configs/smollm2-eln.yaml
+  fine-tune against the original (distillation):  python recipes/finetune.py --config recipes/configs/smollm2-eln.yaml
   load without hf_normswap:  AutoModelForCausalLM.from_pretrained("{out}/smollm2-eln", trust_remote_code=True)
   push to the Hub (needs `hf auth login` or HF_TOKEN):  normswap push {out}/smollm2-eln YOUR_NAME/smollm2-eln""")
     return 0

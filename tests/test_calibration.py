@@ -1,4 +1,5 @@
-"""Calibration: bounded capture, least-squares fit, sequential driver, report, CLI flags. Tiny models only."""
+"""Calibration: bounded capture, least-squares fit, block pass, end-to-end tuning, strategy table, report, CLI flags.
+Tiny models only."""
 
 from __future__ import annotations
 
@@ -70,7 +71,7 @@ def test_memory_stays_under_cap_with_large_calibration_set():
     ids = _ids(256, 64)  # 16384 tokens through every norm, 256 first positions
     report = convert(model, "eln", calibration=_cfg(
         data=ids, num_blocks=256, batch_size=32, max_tokens_per_norm=cap, max_first_per_norm=first_cap,
-        strategy="lsq"))
+        strategy="fast"))
     summary = report.calibration
     assert summary["tokens"] == 256 * 64
     assert summary["capture_bytes_per_norm"] <= (cap + first_cap) * 32 * 4
@@ -106,7 +107,7 @@ def test_calibrated_model_is_closer_than_analytic_init(arch, method):
     analytic = tiny_model(arch)
     convert(analytic, method)
     calibrated = tiny_model(arch)
-    report = convert(calibrated, method, calibration=_cfg(data=ids, batch_size=4, strategy="channel"))
+    report = convert(calibrated, method, calibration=_cfg(data=ids, batch_size=4, strategy="kl", tune_steps=0))
     assert report.calibration["mode"] == "sequential"
     kl_analytic, kl_calibrated = _kl(reference, analytic, ids[:4]), _kl(reference, calibrated, ids[:4])
     assert kl_calibrated < 0.5 * kl_analytic, (kl_calibrated, kl_analytic)
@@ -114,21 +115,18 @@ def test_calibrated_model_is_closer_than_analytic_init(arch, method):
         assert c.fit["stats"]["loss"] < 0.98 * c.fit["stats"]["loss_before"], c.fit["stats"]
 
 
-def test_sequential_beats_or_matches_one_shot_and_tuning_lowers_kl():
+def test_end_to_end_tuning_lowers_kl():
     ids = _ids()
     reference = tiny_model("llama")
     results = {}
-    for label, options in (("one-shot", dict(strategy="lsq", sequential=False)),
-                           ("sequential", dict(strategy="lsq")),
-                           ("kl", dict(strategy="kl", tune_steps=12))):
+    for steps in (0, 12):
         model = tiny_model("llama")
-        report = convert(model, "eln", calibration=_cfg(data=ids, batch_size=4, **options))
-        results[label] = (_kl(reference, model, ids[:4]), report)
-    assert results["one-shot"][1].calibration["mode"] == "one-shot"
-    assert results["sequential"][0] <= results["one-shot"][0] * 1.01, (results["sequential"][0], results["one-shot"][0])
-    tuning = results["kl"][1].calibration["tuning"]
-    assert tuning["objective"] == "kl" and tuning["loss_after"] <= tuning["loss_before"]
-    assert results["kl"][0] < results["sequential"][0] * 1.01
+        report = convert(model, "eln", calibration=_cfg(data=ids, batch_size=4, strategy="kl", tune_steps=steps))
+        results[steps] = (_kl(reference, model, ids[:4]), report)
+    assert "tuning" not in results[0][1].calibration
+    tuning = results[12][1].calibration["tuning"]
+    assert tuning["objective"] == "kl" and tuning["steps"] == 12 and tuning["loss_after"] < tuning["loss_before"]
+    assert results[12][0] < results[0][0], (results[12][0], results[0][0])
 
 
 @pytest.mark.parametrize("cls", [ELN, DyT])
@@ -206,28 +204,29 @@ def test_fast_strategy_is_the_saturating_start_alone_and_beats_the_analytic_one(
 
 def test_report_config_and_plots(tmp_path):
     model = tiny_model("llama")
-    report = convert(model, "eln", calibration=_cfg(data=_ids(), batch_size=4, strategy="channel",
-                                                                 plots=str(tmp_path)))
+    report = convert(model, "eln", calibration=_cfg(data=_ids(), batch_size=4, strategy="kl", tune_steps=2,
+                                                    plots=str(tmp_path)))
     data = json.loads(report.to_json())
     row = data["converted"][0]["fit"]
     assert {"shape_mean", "gamma_mean", "stats"} <= set(row)
     assert {"loss", "rel_error", "rel_error_first", "saturation"} <= set(row["stats"])
-    assert data["calibration"]["strategy"] == "channel"
+    assert data["calibration"]["strategy"] == "kl" and data["calibration"]["fit"] == ["shape", "weight", "bias"]
     block = model.config.normswap
-    assert block["calibration"]["strategy"] == "channel" and block["per_channel"] is True
-    assert "rel.err" in str(report)
+    assert block["calibration"]["strategy"] == "kl" and block["per_channel"] is True
+    assert "rel.err" in str(report) and "rel.err@0: the same on first-position tokens" in str(report)
+    assert "256 tokens in 8 sequences\n" in str(report)  # token ids given: all used
     pngs = sorted(p.name for p in tmp_path.glob("*.png"))
     assert len(pngs) == len(report.converted) and pngs[0].endswith(".png")
 
 
 def test_bf16_model_calibrates_sequentially_and_encoder_decoder_falls_back_to_one_shot():
     model = tiny_model("llama").to(torch.bfloat16)
-    report = convert(model, "eln", calibration=_cfg(data=_ids(), batch_size=4, strategy="lsq"))
+    report = convert(model, "eln", calibration=_cfg(data=_ids(), batch_size=4, strategy="kl", tune_steps=0))
     assert report.calibration["mode"] == "sequential"
     assert all(p.dtype == torch.bfloat16 for n, p in model.named_parameters() if n.endswith("weight"))
     assert torch.isfinite(first_tensor(model(_ids()[:2])).float()).all()
     t5 = tiny_model("t5")
-    report = convert(t5, "eln", calibration=_cfg(data=_ids(), batch_size=4, strategy="lsq"))
+    report = convert(t5, "eln", calibration=_cfg(data=_ids(), batch_size=4, strategy="kl", tune_steps=0))
     assert report.calibration["mode"] == "one-shot"
 
 
@@ -243,9 +242,12 @@ def test_padded_text_calibration_for_encoder():
 
     model = tiny_model("bert")
     report = convert(model, "eln", calibration=_cfg(data="builtin", tokenizer=Tok(), num_blocks=6,
-                                                                 block_len=16, strategy="lsq"))
+                                                                 block_len=16, strategy="kl", tune_steps=0))
     assert 0 < report.calibration["tokens"] <= 6 * 16  # padding excluded: at most the unpadded block budget
     assert report.converted[0].fit["tokens_seen"] == report.calibration["tokens"]
+    tokens, sequences = report.calibration["tokens"], report.calibration["sequences"]
+    assert sequences == 6
+    assert f"{tokens} tokens in 6 sequences (asked: 6 sequences of up to 16 tokens)" in str(report)
 
 
 def test_cli_calibration_flags_without_calib_and_bad_calib_data_are_one_line_errors(tmp_path, capsys):
@@ -253,7 +255,7 @@ def test_cli_calibration_flags_without_calib_and_bad_calib_data_are_one_line_err
 
     directory = tmp_path / "tiny"
     tiny_model("llama").save_pretrained(directory)
-    assert main(["convert", str(directory), "--to", "eln", "--strategy", "lsq"]) == 2
+    assert main(["convert", str(directory), "--to", "eln", "--strategy", "kl"]) == 2
     assert "--calib" in capsys.readouterr().err.strip().splitlines()[-1]
     assert main(["convert", str(directory), "--to", "eln", "--calib", str(tmp_path / "missing.txt")]) == 2
     last = capsys.readouterr().err.strip().splitlines()[-1]
@@ -270,9 +272,25 @@ def test_unknown_strategy_is_a_conversion_error():
         convert(tiny_model("llama"), "eln", calibration=_cfg(data=_ids(), strategy="magic"))
 
 
+def test_every_strategy_has_its_line_in_convert_help_and_the_readme(capsys):
+    from pathlib import Path
+
+    from hf_normswap.calibrate import STRATEGIES
+    from hf_normswap.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["convert", "--help"])
+    help_text = capsys.readouterr().out
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    for strategy in STRATEGIES.values():
+        assert strategy.help_line() in help_text
+        row = next(line for line in readme.splitlines() if line.startswith(f"| `{strategy.name}` |"))
+        assert strategy.measured in row and strategy.cost in row and strategy.auto in row
+
+
 @pytest.mark.parametrize("lr", [1e-2, 1e3])  # a tuned block, and one reset to its start (the steps made it worse)
 def test_block_tuning_hands_on_the_outputs_of_the_parameters_it_keeps(lr):
-    from hf_normswap.calibrate import _tune_block
+    from hf_normswap.block_pass import tune_block
 
     torch.manual_seed(0)
     norm, linear = ELN(8, 8.0, amplitude=8 ** 0.5), torch.nn.Linear(8, 8)
@@ -282,8 +300,8 @@ def test_block_tuning_hands_on_the_outputs_of_the_parameters_it_keeps(lr):
     with torch.no_grad():
         reference = [linear(target_norm(h)) for h in hidden]
     batches = [{"attention_mask": torch.ones(4, 5)}] * 2
-    record, outputs = _tune_block(block, [norm], lambda x, k, rows: linear(norm(x)), hidden, reference, batches,
-                                  _cfg(block_steps=6, block_rows=3, block_lr=lr))
+    record, outputs = tune_block(block, [norm], lambda x, k, rows: linear(norm(x)), hidden, reference, batches,
+                                 _cfg(block_steps=6, block_rows=3, block_lr=lr))
     assert record["error_after"] <= record["error_before"]
     with torch.no_grad():
         for out, h in zip(outputs, hidden):

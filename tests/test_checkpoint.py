@@ -125,6 +125,9 @@ def test_saved_files_and_config(saved):
     names = {p.name for p in directory.iterdir()}
     assert {"config.json", "model.safetensors", "generation_config.json", "modeling_normswap.py", "README.md"} <= names
     assert not [n for n in os.listdir(directory.parent) if n.startswith(".")]  # no staging leftovers
+    umask = os.umask(0)
+    os.umask(umask)
+    assert {oct((directory / n).stat().st_mode & 0o777) for n in names} == {oct(0o666 & ~umask)}  # none private
     config = json.loads((directory / "config.json").read_text())
     assert config["model_type"] == "normswap_llama"
     assert config["architectures"] == ["NormSwapLlamaForCausalLM"]

@@ -53,6 +53,8 @@ def test_convert_writes_report(llama_dir, tmp_path, capsys):
     [
         (["inspect", "/nonexistent/model/dir"], "model not found"),
         (["inspect", "missing.gguf"], "model not found"),
+        (["inspect", "nonexistent_dir/"], "no directory or file at nonexistent_dir/"),
+        (["inspect", "./also/missing"], "no directory or file at ./also/missing"),
         (["inspect", "offline:nothing"], "unknown packaged model"),
         (["convert", "LLAMA", "--to", "batchnorm"], "invalid choice"),
         (["inspect", "LLAMA", "--include", "no_such_layer"], "matches no norm"),
@@ -101,3 +103,22 @@ def test_inspect_packaged_smollm2_lists_61_rmsnorms_with_roles(capsys):
     roles = [r["role"] for r in rows]
     assert roles.count("attention_input") == 30 and roles.count("mlp_input") == 30 and roles.count("final") == 1
     assert all(r["action"] == "convert" for r in rows)
+
+
+def test_unreachable_hub_fails_at_once_with_the_offline_hint(monkeypatch, capsys):
+    import huggingface_hub
+
+    import hf_normswap.loading
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(hf_normswap.loading, "hub_reachable", lambda: False)
+    assert main(["inspect", "no-such-owner/no-such-model"]) == 2
+    line = _error_line(capsys)
+    assert "cannot be reached" in line and "HF_HUB_OFFLINE=1" in line
+
+
+def test_help_is_plain_text(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    assert "normswap command line" in out and "``" not in out

@@ -3,13 +3,14 @@
 import pytest
 import torch
 import torch.nn.functional as F
+import transformers
 
 import hf_normswap
 from hf_normswap.discovery import norm_parameters
 from hf_normswap.model_inputs import dummy_inputs, first_tensor
 from hf_normswap.modules import ElementwiseNorm
 from hf_normswap.roles import ROLES
-from tiny_models import ARCHITECTURES, tiny_model
+from tiny_models import ARCHITECTURES, TINY, tiny_config, tiny_model
 
 # model_type -> (number of norms in the 2-layer tiny model, kind, Gemma-style 1+w weight)
 EXPECTED = {
@@ -68,6 +69,22 @@ def test_every_norm_found_and_classified_by_its_numerics(arch):
             torch.testing.assert_close(module(x), _reference_output(module, info, x), rtol=1e-4, atol=1e-4)
     for name, role in ROLE_CHECKS.get(arch, {}).items():
         assert next(n.role for n in norms if n.name == name) == role, name
+
+
+@pytest.mark.parametrize("arch", ["llama", "bert"])
+def test_role_labelling_costs_the_same_forward_passes_whatever_the_depth(arch):
+    passes, roles = [], []
+    for layers in (2, 8):
+        torch.manual_seed(0)
+        config = tiny_config(arch)
+        config.num_hidden_layers = layers
+        model = getattr(transformers, TINY[arch][1])(config).eval()
+        calls = []
+        model.register_forward_pre_hook(lambda module, args: calls.append(1))
+        roles.append([n.role for n in hf_normswap.inspect(model)])
+        passes.append(len(calls))
+    assert passes[0] == passes[1] <= 2
+    assert len(roles[1]) > len(roles[0]) and set(roles[1]) == set(roles[0])
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)

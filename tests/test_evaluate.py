@@ -12,6 +12,7 @@ import torch
 from hf_normswap import convert
 from hf_normswap.cli import main
 from hf_normswap.data import fingerprint, load_texts
+from hf_normswap.embeddings import _spearman, evaluate_embeddings
 from hf_normswap.evaluate import (Document, EvaluationError, count_bytes, count_words, documents, evaluate,
                                   overlap_warning, rolling_windows)
 from tiny_models import tiny_model
@@ -151,7 +152,7 @@ def test_kl_is_zero_against_itself_and_positive_after_conversion():
 
 def test_not_a_causal_lm_is_a_user_error():
     with pytest.raises(EvaluationError, match="causal"):
-        evaluate(tiny_model("bert"), docs=random_docs([4]), prefix_token=1, progress=False)
+        evaluate(tiny_model("t5"), docs=random_docs([4]), prefix_token=1, progress=False)
 
 
 def test_overlap_warning(tmp_path):
@@ -272,3 +273,58 @@ def test_recorded_calibration_of_a_checkpoint_is_checked(tmp_path):
     builtin = {"data": "builtin", "fingerprint": fingerprint(load_texts("builtin", "calibration"))}
     assert _calibration_overlap(None, builtin, "builtin", load_texts("builtin", "evaluation")) is None
     assert _calibration_overlap(None, None, str(data), texts) is None  # analytic conversion: nothing to compare
+
+
+SENTENCES = ("the cat sat on the mat . the dog sat on the log .\n\na small café where people drink coffee .\n"
+             "the cat sleeps on the log . the dog sat on the mat and the cat sat on the log .")
+
+
+def test_encoder_embeddings_agree_with_themselves_and_drift_after_conversion():
+    original, tokenizer = tiny_model("bert"), word_tokenizer()
+    same = evaluate_embeddings(copy.deepcopy(original), original, tokenizer, [SENTENCES])
+    assert same.sentences == 5 and same.tokens == len(SENTENCES.split())  # this tokenizer adds no special tokens
+    assert same.results["converted"].cosine == pytest.approx(1.0, abs=1e-6)
+    assert same.results["converted"].neighbours == 1.0
+    assert same.results["converted"].spearman == pytest.approx(1.0)
+    converted = copy.deepcopy(original)
+    convert(converted, to="dyt", input_scale=30.0)
+    drift = evaluate_embeddings(converted, original, tokenizer, [SENTENCES]).results["converted"]
+    assert -1 <= drift.cosine < 0.999 and 0 <= drift.neighbours <= 1 and -1 <= drift.spearman < 1
+
+
+def test_spearman_matches_scipy():
+    from scipy.stats import spearmanr
+
+    a, b = torch.randn(200, generator=torch.Generator().manual_seed(0)), torch.randn(200)
+    b = a + b
+    assert _spearman(a, b) == pytest.approx(spearmanr(a.numpy(), b.numpy()).statistic, abs=1e-12)
+
+
+def test_cli_eval_of_an_encoder_prints_embedding_agreement(tmp_path, capsys):
+    model, tokenizer = tiny_model("bert"), word_tokenizer()
+    model.save_pretrained(tmp_path / "encoder")
+    tokenizer.save_pretrained(tmp_path / "encoder")
+    data = tmp_path / "sentences.txt"
+    data.write_text(SENTENCES)
+    assert main(["eval", str(tmp_path / "encoder"), "--against", str(tmp_path / "encoder"), "--data", str(data)]) == 0
+    out = capsys.readouterr().out
+    assert "5 sentences" in out and "| embedding cosine to original (mean) | 1 | 1 |" in out
+    assert main(["eval", str(tmp_path / "encoder"), "--data", str(data)]) == 2
+    assert "pass --against ORIGINAL" in capsys.readouterr().err
+
+
+def test_cli_eval_of_a_converted_checkpoint_asks_nothing_and_warns_of_nothing(tmp_path, capsys, monkeypatch):
+    import hf_normswap
+
+    model = tiny_model("llama")
+    convert(model, to="eln")
+    hf_normswap.save_pretrained(model, tmp_path / "converted", tokenizer=word_tokenizer())
+    data = tmp_path / "text.txt"
+    data.write_text(TEXTS[1])
+
+    prompts = []
+    monkeypatch.setattr("builtins.input", lambda *args: prompts.append(args) or "")  # transformers' y/N question
+    assert main(["eval", str(tmp_path / "converted"), "--data", str(data)]) == 0
+    out, err = capsys.readouterr()
+    assert "| token perplexity |" in out and not prompts
+    assert "custom code" not in out + err and "model of type" not in out + err

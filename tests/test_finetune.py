@@ -20,7 +20,8 @@ import torch
 import yaml
 
 import hf_normswap
-from hf_normswap.distill import distillation_loss, norm_parameter_names, parameter_groups, set_trainable
+from hf_normswap.distill import (distillation_loss, group_learning_rates, norm_parameter_names, parameter_groups,
+                                 set_trainable)
 from hf_normswap.progressive import ProgressiveSwap, schedule, schedule_length
 from file_modules import import_file
 from tiny_models import tiny_model
@@ -203,6 +204,25 @@ def test_parameter_groups_separate_shape_and_gamma_without_decay():
     assert {g["name"] for g in parameter_groups(model, lr=1e-4, weight_decay=0.1)} == {"shape", "gamma"}
     dyt = parameter_groups(converted_tiny("dyt")[0], lr=1e-4, weight_decay=0.1, shape_lr=1e-2)
     assert [g["lr"] for g in dyt if g["name"] == "shape"] == [1e-2]
+
+
+def test_each_group_learning_rate_is_logged_and_plotted_under_its_name_over_tokens(tmp_path, monkeypatch):
+    model, _, _ = converted_tiny()
+    set_trainable(model, "all")
+    optimizer = torch.optim.AdamW(parameter_groups(model, lr=3e-4, weight_decay=0.1, shape_lr=5e-2, gamma_lr=1e-3))
+    rates = group_learning_rates(optimizer)
+    assert rates == {"learning_rate/shape": 0.1, "learning_rate/gamma": 1e-3, "learning_rate/no_decay": 3e-4}
+    history = [{"loss": 2.0 - i / 10, "num_input_tokens_seen": 512 * i, **rates} for i in range(1, 5)]
+    history.append({"eval_perplexity": 30.0, "num_input_tokens_seen": 2048})
+    import matplotlib.pyplot as plt
+
+    figures = []
+    monkeypatch.setattr(plt, "close", figures.append)  # keep the figure to look at it
+    import_file(RECIPE).plot_history(history, tmp_path / "curve.png", 20.0, "test")
+    loss, lr, ppl = figures[0].axes
+    assert sorted(line.get_label() for line in lr.lines) == ["gamma", "no_decay", "shape"]
+    assert list(lr.lines[0].get_xdata()) == [512, 1024, 1536, 2048] and lr.get_xlabel() == "training tokens"
+    assert list(ppl.lines[0].get_xdata()) == [2048]
 
 
 def test_distillation_loss_is_zero_for_equal_logits_and_scales_with_temperature():

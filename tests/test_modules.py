@@ -127,10 +127,3 @@ def test_adam_groups_move_dyt_and_eln_input_scale_equally_fast():
         changes[cls] = math.log(scale().item() / before)
         assert torch.allclose(weight - module.weight.detach(), torch.full((8,), 0.1), atol=1e-5)
     assert changes[DyT] == pytest.approx(-0.1, abs=1e-4) and changes[ELN] == pytest.approx(-0.1, abs=1e-4)
-
-
-def test_adam_groups_shape_scale_slows_only_the_shape_parameter():
-    module = ELN(8, 4.0)
-    rates = {id(p): g["lr"] for g in adam_groups([module], lr=0.1, shape_scale=0.5) for p in g["params"]}
-    assert rates[id(module.log_beta)] == pytest.approx(0.1 * 2 * 0.5)  # lr_factor 2, then the scale
-    assert rates[id(module.weight)] == rates[id(module.bias)] == pytest.approx(0.1)

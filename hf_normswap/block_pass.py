@@ -1,0 +1,271 @@
+"""The sequential block pass: convert norm by norm in forward order, block by block, GPTQ-style.
+
+The inputs of the first repeated block are cached once; then, for each block, each target norm's input is captured
+(``capture.py``) on the model whose earlier norms are already converted, ``fit(info, source, sample)`` builds and
+fits its replacement, which is swapped in, and the block is re-run to give the next block its input. Norms outside
+the blocks (an embedding LayerNorm before, the final norm after) are handled before / after them. With
+``block_steps`` each block's new modules are then tuned so that the block reproduces the original block's output
+(:func:`tune_block`), and a final norm fed straight by the last block is tuned the same way toward the original
+final norm's output on the original trajectory.
+
+Models whose norms do not sit in one stack of blocks (encoder-decoder: two stacks) fall back to :func:`one_shot`:
+every norm fitted on activations of the original model, captured in one pass.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from .capture import StopForward, capturing, first_call_inputs
+from .discovery import NormInfo
+from .model_inputs import first_tensor, forward_without_cache
+from .end_to_end import training_only
+from .modules import adam_groups
+from .roles import block_of
+
+
+@dataclass
+class BlockPlan:
+    stack: nn.ModuleList
+    pre: list[NormInfo]
+    blocks: list[list[NormInfo]]  # per block, in forward order
+    post: list[NormInfo]
+
+
+def _capture_kwargs(config) -> dict:
+    return dict(max_tokens=config.max_tokens_per_norm, max_first=config.max_first_per_norm, seed=config.seed)
+
+
+def one_shot(model, selected, batches, fit, replace, config) -> None:
+    """All norms fitted on activations of the original model, captured in one pass over the data."""
+    modules = {info.name: model.get_submodule(info.name) for info in selected}
+    with capturing(modules, **_capture_kwargs(config)) as capture:
+        for batch in tqdm(batches, desc="calibration: capture", disable=not config.progress, leave=False):
+            capture.mask = batch["attention_mask"]
+            forward_without_cache(model, batch)
+    for info in tqdm(selected, desc="calibration: fit", disable=not config.progress, leave=False):
+        replace(model, info.name, fit(info, modules[info.name], capture.samples[info.name]))
+
+
+def block_plan(model: nn.Module, selected: list[NormInfo], batch: dict) -> BlockPlan | None:
+    """Group norms by repeated block, in forward order, or None when they do not sit in one stack of blocks."""
+    by_stack: dict[str, list[NormInfo]] = {}
+    outside = []
+    for info in selected:
+        block = block_of(info.name)
+        if block is None:
+            outside.append(info)
+        else:
+            by_stack.setdefault(block.rpartition(".")[0], []).append(info)
+    if len(by_stack) != 1:
+        return None
+    (stack_name, inside), = by_stack.items()
+    stack = model.get_submodule(stack_name)
+    if not isinstance(stack, nn.ModuleList) or len(stack) == 0:
+        return None
+    order: list[str] = []
+    handles = []
+
+    def mark(name):
+        def hook(*_):
+            order.append(name)
+        return hook
+
+    for info in selected:
+        handles.append(model.get_submodule(info.name).register_forward_pre_hook(mark(info.name)))
+    handles.append(stack[0].register_forward_pre_hook(mark("<stack start>")))
+    handles.append(stack[-1].register_forward_hook(mark("<stack end>")))
+    small = {k: v[:1, :16] if v.dim() == 2 else v for k, v in batch.items()}
+    try:
+        with torch.no_grad():
+            forward_without_cache(model, small)
+    finally:
+        for h in handles:
+            h.remove()
+    if "<stack start>" not in order or "<stack end>" not in order:
+        return None
+    first_seen = {}
+    for i, name in enumerate(order):
+        first_seen.setdefault(name, i)
+    begin, end = first_seen["<stack start>"], first_seen["<stack end>"]
+    pre = [i for i in outside if first_seen.get(i.name, -1) < begin]
+    post = [i for i in outside if first_seen.get(i.name, -1) > end]
+    if len(pre) + len(post) != len(outside) or any(i.name not in first_seen for i in selected):
+        return None
+    index_of = {id(block): k for k, block in enumerate(stack)}
+    blocks: list[list[NormInfo]] = [[] for _ in stack]
+    for info in sorted(inside, key=lambda i: first_seen[i.name]):
+        block = model.get_submodule(block_of(info.name))
+        if id(block) not in index_of:
+            return None
+        blocks[index_of[id(block)]].append(info)
+    key = lambda i: first_seen[i.name]  # noqa: E731
+    return BlockPlan(stack=stack, pre=sorted(pre, key=key), blocks=blocks, post=sorted(post, key=key))
+
+
+def _block_inputs(model, stack, batches) -> list[tuple]:
+    """(hidden, other args, kwargs) of the first block for each batch; each forward stops at that block."""
+    cached = []
+    for batch in batches:
+        args, kwargs = first_call_inputs(stack[0], lambda: forward_without_cache(model, batch))
+        cached.append((args[0], args[1:], kwargs) if args else (kwargs.pop("hidden_states"), (), kwargs))
+    return cached
+
+
+def _call_block(block, hidden, args, kwargs):
+    if args or not _takes_hidden_states_keyword(type(block)):
+        return first_tensor(block(hidden, *args, **kwargs))
+    return first_tensor(block(hidden_states=hidden, **kwargs))
+
+
+@functools.cache
+def _takes_hidden_states_keyword(block_class: type) -> bool:
+    """Whether the block's forward names ``hidden_states`` (looked up once per class: block tuning calls blocks
+    thousands of times)."""
+    return "hidden_states" in inspect.signature(block_class.forward).parameters
+
+
+def _capture_pass(modules, stop_after, batches, run, config):
+    """Capture inputs of ``modules`` while ``run(batch_index)`` executes for every batch; returns the samples."""
+    with capturing(modules, stop_after=stop_after, **_capture_kwargs(config)) as capture:
+        for k, batch in enumerate(batches):
+            capture.mask = batch["attention_mask"]
+            try:
+                run(k)
+            except StopForward:
+                pass
+        return capture.samples
+
+
+def sequential(model, plan: BlockPlan, batches, fit, replace, config) -> list[dict]:
+    """Convert in forward order; returns the block-tuning record (empty without ``block_steps``)."""
+    total = len(plan.pre) + sum(len(b) for b in plan.blocks) + len(plan.post)
+    tuning = []
+    cached = _block_inputs(model, plan.stack, batches)
+    # the original model's trajectory, which block tuning steers each converted block back onto
+    reference = [c[0] for c in cached] if config.block_steps else None
+
+    def convert_one(info, run):
+        source = model.get_submodule(info.name)
+        samples = _capture_pass({info.name: source}, info.name, batches, run, config)
+        replace(model, info.name, fit(info, source, samples[info.name]))
+        bar.update()
+
+    with tqdm(total=total, desc="calibration: norms", disable=not config.progress, leave=False) as bar:
+        for info in plan.pre:  # e.g. BERT's embedding LayerNorm: runs before the first block
+            convert_one(info, lambda k: forward_without_cache(model, batches[k]))
+        if plan.pre:  # the blocks' inputs changed with the converted norms before them
+            cached = _block_inputs(model, plan.stack, batches)
+        hidden = [c[0] for c in cached]
+        for index, (block, infos) in enumerate(zip(plan.stack, plan.blocks)):
+            if reference is not None:  # the original block, before its norms are replaced
+                reference = [_call_block(block, reference[k], cached[k][1], cached[k][2]) for k in range(len(batches))]
+            for info in infos:
+                convert_one(info, lambda k: _call_block(block, hidden[k], cached[k][1], cached[k][2]))
+            if reference is not None and infos:
+                modules = [model.get_submodule(info.name) for info in infos]
+                record, hidden = tune_block(block, modules, _block_runner(block, cached), hidden, reference,
+                                            batches, config)  # the block's outputs come from its last error pass
+                tuning.append(dict(block=index, **record))
+                bar.set_postfix(block_error=f"{tuning[-1]['error_after']:.3g}")
+            else:
+                hidden = [_call_block(block, hidden[k], cached[k][1], cached[k][2]) for k in range(len(batches))]
+        for info in plan.post:  # final norm: its input is the last block's output when nothing sits in between
+            source = model.get_submodule(info.name)
+            direct = _post_input_is_stack_output(model, source, batches[0], hidden[0])
+            # what the original norm makes of the original trajectory
+            target = [source(r) for r in reference] if direct and reference is not None else None
+            convert_one(info, (lambda k: source(hidden[k])) if direct else
+                        (lambda k: forward_without_cache(model, batches[k])))
+            if target is not None:  # tuned like one more block: it too inherits the error of everything before it
+                module = model.get_submodule(info.name)
+                record, _ = tune_block(module, [module], lambda x, k, rows: module(x), hidden, target, batches,
+                                       config)
+                tuning.append(dict(block=info.name, **record))
+    return tuning
+
+
+def _rows(value, rows: slice, batch_size: int):
+    """``value`` (a tensor, or tuples / dicts of them) cut to ``rows`` along every leading batch dimension."""
+    if isinstance(value, torch.Tensor):
+        return value[rows] if value.dim() and value.shape[0] == batch_size and batch_size > 1 else value
+    if isinstance(value, (tuple, list)):
+        return type(value)(_rows(v, rows, batch_size) for v in value)
+    if isinstance(value, dict):
+        return {k: _rows(v, rows, batch_size) for k, v in value.items()}
+    return value
+
+
+def _relative_error(out: torch.Tensor, target: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """Mean over tokens of ||out - target||^2 / ||target||^2: every token counts alike, sinks at RMS 1000 too."""
+    per_token = (out.float() - target.float()).pow(2).sum(-1) / target.float().pow(2).sum(-1).clamp_min(1e-12)
+    if mask is not None and mask.shape == per_token.shape:
+        return per_token[mask.bool()].mean()
+    return per_token.mean()
+
+
+def _block_runner(block, cached):
+    """``run(x, k, rows)``: the block on hidden states ``x`` of those rows of batch ``k``, its other inputs cut to
+    the same rows."""
+    def run(x, k, rows):
+        size = cached[k][0].shape[0]
+        return _call_block(block, x, _rows(cached[k][1], rows, size), _rows(cached[k][2], rows, size))
+
+    return run
+
+
+def tune_block(block, modules, run, hidden, reference, batches, config) -> tuple[dict, list[torch.Tensor]]:
+    """Adam on one block's new modules: fed the converted model's hidden states, the block (``run``, see
+    :func:`_block_runner`) should reproduce the original block's output on the original's hidden states. Fitting
+    each norm's own output leaves the error a block inherits to grow over 30 blocks; matching the block output
+    makes each block compensate for it. Returns the error record and the block's outputs with the parameters it
+    keeps (the next block's inputs), taken from the error pass over all rows, which computes them anyway."""
+    params = [p for m in modules for p in m.parameters(recurse=False)]
+    chunks = [(k, slice(s, s + config.block_rows)) for k, h in enumerate(hidden)
+              for s in range(0, h.shape[0], config.block_rows)]
+
+    def error(k, rows):
+        out = run(hidden[k][rows], k, rows)
+        return _relative_error(out, reference[k][rows], batches[k]["attention_mask"][rows]), out
+
+    def error_and_outputs():
+        errors, outputs = [], [[] for _ in hidden]
+        with torch.no_grad():
+            for k, rows in chunks:
+                value, out = error(k, rows)
+                errors.append(float(value))
+                outputs[k].append(out)
+        return sum(errors) / len(errors), [torch.cat(parts) for parts in outputs]
+
+    before, start_outputs = error_and_outputs()
+    start = [p.detach().clone() for p in params]
+    optimizer = torch.optim.Adam(adam_groups(modules, config.block_lr))
+    with training_only(block, params):
+        for step in range(config.block_steps):
+            optimizer.zero_grad()
+            loss, _ = error(*chunks[step % len(chunks)])
+            if not torch.isfinite(loss):
+                break
+            loss.backward()
+            optimizer.step()
+    after, outputs = error_and_outputs()
+    if not math.isfinite(after) or after > before:  # never leave the block worse than its start
+        with torch.no_grad():
+            for p, s in zip(params, start):
+                p.copy_(s)
+        after, outputs = before, start_outputs
+    return {"error_before": round(before, 6), "error_after": round(after, 6)}, outputs
+
+
+def _post_input_is_stack_output(model, source, batch, hidden) -> bool:
+    call = first_call_inputs(source, lambda: forward_without_cache(model, batch))
+    seen = call[0][0] if call and call[0] else None
+    return isinstance(seen, torch.Tensor) and seen.shape == hidden.shape and \
+        torch.allclose(seen.float(), hidden.float(), rtol=1e-4, atol=1e-4)
