@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import Trainer, TrainerCallback
 
+from .head_loss import DEFAULT_CHUNK, head_bypassed, head_is_plain, head_loss
 from .modules import ElementwiseNorm
 
 TRAINABLE = ("norms", "all", "lora")
@@ -133,15 +134,59 @@ def distillation_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor
     return total / student.shape[0] * temperature ** 2
 
 
+def freeze_embeddings(model: nn.Module) -> int:
+    """Stop training the input embeddings and the output head (one matrix when tied): in SmolLM2 they are a fifth
+    of the parameters, and the head's weight gradient is one of the step's largest matmuls. Returns the count of
+    parameters that still train."""
+    for module in (model.get_input_embeddings(), model.get_output_embeddings()):
+        if module is not None:
+            module.requires_grad_(False)
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+def distillation_step(model: nn.Module, teacher: nn.Module | None, inputs: dict, *, distill_weight: float,
+                      temperature: float = 1.0, head_chunk: int = 0):
+    """``(loss, ce, kd)`` of one batch: ``(1 - w) * CE + w * KD`` with the teacher's forward under no_grad.
+    ``head_chunk`` > 0: from hidden states, chunked over tokens (no B x T x V logits); 0: from full logits."""
+    mask = inputs.get("attention_mask")
+    teacher_inputs = dict(input_ids=inputs["input_ids"], attention_mask=mask)
+    if head_chunk:
+        with head_bypassed(_unwrapped(model)) as head:
+            hidden = model(**{k: v for k, v in inputs.items() if k != "labels"}).logits
+        with torch.no_grad(), head_bypassed(teacher) as teacher_head:
+            teacher_hidden = teacher(**teacher_inputs).logits
+        return head_loss(hidden, head.weight, inputs["labels"], teacher_hidden=teacher_hidden,
+                         teacher_weight=teacher_head.weight, kd_mask=mask, ce_weight=1.0 - distill_weight,
+                         kd_weight=distill_weight, temperature=temperature, chunk=head_chunk)
+    outputs = model(**inputs)
+    with torch.no_grad():
+        teacher_logits = teacher(**teacher_inputs).logits
+    kd = distillation_loss(outputs.logits, teacher_logits, temperature, mask)
+    return (1.0 - distill_weight) * outputs.loss + distill_weight * kd, outputs.loss, kd
+
+
+def head_chunk_for(model: nn.Module, teacher: nn.Module, requested: int) -> int:
+    """``requested`` when both output heads are plain linear maps (:func:`head_is_plain`), else 0 (full logits)."""
+    return int(requested) if requested and head_is_plain(model) and head_is_plain(teacher) else 0
+
+
+def _unwrapped(model: nn.Module) -> nn.Module:
+    """The model inside a DDP wrapper (whose output head is the one to bypass)."""
+    return getattr(model, "module", model)
+
+
 class NormSwapTrainer(Trainer):
     """``Trainer`` with cross-entropy + distillation from a frozen ``teacher`` and DyT / ELN parameter groups.
 
     ``distill_weight`` w: loss = (1 - w) * CE + w * KD (w = 0: plain fine-tuning, no teacher forward). The
-    teacher is moved to the training device and never wrapped for DDP, so every process holds its own copy.
+    teacher is moved to the training device and never wrapped for DDP, so every process holds its own copy; it runs
+    under the student's autocast (bf16 when the Trainer's ``bf16`` is set). ``head_chunk`` tokens at a time go
+    through the output head (:mod:`hf_normswap.head_loss`) when both heads are plain linear maps; 0: full logits.
     """
 
     def __init__(self, *args, teacher: nn.Module | None = None, distill_weight: float = 0.0,
-                 temperature: float = 1.0, shape_lr: float | None = None, gamma_lr: float | None = None, **kwargs):
+                 temperature: float = 1.0, shape_lr: float | None = None, gamma_lr: float | None = None,
+                 head_chunk: int = DEFAULT_CHUNK, **kwargs):
         super().__init__(*args, **kwargs)
         if distill_weight > 0 and teacher is None:
             raise ValueError("distill_weight > 0 needs the original model as teacher")
@@ -149,6 +194,7 @@ class NormSwapTrainer(Trainer):
         self.distill_weight = float(distill_weight)
         self.temperature = float(temperature)
         self.shape_lr, self.gamma_lr = shape_lr, gamma_lr
+        self.requested_head_chunk, self.head_chunk = int(head_chunk or 0), None
         if self.teacher is not None and self.distill_weight > 0:
             self.teacher.to(self.args.device).eval().requires_grad_(False)
             self.loss_is_scaled_for_ga = False  # compute_loss returns a per-batch mean: let the Trainer divide
@@ -168,18 +214,16 @@ class NormSwapTrainer(Trainer):
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         if self.distill_weight == 0 or not model.training:  # evaluation: plain cross-entropy, for perplexity
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
-        outputs = model(**inputs)
-        ce = outputs.loss
-        with torch.no_grad():
-            teacher_logits = self.teacher(input_ids=inputs["input_ids"],
-                                          attention_mask=inputs.get("attention_mask")).logits
-        mask = inputs.get("attention_mask")
-        kd = distillation_loss(outputs.logits, teacher_logits, self.temperature, mask)
-        loss = (1.0 - self.distill_weight) * ce + self.distill_weight * kd
+        if self.head_chunk is None:  # decided once, on the models as trained
+            self.head_chunk = head_chunk_for(self.accelerator.unwrap_model(model), self.teacher,
+                                             self.requested_head_chunk)
+        with self.accelerator.autocast():  # the teacher and the head loss as the student's forward (bf16 or not)
+            loss, ce, kd = distillation_step(model, self.teacher, inputs, distill_weight=self.distill_weight,
+                                             temperature=self.temperature, head_chunk=self.head_chunk)
         self._component_sums["ce_loss"] += float(ce.detach())
         self._component_sums["kd_loss"] += float(kd.detach())
         self._component_sums["count"] += 1
-        return (loss, outputs) if return_outputs else loss
+        return (loss, None) if return_outputs else loss
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if "eval_loss" in logs:
