@@ -172,10 +172,12 @@ def sequential(model, plan: BlockPlan, batches, fit, replace, config) -> list[di
                 convert_one(info, lambda k: _call_block(block, hidden[k], cached[k][1], cached[k][2]))
             if reference is not None and infos:
                 modules = [model.get_submodule(info.name) for info in infos]
-                tuning.append(dict(block=index, **tune_block(block, modules, _block_runner(block, cached), hidden,
-                                                             reference, batches, config)))
+                record, hidden = tune_block(block, modules, _block_runner(block, cached), hidden, reference,
+                                            batches, config)  # the block's outputs come from its last error pass
+                tuning.append(dict(block=index, **record))
                 bar.set_postfix(block_error=f"{tuning[-1]['error_after']:.3g}")
-            hidden = [_call_block(block, hidden[k], cached[k][1], cached[k][2]) for k in range(len(batches))]
+            else:
+                hidden = [_call_block(block, hidden[k], cached[k][1], cached[k][2]) for k in range(len(batches))]
         for info in plan.post:  # final norm: its input is the last block's output when nothing sits in between
             source = model.get_submodule(info.name)
             direct = _post_input_is_stack_output(model, source, batches[0], hidden[0])
@@ -185,8 +187,9 @@ def sequential(model, plan: BlockPlan, batches, fit, replace, config) -> list[di
                         (lambda k: forward_without_cache(model, batches[k])))
             if target is not None:  # tuned like one more block: it too inherits the error of everything before it
                 module = model.get_submodule(info.name)
-                tuning.append(dict(block=info.name, **tune_block(module, [module], lambda x, k, rows: module(x),
-                                                                 hidden, target, batches, config)))
+                record, _ = tune_block(module, [module], lambda x, k, rows: module(x), hidden, target, batches,
+                                       config)
+                tuning.append(dict(block=info.name, **record))
     return tuning
 
 
@@ -219,11 +222,12 @@ def _block_runner(block, cached):
     return run
 
 
-def tune_block(block, modules, run, hidden, reference, batches, config) -> dict:
+def tune_block(block, modules, run, hidden, reference, batches, config) -> tuple[dict, list[torch.Tensor]]:
     """Adam on one block's new modules: fed the converted model's hidden states, the block (``run``, see
     :func:`_block_runner`) should reproduce the original block's output on the original's hidden states. Fitting
     each norm's own output leaves the error a block inherits to grow over 30 blocks; matching the block output
-    makes each block compensate for it."""
+    makes each block compensate for it. Returns the error record and the block's outputs with the parameters it
+    keeps (the next block's inputs), taken from the error pass over all rows, which computes them anyway."""
     params = [p for m in modules for p in m.parameters(recurse=False)]
     groups = adam_groups(modules, config.block_lr)
     if config.block_weights_lr > 0:  # block-wise reconstruction
@@ -235,30 +239,35 @@ def tune_block(block, modules, run, hidden, reference, batches, config) -> dict:
 
     def error(k, rows):
         out = run(hidden[k][rows], k, rows)
-        return _relative_error(out, reference[k][rows], batches[k]["attention_mask"][rows])
+        return _relative_error(out, reference[k][rows], batches[k]["attention_mask"][rows]), out
 
-    def mean_error():
+    def error_and_outputs():
+        errors, outputs = [], [[] for _ in hidden]
         with torch.no_grad():
-            return sum(float(error(k, rows)) for k, rows in chunks) / len(chunks)
+            for k, rows in chunks:
+                value, out = error(k, rows)
+                errors.append(float(value))
+                outputs[k].append(out)
+        return sum(errors) / len(errors), [torch.cat(parts) for parts in outputs]
 
-    before = mean_error()
+    before, start_outputs = error_and_outputs()
     start = [p.detach().clone() for p in params]
     optimizer = torch.optim.Adam(groups)
     with training_only(block, params):
         for step in range(config.block_steps):
             optimizer.zero_grad()
-            loss = error(*chunks[step % len(chunks)])
+            loss, _ = error(*chunks[step % len(chunks)])
             if not torch.isfinite(loss):
                 break
             loss.backward()
             optimizer.step()
-    after = mean_error()
+    after, outputs = error_and_outputs()
     if not math.isfinite(after) or after > before:  # never leave the block worse than its start
         with torch.no_grad():
             for p, s in zip(params, start):
                 p.copy_(s)
-        after = before
-    return {"error_before": round(before, 6), "error_after": round(after, 6)}
+        after, outputs = before, start_outputs
+    return {"error_before": round(before, 6), "error_after": round(after, 6)}, outputs
 
 
 def _post_input_is_stack_output(model, source, batch, hidden) -> bool:

@@ -30,6 +30,7 @@ from . import block_pass, end_to_end
 from .capture import DEFAULT_MAX_FIRST, DEFAULT_MAX_TOKENS
 from .discovery import NormInfo
 from .fitting import FitStats, analytic_input_scale, fit_module, saturating_init
+from .precision import autocast, check_precision, choose_precision, forward_backward
 
 
 @dataclass(frozen=True)
@@ -115,6 +116,7 @@ class CalibrationConfig:
     tune_lr: float = 5e-3
     max_iter: int = 100  # L-BFGS iterations of each least-squares fit
     seed: int = 0
+    precision: str = "fp32"  # or "bf16" (autocast), or "auto": bf16 where a timed probe finds it faster (precision.py)
     progress: bool = True
     plots: str | None = None
     tokenizer: Any = field(default=None, repr=False)
@@ -132,6 +134,7 @@ class CalibrationConfig:
         for key in ("block_steps", "tune_steps", "tune_blocks"):
             if getattr(out, key) is None:
                 setattr(out, key, getattr(preset, key))
+        check_precision(out.precision)
         return out
 
     @property
@@ -306,9 +309,23 @@ def calibrate_and_replace(model: nn.Module, selected: list[NormInfo], config: Ca
     ``build(source, info, input_scale=, per_channel=)`` makes a module and ``replace(model, name, module)`` sets
     it: ``convert`` passes both, so that stages go one way (convert plans and replaces, calibration fits)."""
     config = config.resolved(selected, _outputs_logits(model))
-    start, cpu_start = time.perf_counter(), time.process_time()
     torch.manual_seed(config.seed)
     batches, fingerprint = calibration_batches(model, config)
+    device, probe_start = _input_device(model), time.perf_counter()
+    probe_params = [p for info in selected for p in model.get_submodule(info.name).parameters() if p.requires_grad]
+    row = {k: v[:1] for k, v in batches[0].items()}  # one sequence: a probe, not a pass
+    precision = choose_precision(config.precision, lambda: forward_backward(lambda: forward_without_cache(model, row),
+                                                                            probe_params), device=device,
+                                 repetitions=2)
+    probe_seconds = time.perf_counter() - probe_start
+    with autocast(precision.bf16, device):  # every forward / backward pass of calibration; fits stay fp32
+        result = _calibrate(model, selected, config, batches, fingerprint, build, replace)
+    result.summary.update(precision=vars(precision), precision_probe_seconds=round(probe_seconds, 1))
+    return result
+
+
+def _calibrate(model, selected, config, batches, fingerprint, build, replace) -> CalibrationResult:
+    start, cpu_start = time.perf_counter(), time.process_time()
     fitter = _Fitter(config, build)
     was_training = model.training
     model.eval()

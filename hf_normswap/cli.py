@@ -62,6 +62,9 @@ def _calibration_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-tokens-per-norm", type=int, default=defaults.max_tokens_per_norm, metavar="K",
                        help="token vectors kept per norm, the memory cap (default: %(default)s)")
     group.add_argument("--plots", metavar="DIR", help="write one fit plot per norm (PNG) into DIR")
+    group.add_argument("--precision", choices=("auto", "fp32", "bf16"), default=defaults.precision,
+                       help="forward / backward passes of calibration in fp32, bf16 autocast, or auto: bf16 where a "
+                            "timed probe finds it faster on this machine (default: %(default)s)")
 
 
 def _check_calibration_args(args) -> None:
@@ -84,7 +87,7 @@ def _calibration(args, tokenizer):
         raise ConversionError("--calib needs a model with a tokenizer")
     return CalibrationConfig(data=args.calib, num_blocks=args.calib_blocks, block_len=args.calib_len,
                              strategy=args.strategy or DEFAULT_STRATEGY, max_tokens_per_norm=args.max_tokens_per_norm,
-                             plots=args.plots, tokenizer=tokenizer)
+                             plots=args.plots, precision=args.precision, tokenizer=tokenizer)
 
 
 def _roles(text: str) -> list[str]:

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import Trainer, TrainerCallback
 
+from .head_loss import DEFAULT_CHUNK, head_bypassed, head_is_plain, head_loss
 from .layerwise import relative_hidden_error
 from .modules import ElementwiseNorm
 
@@ -134,18 +135,83 @@ def distillation_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor
     return total / student.shape[0] * temperature ** 2
 
 
+def freeze_embeddings(model: nn.Module) -> int:
+    """Stop training the input embeddings and the output head (one matrix when tied): in SmolLM2 they are a fifth
+    of the parameters, and the head's weight gradient is one of the step's largest matmuls. Returns the count of
+    parameters that still train."""
+    for module in (model.get_input_embeddings(), model.get_output_embeddings()):
+        if module is not None:
+            module.requires_grad_(False)
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+def distillation_step(model: nn.Module, teacher: nn.Module | None, inputs: dict, *, distill_weight: float,
+                      temperature: float = 1.0, head_chunk: int = 0):
+    """``(loss, ce, kd)`` of one batch: ``(1 - w) * CE + w * KD`` with the teacher's forward under no_grad.
+    ``head_chunk`` > 0: from hidden states, chunked over tokens (no B x T x V logits); 0: from full logits."""
+    mask = inputs.get("attention_mask")
+    teacher_inputs = dict(input_ids=inputs["input_ids"], attention_mask=mask)
+    if head_chunk:
+        with head_bypassed(_unwrapped(model)) as head:
+            hidden = model(**{k: v for k, v in inputs.items() if k != "labels"}).logits
+        with torch.no_grad(), head_bypassed(teacher) as teacher_head:
+            teacher_hidden = teacher(**teacher_inputs).logits
+        return head_loss(hidden, head.weight, inputs["labels"], teacher_hidden=teacher_hidden,
+                         teacher_weight=teacher_head.weight, kd_mask=mask, ce_weight=1.0 - distill_weight,
+                         kd_weight=distill_weight, temperature=temperature, chunk=head_chunk)
+    outputs = model(**inputs)
+    with torch.no_grad():
+        teacher_logits = teacher(**teacher_inputs).logits
+    kd = distillation_loss(outputs.logits, teacher_logits, temperature, mask)
+    return (1.0 - distill_weight) * outputs.loss + distill_weight * kd, outputs.loss, kd
+
+
+def layerwise_step(model: nn.Module, teacher: nn.Module, inputs: dict, *, distill_weight: float,
+                   temperature: float = 1.0, logits: bool = True, hidden_weight: float = 1.0,
+                   sink_weight: float = 0.0):
+    """``(loss, ce, kd, hidden)``: ``(1 - w) * CE + w * (KD + h * H)`` with H the layer-wise loss
+    (:func:`hf_normswap.layerwise.relative_hidden_error`); KD is left out when ``logits`` is false. A model without a
+    loss of its own (a sentence encoder) needs ``w = 1``."""
+    outputs = model(**inputs, output_hidden_states=True)
+    zero = torch.zeros((), device=inputs["input_ids"].device)
+    ce = getattr(outputs, "loss", None)
+    if ce is None and distill_weight < 1:
+        raise ValueError("the model computes no loss of its own (a sentence encoder): set distill weight 1")
+    ce = zero if ce is None else ce
+    mask = inputs.get("attention_mask")
+    with torch.no_grad():
+        reference = teacher(input_ids=inputs["input_ids"], attention_mask=mask, output_hidden_states=True)
+    kd = distillation_loss(outputs.logits, reference.logits, temperature, mask) if logits else zero
+    hidden = relative_hidden_error(outputs.hidden_states, reference.hidden_states, mask, sink_weight)
+    return (1.0 - distill_weight) * ce + distill_weight * (kd + hidden_weight * hidden), ce, kd, hidden
+
+
+def head_chunk_for(model: nn.Module, teacher: nn.Module, requested: int) -> int:
+    """``requested`` when both output heads are plain linear maps (:func:`head_is_plain`), else 0 (full logits)."""
+    return int(requested) if requested and head_is_plain(model) and head_is_plain(teacher) else 0
+
+
+def _unwrapped(model: nn.Module) -> nn.Module:
+    """The model inside a DDP wrapper (whose output head is the one to bypass)."""
+    return getattr(model, "module", model)
+
+
 class NormSwapTrainer(Trainer):
     """``Trainer`` with cross-entropy + distillation from a frozen ``teacher`` and DyT / ELN parameter groups.
 
     ``distill_weight`` w: loss = (1 - w) * CE + w * (KD + h * H) (w = 0: plain fine-tuning, no teacher forward),
     with ``hidden_weight`` h and H the layer-wise loss (:func:`hf_normswap.layerwise.relative_hidden_error`, the
     first position weighted by ``sink_weight``); ``logits=False`` drops KD (layer-wise distillation alone). The
-    teacher is moved to the training device and never wrapped for DDP, so every process holds its own copy.
+    teacher is moved to the training device and never wrapped for DDP, so every process holds its own copy; it runs
+    under the student's autocast (bf16 when the Trainer's ``bf16`` is set). ``head_chunk`` tokens at a time go
+    through the output head (:mod:`hf_normswap.head_loss`) when both heads are plain linear maps and there is no
+    layer-wise term; 0: full logits.
     """
 
     def __init__(self, *args, teacher: nn.Module | None = None, distill_weight: float = 0.0,
                  temperature: float = 1.0, logits: bool = True, hidden_weight: float = 0.0, sink_weight: float = 0.0,
-                 shape_lr: float | None = None, gamma_lr: float | None = None, **kwargs):
+                 shape_lr: float | None = None, gamma_lr: float | None = None, head_chunk: int = DEFAULT_CHUNK,
+                 **kwargs):
         super().__init__(*args, **kwargs)
         if distill_weight > 0 and teacher is None:
             raise ValueError("distill_weight > 0 needs the original model as teacher")
@@ -156,6 +222,7 @@ class NormSwapTrainer(Trainer):
         if not self.logits and self.hidden_weight <= 0:
             raise ValueError("distillation without logits needs hidden_weight > 0")
         self.shape_lr, self.gamma_lr = shape_lr, gamma_lr
+        self.requested_head_chunk, self.head_chunk = int(head_chunk or 0), None
         if self.teacher is not None and self.distill_weight > 0:
             self.teacher.to(self.args.device).eval().requires_grad_(False)
             self.loss_is_scaled_for_ga = False  # compute_loss returns a per-batch mean: let the Trainer divide
@@ -177,25 +244,22 @@ class NormSwapTrainer(Trainer):
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         if self.distill_weight == 0 or not model.training:  # evaluation: plain cross-entropy, for perplexity
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
-        layerwise = self.hidden_weight > 0
-        outputs = model(**inputs, output_hidden_states=layerwise)
-        zero = torch.zeros((), device=inputs["input_ids"].device)
-        ce = getattr(outputs, "loss", None)
-        if ce is None and self.distill_weight < 1:  # an encoder has no loss of its own
-            raise ValueError("the model computes no loss of its own (a sentence encoder): set distill weight 1")
-        ce = zero if ce is None else ce
-        with torch.no_grad():
-            teacher = self.teacher(input_ids=inputs["input_ids"], attention_mask=inputs.get("attention_mask"),
-                                   output_hidden_states=layerwise)
-        mask = inputs.get("attention_mask")
-        kd = distillation_loss(outputs.logits, teacher.logits, self.temperature, mask) if self.logits else zero
-        hidden = relative_hidden_error(outputs.hidden_states, teacher.hidden_states, mask, self.sink_weight) \
-            if layerwise else zero
-        loss = (1.0 - self.distill_weight) * ce + self.distill_weight * (kd + self.hidden_weight * hidden)
+        with self.accelerator.autocast():  # the teacher and the head loss as the student's forward (bf16 or not)
+            if self.hidden_weight > 0:  # every block's output is needed: full forward passes
+                loss, ce, kd, hidden = layerwise_step(model, self.teacher, inputs, distill_weight=self.distill_weight,
+                                                      temperature=self.temperature, logits=self.logits,
+                                                      hidden_weight=self.hidden_weight, sink_weight=self.sink_weight)
+            else:
+                if self.head_chunk is None:  # decided once, on the models as trained
+                    self.head_chunk = head_chunk_for(self.accelerator.unwrap_model(model), self.teacher,
+                                                     self.requested_head_chunk)
+                loss, ce, kd = distillation_step(model, self.teacher, inputs, distill_weight=self.distill_weight,
+                                                 temperature=self.temperature, head_chunk=self.head_chunk)
+                hidden = torch.zeros(())
         for key, value in zip(self.COMPONENTS, (ce, kd, hidden)):
             self._component_sums[key] += float(value.detach())
         self._component_sums["count"] += 1
-        return (loss, outputs) if return_outputs else loss
+        return (loss, None) if return_outputs else loss
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if "eval_loss" in logs:

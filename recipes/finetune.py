@@ -50,6 +50,9 @@ DEFAULTS = {
     "lora": {"r": 16, "alpha": 32, "dropout": 0.0, "target_modules": "all-linear"},
     # loss = (1 - weight) * CE + weight * (logit KL + hidden * layer-wise loss); hf_normswap.distill, .layerwise
     "distill": {"weight": 0.5, "temperature": 1.0, "logits": True, "hidden": 0.0, "sink_weight": 0.0},
+    "precision": "auto",         # auto | fp32 | bf16 (autocast, fp32 master weights): auto times both on this machine
+    "head_chunk": 256,           # distillation: tokens per chunk through the output head (0: full B x T x V logits)
+    "freeze_embeddings": False,  # keep the input embeddings and the (tied) output head fixed
     "lr": {"base": 1.0e-4, "shape": None, "gamma": None},  # log alpha (log beta: 2x), gamma / bias; default: base
     "progressive": {"enabled": False, "order": "depth", "every": 20, "ramp": None, "start": 0, "group": 1,
                     "role_order": None},  # order: depth | reverse_depth | role | PATH.json (`normswap sensitivity`)
@@ -160,6 +163,8 @@ def check_config(config: dict) -> None:
             raise ValidationError(f"method {config['method']!r} is unknown: choose from {', '.join(METHODS)}")
         if config["trainable"] not in ("norms", "all", "lora"):
             raise ValidationError(f"trainable {config['trainable']!r} is unknown: choose norms, all or lora")
+        if config["precision"] not in ("auto", "fp32", "bf16"):
+            raise ValidationError(f"precision {config['precision']!r} is unknown: choose auto, fp32 or bf16")
         for name in ("model", "train_data", "eval_data", "output_dir"):
             if not isinstance(config[name], str) or not config[name]:
                 raise ValidationError(f"{name} must be a non-empty string, got {config[name]!r}")
@@ -177,6 +182,7 @@ def check_config(config: dict) -> None:
         for name in ("shape", "gamma"):
             at_least(config["lr"][name], f"lr.{name}", 0, optional=True)
         at_least(config["max_minutes"], "max_minutes", 0, optional=True)
+        at_least(config["head_chunk"], "head_chunk", 0)
         at_least(config["seed"], "seed", 0)
         if config["progressive"]["enabled"] and config["trainable"] == "lora":
             raise ValidationError("progressive conversion works with trainable: norms or all, not lora")
@@ -199,7 +205,7 @@ def check_data(config: dict) -> None:
         try:
             load_texts(spec, split)
         except DataError as error:
-            raise SystemExit(f"finetune: {key}: {error} ({key}=PATH)") from None
+            fail(f"{key}: {error} ({key}=PATH)")
 
 
 def block_dataset(tokenizer, spec: str, split: str, block_len: int, max_tokens: int | None = None,
@@ -306,6 +312,41 @@ def final_evaluation(model, original, tokenizer, config: dict, name: str):
                     **config["final_eval"])
 
 
+def training_precision(config: dict, student, original, train_set, state):
+    """fp32 or bf16 autocast (``precision``); ``auto`` times the recipe's own step (forward, distillation loss,
+    backward; one training block) in both on the main process, and every process takes its answer."""
+    from accelerate.utils import broadcast_object_list
+
+    from hf_normswap.distill import distillation_step, head_chunk_for
+    from hf_normswap.precision import choose_precision
+
+    if config["precision"] != "auto":
+        return choose_precision(config["precision"])
+    choice = [None]
+    if state.is_main_process:
+        device = state.device
+        student.to(device).train()
+        original.to(device)
+        ids = torch.tensor(train_set[:1]["input_ids"], device=device)
+        inputs = dict(input_ids=ids, labels=ids)
+        weight = config["distill"]["weight"]
+        chunk = head_chunk_for(student, original, config["head_chunk"]) if weight > 0 else 0
+
+        def step():
+            if weight > 0:
+                loss = distillation_step(student, original, inputs, distill_weight=weight,
+                                         temperature=config["distill"]["temperature"], head_chunk=chunk)[0]
+            else:
+                loss = student(**inputs).loss
+            loss.backward()
+            student.zero_grad(set_to_none=True)
+
+        choice = [choose_precision("auto", step, device=device, repetitions=2)]
+    if state.num_processes > 1:
+        choice = broadcast_object_list(choice)
+    return choice[0]
+
+
 # ---------------------------------------------------------------------------------------------------- reporting
 
 
@@ -377,7 +418,8 @@ def main(argv=None) -> int:
     from transformers.trainer_utils import get_last_checkpoint
 
     import hf_normswap
-    from hf_normswap.distill import NormSwapTrainer, WallClockStop, apply_lora, merge_lora, set_trainable
+    from hf_normswap.distill import (NormSwapTrainer, WallClockStop, apply_lora, freeze_embeddings, merge_lora,
+                                     set_trainable)
     from hf_normswap.progressive import ProgressiveSwap, ProgressiveSwapCallback, schedule
 
     # On a machine without GPU, `accelerate launch --multi_gpu --num_processes N` starts N CPU processes; they
@@ -436,13 +478,18 @@ def main(argv=None) -> int:
         trainable = sum(p.numel() for p in student.parameters() if p.requires_grad)
     else:
         trainable = set_trainable(student, config["trainable"])
+    if config["freeze_embeddings"]:
+        trainable = freeze_embeddings(student)
     log(f"training {trainable:,} parameters ({config['trainable']}) on {len(train_set)} blocks of "
         f"{config['block_len']} tokens")
 
+    distill = config["distill"]
+    precision = training_precision(config, student, original, train_set, state)
+    config["training"]["bf16"] = precision.bf16
+    log(precision.describe())
     args = TrainingArguments(output_dir=str(out), seed=config["seed"], learning_rate=config["lr"]["base"],
                              prediction_loss_only=True, eval_on_start=not encoder,
                              **{"include_num_input_tokens_seen": "all", **config["training"]})
-    distill = config["distill"]
     callbacks = [WallClockStop(config["max_minutes"])] if config["max_minutes"] else []
     if swap is not None:
         callbacks.append(ProgressiveSwapCallback(swap))
@@ -451,8 +498,8 @@ def main(argv=None) -> int:
                               teacher=original if distill["weight"] > 0 else None, distill_weight=distill["weight"],
                               temperature=distill["temperature"], logits=distill["logits"],
                               hidden_weight=distill["hidden"], sink_weight=distill["sink_weight"],
-                              shape_lr=config["lr"]["shape"],
-                              gamma_lr=config["lr"]["gamma"])
+                              shape_lr=config["lr"]["shape"], gamma_lr=config["lr"]["gamma"],
+                              head_chunk=config["head_chunk"])
     last = get_last_checkpoint(str(out)) if config["resume"] and out.is_dir() else None
     log(f"resuming from {last}" if last else "training from the calibrated model")
     resumed = json.loads((Path(last) / "trainer_state.json").read_text()) if last else {}
@@ -475,6 +522,7 @@ def main(argv=None) -> int:
         training = {"steps": trainer.state.global_step, "tokens_seen": tokens, "trainable": config["trainable"],
                     "distill": distill, "lr": config["lr"], "progressive": progressive if swap else None,
                     "train_data": config["train_data"], "block_len": config["block_len"],
+                    "precision": vars(precision), "freeze_embeddings": config["freeze_embeddings"],
                     "wall_seconds": round(sum(s["wall_seconds"] for s in sessions), 1),
                     "world_size": state.num_processes, "train_loss": result.training_loss}
         model.config.normswap["training"] = training

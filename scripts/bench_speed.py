@@ -10,11 +10,19 @@ slows all candidates alike and the ratios stay meaningful. Sections:
   (forward + loss + backward, no optimizer) time, original versus converted (a calibrated start, so that finite
   activations are timed), eager and ``torch.compile``;
 * calibration: ``convert(..., calibration=...)`` time and peak RSS against plain forward passes over the same data,
-  each measured in a fresh process.
+  each measured in a fresh process;
+* head: the distillation loss alone (CE + KL over the vocabulary, forward + backward) for tokens x C hidden states
+  through a V x C head: from full logits against chunked (``hf_normswap.head_loss``); time interleaved in one
+  process, peak RSS above the inputs in a fresh process each;
+* train: one optimizer step of the converted model (all weights train), batch x seq tokens, as the recipe takes it
+  (``NormSwapTrainer``: distillation from the original, chunked head loss, the precision ``auto`` picks by its probe)
+  against the baseline, a plain ``transformers.Trainer`` step in fp32 with full logits (cross-entropy only). Tokens/s
+  interleaved in one process; peak RSS of each variant alone in a fresh process (sampled, absolute).
 
     python scripts/bench_speed.py                 # everything; each section prints its time when done
     python scripts/bench_speed.py --quick         # a smoke run: one size, tiny GPT-2, no compile
     python scripts/bench_speed.py --sections module --sizes 576,4096 --dtypes fp32
+    python scripts/bench_speed.py --sections train --models smollm2 --json train.json
 """
 
 from __future__ import annotations
@@ -305,6 +313,10 @@ class PeakRSS:
     def mib(self) -> float:
         return (self.peak - self.base) / 2 ** 20
 
+    @property
+    def absolute_mib(self) -> float:
+        return self.peak / 2 ** 20
+
 
 def calibration_job(args) -> dict:
     """One measurement in this (fresh) process: the plain forward passes over the calibration data, or one
@@ -365,14 +377,217 @@ def calibration_section(args) -> list[dict]:
     return rows
 
 
+# ---------------------------------------------------------------------------------------------------- head loss
+def head_inputs(args):
+    generator = torch.Generator().manual_seed(5)
+    tokens, (size, vocab) = args.train_batch * args.seq, args.head_dims
+    hidden = torch.randn(args.train_batch, args.seq, size, generator=generator).requires_grad_()
+    weight = (torch.randn(vocab, size, generator=generator) / size ** 0.5).requires_grad_()
+    teacher_hidden = torch.randn(args.train_batch, args.seq, size, generator=generator)
+    teacher_weight = torch.randn(vocab, size, generator=generator) / size ** 0.5
+    labels = torch.randint(0, vocab, (args.train_batch, args.seq), generator=generator)
+    return tokens, hidden, weight, teacher_hidden, teacher_weight, labels
+
+
+def head_steps(hidden, weight, teacher_hidden, teacher_weight, labels) -> dict:
+    """Forward + backward of 0.5 CE + 0.5 KD: from full logits (the recipe's former loss), and chunked."""
+    from hf_normswap.distill import distillation_loss
+    from hf_normswap.head_loss import head_loss
+
+    def full():
+        logits = hidden @ weight.T
+        with torch.no_grad():
+            teacher_logits = teacher_hidden @ teacher_weight.T
+        ce = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten())
+        (0.5 * ce + 0.5 * distillation_loss(logits, teacher_logits)).backward()
+        hidden.grad = weight.grad = None
+
+    def chunked():
+        head_loss(hidden, weight, labels, teacher_hidden=teacher_hidden, teacher_weight=teacher_weight,
+                  ce_weight=0.5, kd_weight=0.5)[0].backward()
+        hidden.grad = weight.grad = None
+
+    return {"full-logits": full, "chunked": chunked}
+
+
+def head_job(args) -> dict:
+    """Peak RSS of one loss variant (this fresh process) above its inputs: two forward + backward passes."""
+    _, *inputs = head_inputs(args)
+    step = head_steps(*inputs)[args.head_job]
+    with PeakRSS() as memory:
+        for _ in range(2):
+            step()
+    return dict(peak_mib=memory.mib)
+
+
+def head_section(args) -> list[dict]:
+    tokens, *inputs = head_inputs(args)
+    med = interleaved(head_steps(*inputs), args.train_reps)
+    rows = []
+    for name, seconds in med.items():
+        command = [sys.executable, __file__, "--head-job", name, "--seq", str(args.seq), "--train-batch",
+                   str(args.train_batch), "--head-dims", ",".join(map(str, args.head_dims))]
+        result = subprocess.run(command, capture_output=True, text=True, check=True)
+        memory = json.loads(result.stdout.strip().splitlines()[-1])["peak_mib"]
+        rows.append(dict(section="head", tokens=tokens, hidden=args.head_dims[0], vocab=args.head_dims[1],
+                         variant=name, ms=seconds * 1e3, speedup=med["full-logits"] / seconds, peak_mib=memory))
+        log(f"head loss {name:<12} {tokens} tokens x {args.head_dims[1]} vocabulary: {seconds * 1e3:.0f} ms "
+            f"({med['full-logits'] / seconds:.2f}x), peak RSS above the inputs {memory:.0f} MiB")
+    return rows
+
+
+# ------------------------------------------------------------------------------------------------------ training
+TRAIN_VARIANTS = {
+    # name: (distillation with the recipe's trainer, head chunk, precision, freeze embeddings)
+    "baseline": (False, 0, "fp32", False),
+    "recipe": (True, 256, "auto", False),
+    "recipe-fp32-full-logits": (True, 0, "fp32", False),
+    "recipe-frozen-embeddings": (True, 256, "auto", True),
+}
+
+
+def _trainable_dense():
+    """recipes/finetune.py's trainable_dense (the GGUF model's inference-only quantizer dropped for the Trainer)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("finetune", Path(__file__).resolve().parents[1] / "recipes" /
+                                                  "finetune.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.trainable_dense
+
+
+def train_setup(args):
+    """(student, teacher, inputs): the converted model (a calibrated start), the original, one batch."""
+    original, vocab = {"smollm2": smollm2_model, "gpt2": gpt2_model}[args.models[0]]()
+    original.config.use_cache = False
+    student = _trainable_dense()(model_variants(original, args.methods[0], args.model_calib, vocab, args.seq)[0])
+    original.requires_grad_(False)
+    ids = torch.randint(0, vocab, (args.train_batch, args.seq), generator=torch.Generator().manual_seed(4))
+    return student, original, dict(input_ids=ids, labels=ids)
+
+
+def train_steps(variants, student, teacher, inputs, directory: str, precision: str | None = None) -> tuple[dict, dict]:
+    """``({variant: step()}, {variant: PrecisionChoice})``: one Trainer step each (the Trainer's ``training_step``,
+    gradient clipping at 1.0, AdamW, zero_grad) sharing the student and one optimizer (parameters a variant
+    freezes get no gradient and AdamW skips them). ``precision``: use it instead of probing (a child measuring
+    memory takes the parent's choice)."""
+    from transformers import Trainer, TrainingArguments
+
+    from hf_normswap.distill import NormSwapTrainer, distillation_step, freeze_embeddings, head_chunk_for
+    from hf_normswap.precision import choose_precision
+
+    optimizer = torch.optim.AdamW(student.parameters(), lr=1e-5)
+    steps, choices = {}, {}
+    for name in variants:
+        distill, chunk, variant_precision, frozen = TRAIN_VARIANTS[name]
+        if precision is not None:
+            variant_precision = precision
+
+        def trainable(frozen=frozen):
+            student.requires_grad_(True)
+            if frozen:
+                freeze_embeddings(student)
+
+        if variant_precision == "auto":  # the recipe's probe: its own step on one sequence
+            one = {k: v[:1] for k, v in inputs.items()}
+            chunk_used = head_chunk_for(student, teacher, chunk)
+
+            def probe_step(trainable=trainable, chunk_used=chunk_used):
+                trainable()
+                distillation_step(student, teacher, one, distill_weight=0.5, head_chunk=chunk_used)[0].backward()
+                student.zero_grad(set_to_none=True)
+            student.train()
+            choices[name] = choose_precision("auto", probe_step, repetitions=2)
+        else:
+            choices[name] = choose_precision(variant_precision)
+        training = TrainingArguments(output_dir=directory, use_cpu=True, report_to="none", bf16=choices[name].bf16,
+                                     per_device_train_batch_size=inputs["input_ids"].shape[0])
+        trainer = (NormSwapTrainer(model=student, args=training, teacher=teacher, distill_weight=0.5, head_chunk=chunk)
+                   if distill else Trainer(model=student, args=training))
+        trainer.current_gradient_accumulation_steps = 1  # set by Trainer.train(), which this bypasses
+
+        def step(trainer=trainer, trainable=trainable):
+            trainable()
+            trainer.training_step(student, dict(inputs))
+            torch.nn.utils.clip_grad_norm_([p for p in student.parameters() if p.grad is not None], 1.0)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        steps[name] = step
+    return steps, choices
+
+
+def train_job(args) -> dict:
+    """Peak RSS of one variant alone (this fresh process): two steps after loading."""
+    import tempfile
+
+    student, teacher, inputs = train_setup(args)
+    with tempfile.TemporaryDirectory() as directory:
+        steps, _ = train_steps([args.train_job], student, teacher, inputs, directory, args.train_precision)
+        with PeakRSS() as memory:
+            for _ in range(2):
+                steps[args.train_job]()
+    return dict(peak_rss_mib=memory.absolute_mib)
+
+
+def run_train_job(args, variant: str, precision: str) -> dict:
+    command = [sys.executable, __file__, "--train-job", variant, "--models", args.models[0], "--methods",
+               args.methods[0], "--seq", str(args.seq), "--train-batch", str(args.train_batch), "--train-precision",
+               precision]
+    if not args.model_calib:
+        command.append("--no-model-calib")
+    result = subprocess.run(command, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise RuntimeError(f"train job {variant} failed:\n{result.stderr[-2000:]}")
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def train_section(args) -> list[dict]:
+    import gc
+    import tempfile
+
+    student, teacher, inputs = train_setup(args)
+    tokens = inputs["input_ids"].numel()
+    with tempfile.TemporaryDirectory() as directory:
+        steps, choices = train_steps(args.train_variants, student, teacher, inputs, directory)
+        for name, choice in choices.items():
+            log(f"train {name}: {choice.describe()}")
+        med = interleaved(steps, args.train_reps)
+    log("train speed (before the memory runs): " + ", ".join(
+        f"{name} {seconds:.2f}s/step ({med['baseline'] / seconds:.2f}x)" for name, seconds in med.items()))
+    del student, teacher, steps  # the children below measure memory: leave them the RAM
+    gc.collect()
+    memory = {name: run_train_job(args, name, choices[name].precision)["peak_rss_mib"] for name in args.train_variants}
+    base = med["baseline"]
+    rows = [dict(section="train", model=args.models[0], variant=name, tokens=tokens, seconds=seconds,
+                 tokens_per_s=tokens / seconds, speedup=base / seconds, precision=choices[name].precision,
+                 probe_fp32_s=choices[name].fp32_seconds, probe_bf16_s=choices[name].bf16_seconds,
+                 peak_rss_mb=memory[name], rss_ratio=memory[name] / memory["baseline"])
+            for name, seconds in med.items()]
+    for row in rows:
+        log(f"train {row['variant']:<25} {row['precision']}: {row['seconds']:.2f}s/step {row['tokens_per_s']:.1f} "
+            f"tok/s ({row['speedup']:.2f}x baseline), peak RSS {row['peak_rss_mb']:.0f} MiB "
+            f"({row['rss_ratio']:.2f}x)")
+    return rows
+
+
+def train_summary(rows: list[dict]) -> dict:
+    """The keys a script checks: baseline and recipe tokens/s and peak RSS (MiB)."""
+    by = {r["variant"]: r for r in rows if r["section"] == "train"}
+    return {f"{key}_{measure}": by[key][field] for key in ("baseline", "recipe") if key in by
+            for measure, field in (("tokens_per_s", "tokens_per_s"), ("peak_rss_mb", "peak_rss_mb"))}
+
+
 # ----------------------------------------------------------------------------------------------------------- main
 def machine() -> dict:
     try:
         lscpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
         cpu = next((l.split(":", 1)[1].strip() for l in lscpu.splitlines() if l.startswith("Model name")), "?")
     except OSError:
-        cpu = platform.processor()
-    return dict(cpu=cpu, cores=os.cpu_count(), threads=torch.get_num_threads(), torch=torch.__version__,
+        lscpu, cpu = "", platform.processor()
+    flags = set(next((l.split(":", 1)[1].split() for l in lscpu.splitlines() if l.startswith("Flags")), []))
+    return dict(cpu=cpu, cpu_flags=sorted(flags & {"avx512_bf16", "amx_bf16", "amx_tile", "amx_int8", "avx512f"}),
+                cores=os.cpu_count(), threads=torch.get_num_threads(), torch=torch.__version__,
                 load_average=os.getloadavg()[0])
 
 
@@ -399,14 +614,22 @@ def parse_args(argv=None):
     parser.add_argument("--calib-strategies", default="fast,block")
     parser.add_argument("--calib-reps", type=int, default=1)
     parser.add_argument("--calib-job", help=argparse.SUPPRESS)  # internal: one calibration measurement (a child)
+    parser.add_argument("--train-batch", type=int, default=2, help="train section: sequences per step")
+    parser.add_argument("--train-variants", default="baseline,recipe",
+                        help=f"train section, comma-separated: {', '.join(TRAIN_VARIANTS)}")
+    parser.add_argument("--train-job", help=argparse.SUPPRESS)  # internal: one variant's peak RSS (a child)
+    parser.add_argument("--train-precision", help=argparse.SUPPRESS)  # internal: the child's precision
+    parser.add_argument("--head-dims", default="576,49152", help="head section: hidden size, vocabulary (SmolLM2)")
+    parser.add_argument("--head-job", help=argparse.SUPPRESS)  # internal: one loss variant's peak RSS (a child)
     parser.add_argument("--json", help="write all rows to this file")
     args = parser.parse_args(argv)
     if args.quick:
         args.sizes, args.dtypes, args.reps, args.models = "576", "fp32", 5, "gpt2"
         args.model_reps, args.train_reps, args.compile, args.calib_blocks = 3, 2, False, 2
-    for name in ("sections", "dtypes", "models", "methods", "calib_strategies"):
+    for name in ("sections", "dtypes", "models", "methods", "calib_strategies", "train_variants"):
         setattr(args, name, [s.strip() for s in getattr(args, name).split(",") if s.strip()])
     args.sizes = [int(s) for s in args.sizes.split(",")]
+    args.head_dims = [int(s) for s in args.head_dims.split(",")]
     return args
 
 
@@ -415,18 +638,26 @@ def main(argv=None) -> int:
     if args.calib_job:
         print(json.dumps(calibration_job(args)))
         return 0
+    if args.train_job:
+        print(json.dumps(train_job(args)))
+        return 0
+    if args.head_job:
+        print(json.dumps(head_job(args)))
+        return 0
     info = machine()
     log(f"machine: {info}")
     log(f"command: python scripts/bench_speed.py {' '.join(sys.argv[1:] if argv is None else argv)}")
     rows = []
-    sections = {"module": module_section, "model": model_section, "calibration": calibration_section}
+    sections = {"module": module_section, "model": model_section, "calibration": calibration_section,
+                "head": head_section, "train": train_section}
     for name in args.sections:
         start = time.perf_counter()
         rows += sections[name](args)
         log(f"[{name} section: {time.perf_counter() - start:.0f}s]")
     info["load_average_end"] = os.getloadavg()[0]
     if args.json:
-        Path(args.json).write_text(json.dumps(dict(machine=info, args=vars(args), rows=rows), indent=1))
+        Path(args.json).write_text(json.dumps(dict(machine=info, args=vars(args), rows=rows, cpu=info["cpu"],
+                                                   cpu_flags=info["cpu_flags"], **train_summary(rows)), indent=1))
     return 0
 
 

@@ -34,3 +34,24 @@ def test_model_variants_are_calibrated_unless_asked_not_to():
         for model in bench.model_variants(original, "eln", calibrate, vocab, 32):
             norms = [m for m in model.modules() if isinstance(m, ElementwiseNorm)]
             assert len(norms) == 9 and all(m.per_channel == calibrate for m in norms)
+
+
+def test_quick_train_section_writes_the_keys_a_script_checks(tmp_path, monkeypatch):
+    import torch
+
+    bench = import_file("scripts/bench_speed.py")
+    out = tmp_path / "train.json"
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the peak-RSS children; two threads on a loaded machine crawl
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert bench.main(["--quick", "--sections", "train", "--seq", "32", "--json", str(out)]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    result = json.loads(out.read_text())
+    for key in ("baseline_tokens_per_s", "recipe_tokens_per_s", "baseline_peak_rss_mb", "recipe_peak_rss_mb"):
+        assert result[key] > 0, key
+    assert result["cpu"] and isinstance(result["cpu_flags"], list)
+    rows = {r["variant"]: r for r in result["rows"]}
+    assert rows["baseline"]["precision"] == "fp32" and rows["baseline"]["speedup"] == 1.0
+    assert rows["recipe"]["precision"] in ("fp32", "bf16") and rows["recipe"]["probe_fp32_s"] > 0

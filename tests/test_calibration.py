@@ -295,3 +295,23 @@ def test_calibration_blocks_fit_the_model_context():
     report = convert(model, "eln", calibration=_cfg(data="builtin", tokenizer=tiny_tokenizer(), num_blocks=2,
                                                     block_len=512, strategy="fast"))
     assert report.calibration["tokens"] == 2 * 64
+
+
+@pytest.mark.parametrize("lr", [1e-2, 1e3])  # a tuned block, and one reset to its start (the steps made it worse)
+def test_block_tuning_hands_on_the_outputs_of_the_parameters_it_keeps(lr):
+    from hf_normswap.block_pass import tune_block
+
+    torch.manual_seed(0)
+    norm, linear = ELN(8, 8.0, amplitude=8 ** 0.5), torch.nn.Linear(8, 8)
+    block = torch.nn.ModuleDict(dict(norm=norm, linear=linear))
+    target_norm = torch.nn.RMSNorm(8)
+    hidden = [3 * torch.randn(4, 5, 8), 3 * torch.randn(4, 5, 8)]
+    with torch.no_grad():
+        reference = [linear(target_norm(h)) for h in hidden]
+    batches = [{"attention_mask": torch.ones(4, 5)}] * 2
+    record, outputs = tune_block(block, [norm], lambda x, k, rows: linear(norm(x)), hidden, reference, batches,
+                                 _cfg(block_steps=6, block_rows=3, block_lr=lr))
+    assert record["error_after"] <= record["error_before"]
+    with torch.no_grad():
+        for out, h in zip(outputs, hidden):
+            torch.testing.assert_close(out, linear(norm(h)))

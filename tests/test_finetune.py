@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -290,5 +291,9 @@ def test_configs_name_hub_or_builtin_data_and_local_files_override_them(config, 
     text.write_text(" ".join(WORDS))
     local = [f"calibration.data={text}", f"train_data={text}", "eval_data=builtin:evaluation"]
     recipe.check_data(recipe.load_config(["--config", str(config), *local]))
-    with pytest.raises(SystemExit, match=r"^finetune: eval_data: data file not found: .*missing.txt.*\(eval_data=PATH\)$"):
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as error:
         recipe.check_data(recipe.load_config(["--config", str(config), *local, f"eval_data={tmp_path}/missing.txt"]))
+    assert error.value.code == 2
+    assert re.fullmatch(r"finetune: error: eval_data: data file not found: .*missing.txt.*\(eval_data=PATH\)\n",
+                        capsys.readouterr().err)

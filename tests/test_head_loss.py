@@ -1,0 +1,81 @@
+"""The chunked head loss equals the full-logits loss and its gradients, and the distillation step uses it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hf_normswap.distill import distillation_loss, distillation_step, freeze_embeddings
+from hf_normswap.head_loss import head_bypassed, head_is_plain, head_loss
+from tiny_models import tiny_model
+
+
+def _full(hidden, weight, labels, teacher_logits, mask, w, temperature):
+    logits = hidden @ weight.T
+    ce = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1), ignore_index=-100)
+    kd = distillation_loss(logits, teacher_logits, temperature, mask)
+    return (1 - w) * ce + w * kd, ce, kd
+
+
+@pytest.mark.parametrize("chunk", [3, 64])
+@pytest.mark.parametrize("temperature", [1.0, 2.0])
+def test_chunked_loss_and_gradients_equal_the_full_logits_version(chunk, temperature):
+    torch.manual_seed(0)
+    hidden = torch.randn(2, 9, 16, requires_grad=True)
+    weight = torch.randn(50, 16, requires_grad=True)
+    teacher_hidden, teacher_weight = torch.randn(2, 9, 12), torch.randn(50, 12)
+    labels = torch.randint(0, 50, (2, 9))
+    labels[0, 4] = -100
+    mask = torch.ones(2, 9, dtype=torch.long)
+    mask[1, 7:] = 0
+    full = _full(hidden, weight, labels, teacher_hidden @ teacher_weight.T, mask, 0.3, temperature)
+    expected = torch.autograd.grad(full[0], (hidden, weight))
+    chunked = head_loss(hidden, weight, labels, teacher_hidden=teacher_hidden, teacher_weight=teacher_weight,
+                        kd_mask=mask, ce_weight=0.7, kd_weight=0.3, temperature=temperature, chunk=chunk)
+    for got, want in zip(chunked, full):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    for got, want in zip(torch.autograd.grad(2.0 * chunked[0], (hidden, weight)), expected):
+        torch.testing.assert_close(got, 2.0 * want, rtol=1e-5, atol=1e-6)
+
+
+def test_distillation_step_through_the_bypassed_head_matches_full_logits_on_a_tiny_llama():
+    student, teacher = tiny_model("llama", seed=0), tiny_model("llama", seed=1)
+    assert head_is_plain(student) and head_is_plain(teacher)
+    student.train()
+    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(0))
+    inputs = dict(input_ids=ids, labels=ids, attention_mask=torch.ones_like(ids))
+    results = {}
+    for chunk in (0, 5):
+        student.zero_grad(set_to_none=True)
+        loss, ce, kd = distillation_step(student, teacher, inputs, distill_weight=0.5, head_chunk=chunk)
+        loss.backward()
+        results[chunk] = (loss, ce, kd, {n: p.grad.clone() for n, p in student.named_parameters()})
+    for a, b in zip(results[0][:3], results[5][:3]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert results[0][3].keys() == results[5][3].keys()
+    for name, grad in results[0][3].items():
+        torch.testing.assert_close(results[5][3][name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_head_bypass_is_undone_and_a_biased_head_is_not_plain():
+    model = tiny_model("llama")
+    ids = torch.arange(6)[None]
+    before = model(input_ids=ids).logits
+    with head_bypassed(model):
+        assert model(input_ids=ids).logits.shape[-1] == model.config.hidden_size
+    torch.testing.assert_close(model(input_ids=ids).logits, before)
+    head = model.get_output_embeddings()
+    head.bias = torch.nn.Parameter(torch.zeros(head.out_features))
+    assert not head_is_plain(model)
+
+
+def test_freeze_embeddings_freezes_the_tied_matrix_and_nothing_else():
+    model = tiny_model("llama")
+    model.requires_grad_(True)
+    total = sum(p.numel() for p in model.parameters())
+    embedding = model.get_input_embeddings().weight
+    assert freeze_embeddings(model) == total - embedding.numel() - (
+        0 if model.get_output_embeddings().weight is embedding else model.get_output_embeddings().weight.numel())
+    assert not embedding.requires_grad and not model.get_output_embeddings().weight.requires_grad
+    assert all(p.requires_grad for n, p in model.named_parameters() if "embed" not in n and "lm_head" not in n)

@@ -1,0 +1,97 @@
+"""precision: auto picks bf16 autocast only where the probe finds it faster; bf16 keeps fp32 master weights."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from hf_normswap.precision import choose_precision
+from tiny_models import tiny_model
+
+
+def _fake_timed_step(fp32_seconds: float, bf16_seconds: float):
+    """A step and a timer whose clock advances by the step's fake duration under the active precision."""
+    clock = itertools.count()
+    now = [0.0]
+
+    def step():
+        now[0] += bf16_seconds if torch.is_autocast_enabled("cpu") else fp32_seconds
+
+    def timer():
+        next(clock)
+        return now[0]
+
+    return step, timer
+
+
+@pytest.mark.parametrize("fp32, bf16, expected", [(10.0, 5.0, "bf16"), (5.0, 10.0, "fp32"), (10.0, 9.8, "fp32")])
+def test_auto_picks_bf16_only_when_the_probe_finds_it_faster(fp32, bf16, expected):
+    step, timer = _fake_timed_step(fp32, bf16)
+    choice = choose_precision("auto", step, timer=timer)
+    assert choice.precision == expected
+    assert (choice.fp32_seconds, choice.bf16_seconds) == (fp32, bf16)
+    assert f"{fp32:.3g}s" in choice.describe()
+
+
+def test_fixed_precisions_do_not_probe_and_unknown_ones_fail():
+    assert choose_precision("fp32").precision == "fp32" and choose_precision("bf16").bf16
+    with pytest.raises(ValueError, match="precision must be one of"):
+        choose_precision("fp16")
+
+
+def test_probe_restores_the_random_state():
+    torch.manual_seed(0)
+    choose_precision("auto", lambda: torch.rand(1), repetitions=1)
+    after = torch.rand(1)
+    torch.manual_seed(0)
+    assert torch.equal(after, torch.rand(1))
+
+
+def test_bf16_autocast_step_keeps_fp32_master_weights_and_gradients():
+    from hf_normswap.precision import autocast
+
+    model = tiny_model("llama").train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ids = torch.randint(0, 128, (2, 8))
+    with autocast(True):
+        out = model(input_ids=ids, labels=ids)
+        assert out.logits.dtype == torch.bfloat16  # the matmuls did run in bf16
+    out.loss.backward()
+    optimizer.step()
+    assert all(p.dtype == torch.float32 and p.grad.dtype == torch.float32 for p in model.parameters())
+    assert all(s.dtype == torch.float32 for state in optimizer.state.values() for s in state.values()
+               if isinstance(s, torch.Tensor) and s.dim())
+
+
+def test_bf16_calibration_runs_its_passes_under_autocast_and_keeps_fp32_modules():
+    from hf_normswap import convert
+    from hf_normswap.calibrate import CalibrationConfig
+    from hf_normswap.modules import ElementwiseNorm
+
+    ids = torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(1))
+    results = {}
+    for precision in ("fp32", "bf16"):
+        model = tiny_model("llama")
+        seen = []
+        model.model.layers[0].mlp.register_forward_hook(lambda m, a, out: seen.append(out.dtype))
+        config = CalibrationConfig(data=ids, num_blocks=4, block_len=16, batch_size=4, strategy="block",
+                                   block_steps=3, tune_steps=2, tune_blocks=2, progress=False, precision=precision)
+        report = convert(model, "eln", calibration=config)
+        assert report.calibration["precision"]["precision"] == precision
+        assert (torch.bfloat16 in seen) == (precision == "bf16")  # convert's own passes outside calibration: fp32
+        norms = [m for m in model.modules() if isinstance(m, ElementwiseNorm)]
+        assert norms and all(p.dtype == torch.float32 for m in norms for p in m.parameters())
+        results[precision] = torch.cat([p.detach().flatten() for m in norms for p in m.parameters()])
+    torch.testing.assert_close(results["bf16"], results["fp32"], rtol=0.1, atol=0.05)  # same fit, bf16 rounding
+
+
+def test_recipe_rejects_an_unknown_precision_before_any_work(capsys):
+    from file_modules import import_file
+
+    recipe = import_file("recipes/finetune.py")
+    assert recipe.load_config(["precision=bf16"])["precision"] == "bf16"
+    with pytest.raises(SystemExit) as error:
+        recipe.load_config(["precision=fp16"])
+    assert error.value.code == 2 and "precision 'fp16' is unknown: choose auto, fp32 or bf16" in capsys.readouterr().err
