@@ -515,7 +515,7 @@ def main(argv=None) -> int:
         log(f"after training:\n{after.table()}")
         history = trainer.state.log_history
         tokens = trainer.state.num_input_tokens_seen
-        sessions = summary.get("sessions", []) + [{"resumed_from": last, "wall_seconds": round(wall, 1),
+        launches = summary.get("launches", []) + [{"resumed_from": last, "wall_seconds": round(wall, 1),
                                                    "start_step": resumed.get("global_step", 0),
                                                    "start_tokens": resumed.get("num_input_tokens_seen", 0),
                                                    "global_step": trainer.state.global_step, "tokens": tokens}]
@@ -523,7 +523,7 @@ def main(argv=None) -> int:
                     "distill": distill, "lr": config["lr"], "progressive": progressive if swap else None,
                     "train_data": config["train_data"], "block_len": config["block_len"],
                     "precision": vars(precision), "freeze_embeddings": config["freeze_embeddings"],
-                    "wall_seconds": round(sum(s["wall_seconds"] for s in sessions), 1),
+                    "wall_seconds": round(sum(s["wall_seconds"] for s in launches), 1),
                     "world_size": state.num_processes, "train_loss": result.training_loss}
         model.config.normswap["training"] = training
         hf_normswap.save_pretrained(model, save_dir, tokenizer=tokenizer, overwrite=True,
@@ -533,7 +533,7 @@ def main(argv=None) -> int:
         curve = plot_history(history, out / "curve.png", original_block_ppl,
                              f"{config['model']} -> {config['method'].upper()}, {config['trainable']}, "
                              f"{tokens:,} tokens")
-        summary.update(finetuned=after.to_dict(), training=training, sessions=sessions, history=history,
+        summary.update(finetuned=after.to_dict(), training=training, launches=launches, history=history,
                        reload_identical=identical, curve=str(curve), checkpoint=str(save_dir),
                        original_eval_block_perplexity=original_block_ppl)
         summary_path.write_text(json.dumps(summary, indent=1, default=str))

@@ -4,7 +4,7 @@ training tokens seen, for named recovery methods at equal token budgets.
 Each (norm, method) is one run of ``recipes/finetune.py`` in ``OUT/runs/NORM-METHOD``, extended budget by budget:
 ``train_tokens=B`` for each budget in turn, each launch resuming from the previous one's last checkpoint. A launch is
 a chunk; every JSON line records where its chunk began (``chunk_start_tokens``), so a curve can be carried across
-processes and sessions: run the same command with larger budgets and it goes on from where it stopped (points
+processes: run the same command with larger budgets and it goes on from where it stopped (points
 already in ``OUT/curve.jsonl`` are not measured again). The learning rate is constant after warmup
 (``--schedule``), so extending a run does not change the steps already taken. Budget 0 is the recipe's evaluation
 of the calibrated start. The recipe's final evaluation gives the numbers: WikiText-2 test windows of
@@ -154,9 +154,9 @@ def measure(args) -> None:
                         print(f"[bench_recovery] {norm} {method} {budget}: recipe exited with {code}; see "
                               f"{run_dir}.log (the run resumes from its last checkpoint next time)", flush=True)
                         break
-                    session = summary["sessions"][-1]
+                    launch = summary["launches"][-1]
                     row = {"tokens": summary["training"]["tokens_seen"], "steps": summary["training"]["steps"],
-                           **point(summary, "finetuned"), "chunk_start_tokens": session.get("start_tokens"),
+                           **point(summary, "finetuned"), "chunk_start_tokens": launch.get("start_tokens"),
                            "chunk_wall_s": round(wall, 1), "chunk_cpu_s": round(cpu, 1),
                            "train_wall_s": summary["training"]["wall_seconds"]}
                     if 0 in args.budgets and (norm, method, 0) not in done:

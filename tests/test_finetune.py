@@ -113,9 +113,9 @@ def test_two_process_training_resumes_and_saves_a_reloadable_checkpoint(tiny_set
     second = launch(config, "train_tokens=768", "training.max_steps=100")  # tokens take precedence: 6 steps
     assert "resuming from" in second.stdout and "checkpoint-4" in second.stdout
     summary = json.loads((output / "summary.json").read_text())
-    assert [s["global_step"] for s in summary["sessions"]] == [4, 6]
-    assert [s["start_tokens"] for s in summary["sessions"]] == [0, 4 * 2 * 2 * 32]  # where each chunk began
-    assert summary["sessions"][1]["resumed_from"].endswith("checkpoint-4")
+    assert [s["global_step"] for s in summary["launches"]] == [4, 6]
+    assert [s["start_tokens"] for s in summary["launches"]] == [0, 4 * 2 * 2 * 32]  # where each chunk began
+    assert summary["launches"][1]["resumed_from"].endswith("checkpoint-4")
     assert summary["reload_identical"] is True
     history = summary["history"]
     assert any("eval_perplexity" in h for h in history) and any("kd_loss" in h for h in history)
