@@ -30,6 +30,7 @@ from . import block_pass, end_to_end
 from .capture import DEFAULT_MAX_FIRST, DEFAULT_MAX_TOKENS
 from .discovery import NormInfo
 from .fitting import FitStats, analytic_input_scale, fit_module, saturating_init
+from .model_inputs import forward_without_cache
 from .precision import autocast, check_precision, choose_precision, forward_backward
 
 

@@ -87,6 +87,18 @@ def test_bf16_calibration_runs_its_passes_under_autocast_and_keeps_fp32_modules(
     torch.testing.assert_close(results["bf16"], results["fp32"], rtol=0.1, atol=0.05)  # same fit, bf16 rounding
 
 
+def test_auto_calibration_probes_the_model_and_records_both_timings():
+    from hf_normswap import convert
+    from hf_normswap.calibrate import CalibrationConfig
+
+    ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(1))
+    config = CalibrationConfig(data=ids, num_blocks=2, block_len=8, batch_size=2, strategy="block", block_steps=1,
+                               tune_steps=0, progress=False, precision="auto")
+    chosen = convert(tiny_model("llama"), "dyt", calibration=config).calibration["precision"]
+    assert chosen["requested"] == "auto" and chosen["precision"] in ("fp32", "bf16")
+    assert chosen["fp32_seconds"] > 0 and chosen["bf16_seconds"] > 0
+
+
 def test_recipe_rejects_an_unknown_precision_before_any_work(capsys):
     from file_modules import import_file
 
