@@ -6,8 +6,7 @@ import json
 from contextlib import nullcontext
 
 import pytest
-import torch
-from tiny_models import tiny_model
+from tiny_models import tiny_model, tiny_tokenizer
 
 from hf_normswap.convert import plan
 from hf_normswap.progressive import schedule
@@ -17,20 +16,11 @@ from hf_normswap.sensitivity import (CurvePoint, Measurer, Reference, Score, dou
 TEXT = ["the quick brown fox jumps over the lazy dog and keeps running through the field " * 40]
 
 
-class CharTokenizer:
-    """Characters as token ids below the tiny models' vocabulary of 128."""
-
-    eos_token_id = 0
-
-    def __call__(self, text, add_special_tokens=False):
-        return {"input_ids": [ord(c) % 127 + 1 for c in text]}
-
-
 @pytest.fixture(scope="module")
 def llama_map():
     model = tiny_model("llama")
     _, selected, _ = plan(model)
-    measurer = Measurer(model, Reference(model, CharTokenizer(), TEXT, windows=2, window_len=32), "eln",
+    measurer = Measurer(model, Reference(model, tiny_tokenizer(), TEXT, windows=2, window_len=32), "eln",
                         roles=("attention_input", "mlp_input", "final"))
     return model, selected, measurer, measure_map(measurer, selected, progress=False)
 
@@ -120,9 +110,8 @@ def test_plot_writes_a_png(tmp_path, llama_map):
 def test_encoder_map_scores_embedding_cosine():
     model = tiny_model("bert").bert  # hidden states out, no head: an encoder
     texts = ["a sentence of more than eight words for the tiny encoder here"] * 4
-    tokenizer = type("Tok", (), {"__call__": lambda self, rows, **k: {
-        "input_ids": torch.tensor([[ord(c) % 127 + 1 for c in r[:20]] for r in rows]),
-        "attention_mask": torch.ones(len(rows), 20, dtype=torch.long)}})()
+    tokenizer = tiny_tokenizer()
+    tokenizer.pad_token = tokenizer.eos_token
     _, selected, _ = plan(model)
     measurer = Measurer(model, Reference(model, tokenizer, texts, sentences=4), "dyt",
                         roles=("embedding", "post_norm"))
@@ -151,7 +140,7 @@ def test_calibration_text_is_tokenized_once_for_all_measurements(llama_map):
     from hf_normswap.calibrate import CalibrationConfig
 
     model, selected, measurer, _ = llama_map
-    config = CalibrationConfig(data="builtin", num_blocks=2, block_len=32, strategy="fast", tokenizer=CharTokenizer(),
+    config = CalibrationConfig(data="builtin", num_blocks=2, block_len=32, strategy="fast", tokenizer=tiny_tokenizer(),
                                progress=False)
     calibrated = Measurer(model, measurer.reference, "eln", config, roles=measurer.roles)
     assert calibrated.calibration.data["input_ids"].shape == (2, 32) and calibrated.summary["data"] == "builtin"
@@ -159,16 +148,10 @@ def test_calibration_text_is_tokenized_once_for_all_measurements(llama_map):
 
 
 def test_convert_budget_converts_within_it_and_refuses_an_impossible_one(tmp_path, monkeypatch, capsys):
-    import transformers
-    from tiny_models import tiny_config
-
     import hf_normswap.cli as cli
 
     def load(*args, **kwargs):  # a fresh tiny Llama with room for the 256-token slice windows
-        config = tiny_config("llama")
-        config.max_position_embeddings = 512
-        torch.manual_seed(0)
-        return transformers.LlamaForCausalLM(config).eval(), CharTokenizer()
+        return tiny_model("llama", randomize_norms=False, max_position_embeddings=512), tiny_tokenizer()
 
     monkeypatch.setattr(cli, "load_model", load)
     text, report = tmp_path / "text.txt", tmp_path / "report.json"
