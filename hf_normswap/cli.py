@@ -23,6 +23,7 @@ from .loading import ModelLoadError, load_model
 from .model_card import hub_id
 from .modules import METHODS
 from .packaged import PackagedModelMissing
+from .precision import PRECISIONS
 from .roles import ROLES
 from .sensitivity import exact
 from .validation import ValidationError, check_data_files, check_input_scale, check_number, check_output_file
@@ -62,7 +63,7 @@ def _calibration_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-tokens-per-norm", type=int, default=defaults.max_tokens_per_norm, metavar="K",
                        help="token vectors kept per norm, the memory cap (default: %(default)s)")
     group.add_argument("--plots", metavar="DIR", help="write one fit plot per norm (PNG) into DIR")
-    group.add_argument("--precision", choices=("auto", "fp32", "bf16"), default=defaults.precision,
+    group.add_argument("--precision", choices=PRECISIONS, default=defaults.precision,
                        help="forward / backward passes of calibration in fp32, bf16 autocast, or auto: bf16 where a "
                             "timed probe finds it faster on this machine (default: %(default)s)")
 
@@ -243,16 +244,14 @@ def _sensitivity(args) -> None:
 
     _check_calibration_args(args)
     for flag in ("windows", "window_len", "sentences"):
-        if getattr(args, flag) < 1:
-            raise ConversionError(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
-    if args.tune_steps < 0:
-        raise ConversionError(f"--tune-steps must be at least 0, got {args.tune_steps}")
+        check_number(getattr(args, flag), f"--{flag.replace('_', '-')}", minimum=1)
+    check_number(args.tune_steps, "--tune-steps", minimum=0)
     for spec in (args.calib, args.data):
         if spec:
             local_paths(spec)
     for flag, path in (("--plot", args.plot), ("--log", args.log)):
-        if path and not Path(path).resolve().parent.is_dir():
-            raise ConversionError(f"{flag} {path}: its directory does not exist; create it or pick another path")
+        if path:
+            check_output_file(path, flag)
     model, tokenizer = load_model(args.model)
     _, selected, _ = plan(model, _roles(args.roles), args.include, args.exclude)
     texts = load_texts(args.data, default_split="evaluation")

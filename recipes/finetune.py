@@ -149,6 +149,7 @@ def check_config(config: dict) -> None:
     """Every key known and every value in range, before anything is loaded: see :func:`known_settings`."""
     from hf_normswap.checkpoint import CheckpointError, check_output_dir
     from hf_normswap.modules import METHODS
+    from hf_normswap.precision import PRECISIONS
     from hf_normswap.validation import ValidationError, check_keys, check_number
 
     def at_least(value, name, minimum, optional=False):
@@ -163,7 +164,7 @@ def check_config(config: dict) -> None:
             raise ValidationError(f"method {config['method']!r} is unknown: choose from {', '.join(METHODS)}")
         if config["trainable"] not in ("norms", "all", "lora"):
             raise ValidationError(f"trainable {config['trainable']!r} is unknown: choose norms, all or lora")
-        if config["precision"] not in ("auto", "fp32", "bf16"):
+        if config["precision"] not in PRECISIONS:
             raise ValidationError(f"precision {config['precision']!r} is unknown: choose auto, fp32 or bf16")
         for name in ("model", "train_data", "eval_data", "output_dir"):
             if not isinstance(config[name], str) or not config[name]:
