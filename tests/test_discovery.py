@@ -3,14 +3,13 @@
 import pytest
 import torch
 import torch.nn.functional as F
-import transformers
 
 import hf_normswap
 from hf_normswap.discovery import norm_parameters
 from hf_normswap.model_inputs import dummy_inputs, first_tensor
 from hf_normswap.modules import ElementwiseNorm
 from hf_normswap.roles import ROLES
-from tiny_models import ARCHITECTURES, TINY, tiny_config, tiny_model
+from tiny_models import ARCHITECTURES, tiny_model
 
 # model_type -> (number of norms in the 2-layer tiny model, kind, Gemma-style 1+w weight)
 EXPECTED = {
@@ -75,10 +74,7 @@ def test_every_norm_found_and_classified_by_its_numerics(arch):
 def test_role_labelling_costs_the_same_forward_passes_whatever_the_depth(arch):
     passes, roles = [], []
     for layers in (2, 8):
-        torch.manual_seed(0)
-        config = tiny_config(arch)
-        config.num_hidden_layers = layers
-        model = getattr(transformers, TINY[arch][1])(config).eval()
+        model = tiny_model(arch, num_hidden_layers=layers)
         calls = []
         model.register_forward_pre_hook(lambda module, args: calls.append(1))
         roles.append([n.role for n in hf_normswap.inspect(model)])
