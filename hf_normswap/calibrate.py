@@ -30,7 +30,7 @@ from . import block_pass, end_to_end
 from .capture import DEFAULT_MAX_FIRST, DEFAULT_MAX_TOKENS
 from .discovery import NormInfo
 from .fitting import FitStats, analytic_input_scale, fit_module, saturating_init
-from .model_inputs import forward_without_cache
+from .model_inputs import ends_in_hidden_states, forward_without_cache
 from .precision import autocast, check_precision, choose_precision, forward_backward
 
 
@@ -81,12 +81,6 @@ def strategy_help() -> str:
     """One line per strategy, for ``normswap convert --help``."""
     return "\n".join(["calibration strategies (--strategy; default auto, measured in BENCHMARKS.md):"] +
                      [f"  {s.help_line()}" for s in STRATEGIES.values()])
-
-
-def _outputs_logits(model: nn.Module) -> bool:
-    """Whether the model ends in an output head (LM, masked LM, seq2seq), not in hidden states."""
-    head = getattr(model, "get_output_embeddings", None)
-    return head is None or head() is not None
 
 
 @dataclass
@@ -309,7 +303,7 @@ def calibrate_and_replace(model: nn.Module, selected: list[NormInfo], config: Ca
     """Fit and swap in per-channel replacements for ``selected`` norms, in forward order.
     ``build(source, info, input_scale=, per_channel=)`` makes a module and ``replace(model, name, module)`` sets
     it: ``convert`` passes both, so that stages go one way (convert plans and replaces, calibration fits)."""
-    config = config.resolved(selected, _outputs_logits(model))
+    config = config.resolved(selected, not ends_in_hidden_states(model))
     torch.manual_seed(config.seed)
     batches, fingerprint = calibration_batches(model, config)
     device, probe_start = _input_device(model), time.perf_counter()

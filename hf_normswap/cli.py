@@ -219,12 +219,14 @@ def _select_within_budget(args, model, tokenizer):
     from dataclasses import replace
 
     from .data import load_texts
-    from .sensitivity import CALIB_BLOCKS, CALIB_LEN, is_encoder, measure_map, select_within_budget
+    from .model_inputs import ends_in_hidden_states
+    from .sensitivity import CALIB_BLOCKS, CALIB_LEN, measure_map, select_within_budget
 
     metric, limit = _budget(args)
-    if (metric == "cosine") != is_encoder(model):
+    encoder = ends_in_hidden_states(model)
+    if (metric == "cosine") != encoder:
         raise ConversionError(f"--budget-{metric.replace('_', '-')} does not apply to {args.model}: use "
-                              + ("--budget-cosine for an encoder" if is_encoder(model) else
+                              + ("--budget-cosine for an encoder" if encoder else
                                  "--budget-kl or --budget-ppl-ratio for a model with an output head"))
     calibration = _calibration(args, tokenizer)
     if calibration is not None:  # measured cheaply; the final conversion runs the full calibration

@@ -45,6 +45,13 @@ def dummy_inputs(model: nn.Module, batch: int = 2, seq_len: int = 8, seed: int =
     return {k: v.to(device=device, dtype=float_dtype if v.is_floating_point() else v.dtype) for k, v in inputs.items()}
 
 
+def ends_in_hidden_states(model: nn.Module) -> bool:
+    """Whether the model has no output head (a sentence encoder such as MiniLM): its output is hidden states, so
+    calibration, the sensitivity map and the recipe compare embeddings instead of logits."""
+    head = getattr(model, "get_output_embeddings", None)
+    return head is not None and head() is None
+
+
 def first_tensor(output) -> torch.Tensor:
     """The main tensor of a module or model output (logits, last hidden state, or the first tuple element)."""
     if isinstance(output, torch.Tensor):

@@ -87,6 +87,8 @@ def fail(message: str):
 
 
 def load_config(argv=None) -> dict:
+    from hf_normswap.data import first_line
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", help="YAML file (recipes/configs/*.yaml)")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="e.g. training.max_steps=20 method=dyt")
@@ -96,7 +98,7 @@ def load_config(argv=None) -> dict:
         try:
             loaded = yaml.safe_load(Path(args.config).read_text()) or {}
         except (OSError, yaml.YAMLError) as error:
-            fail(f"--config {args.config}: {str(error).splitlines()[0]}")
+            fail(f"--config {args.config}: {first_line(error)}")
         if not isinstance(loaded, dict):
             fail(f"--config {args.config}: expected a mapping of settings, got a {type(loaded).__name__}")
         config = merge(config, loaded)
@@ -113,7 +115,7 @@ def load_config(argv=None) -> dict:
         try:
             section[last] = yaml.safe_load(value)
         except yaml.YAMLError as error:
-            fail(f"override {item!r}: {str(error).splitlines()[0]}")
+            fail(f"override {item!r}: {first_line(error)}")
     check_config(config)
     return config
 
@@ -295,19 +297,14 @@ def trainable_dense(model):
     return model
 
 
-def is_encoder(model) -> bool:
-    """A model that ends in hidden states (a sentence encoder): no labels, no perplexity, hidden-state distillation."""
-    head = getattr(model, "get_output_embeddings", None)
-    return head is not None and head() is None
-
-
 def final_evaluation(model, original, tokenizer, config: dict, name: str):
     from hf_normswap.data import load_texts
     from hf_normswap.evaluate import evaluate
     from hf_normswap.embeddings import evaluate_embeddings
+    from hf_normswap.model_inputs import ends_in_hidden_states
 
     texts = load_texts(config["eval_data"], "evaluation")
-    if is_encoder(original):  # the embedding its users consume: cosine, neighbours and rank correlation
+    if ends_in_hidden_states(original):  # the embedding its users consume: cosine, neighbours and rank correlation
         return evaluate_embeddings(model, original, tokenizer, texts, data=config["eval_data"], **config["final_eval"])
     return evaluate({name: model}, tokenizer, texts, against=original, data=config["eval_data"], progress=False,
                     **config["final_eval"])
@@ -421,6 +418,7 @@ def main(argv=None) -> int:
     import hf_normswap
     from hf_normswap.distill import (NormSwapTrainer, WallClockStop, apply_lora, freeze_embeddings, merge_lora,
                                      set_trainable)
+    from hf_normswap.model_inputs import ends_in_hidden_states
     from hf_normswap.progressive import ProgressiveSwap, ProgressiveSwapCallback, schedule
 
     # On a machine without GPU, `accelerate launch --multi_gpu --num_processes N` starts N CPU processes; they
@@ -459,7 +457,7 @@ def main(argv=None) -> int:
     state.wait_for_everyone()
 
     # 3. train
-    encoder = is_encoder(original)
+    encoder = ends_in_hidden_states(original)
     train_set = block_dataset(tokenizer, config["train_data"], "calibration", config["block_len"],
                               config["max_train_tokens"])
     eval_set = block_dataset(tokenizer, config["eval_data"], "evaluation", config["block_len"],
