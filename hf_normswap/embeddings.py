@@ -49,14 +49,16 @@ def sentences(texts: list[str], tokenizer, max_tokens: int | None = None) -> lis
     return found
 
 
+@torch.no_grad()
+def mean_pooled(model: nn.Module, encoded: dict) -> torch.Tensor:
+    """One embedding per row of a tokenized batch: the attention-mask-weighted mean of the last hidden states."""
+    hidden = model(**encoded, output_hidden_states=True).hidden_states[-1].float()
+    mask = encoded["attention_mask"].unsqueeze(-1).to(hidden)
+    return (hidden * mask).sum(1) / mask.sum(1)
+
+
 def _embed(model: nn.Module, batches: list[dict]) -> torch.Tensor:
-    rows = []
-    with torch.no_grad():
-        for encoded in batches:
-            hidden = model(**encoded, output_hidden_states=True).hidden_states[-1].float()
-            mask = encoded["attention_mask"].unsqueeze(-1).to(hidden)
-            rows.append((hidden * mask).sum(1) / mask.sum(1))
-    return torch.cat(rows)
+    return torch.cat([mean_pooled(model, encoded) for encoded in batches])
 
 
 @dataclass

@@ -31,7 +31,8 @@ import torch
 from torch import nn
 
 from .convert import ConversionError, convert
-from .model_inputs import first_tensor
+from .embeddings import mean_pooled
+from .model_inputs import ends_in_hidden_states, first_tensor
 from .progressive import LAYER, layer_of
 
 EVAL_WINDOWS, EVAL_LEN, SENTENCES = 2, 256, 64  # the default slice: 510 tokens scored, or 64 sentences for an encoder
@@ -68,14 +69,14 @@ class Reference:
                  window_len: int = EVAL_LEN, sentences: int = SENTENCES):
         from .data import fingerprint, token_blocks
 
-        self.encoder = is_encoder(original)
+        self.encoder = ends_in_hidden_states(original)
         self.fingerprint = fingerprint(texts)
         with torch.no_grad():
             if self.encoder:
                 rows = _sentences(texts, sentences)
                 self.inputs = dict(tokenizer(rows, padding=True, truncation=True, max_length=window_len,
                                              return_tensors="pt"))
-                self.target = _pooled(original, self.inputs)
+                self.target = mean_pooled(original, self.inputs)
                 self.tokens = int(self.inputs["attention_mask"].sum())
             else:
                 self.inputs = token_blocks(tokenizer, texts, windows, window_len)
@@ -97,27 +98,15 @@ class Reference:
     def score(self, model: nn.Module) -> Score:
         model.eval()
         if self.encoder:
-            cosine = torch.nn.functional.cosine_similarity(self.target, _pooled(model, self.inputs), dim=-1)
+            cosine = torch.nn.functional.cosine_similarity(self.target, mean_pooled(model, self.inputs), dim=-1)
             return Score(cosine=float(cosine.mean()))
         logps = [torch.log_softmax(_logits(model, row).float(), -1) for row in self.inputs]
         kl = sum(float((ref.exp() * (ref - logp)).sum(-1)[:-1].sum()) for ref, logp in zip(self.target, logps))
         return Score(kl=kl / self.tokens, ppl_ratio=math.exp(min(self._nll(logps) - self.nll, 700.0)))
 
 
-def is_encoder(model: nn.Module) -> bool:
-    """Whether the model ends in hidden states (scored by embedding cosine) rather than an output head."""
-    head = getattr(model, "get_output_embeddings", None)
-    return head is not None and head() is None
-
-
 def _logits(model: nn.Module, row: torch.Tensor) -> torch.Tensor:
     return first_tensor(model(input_ids=row[None], use_cache=False))[0]
-
-
-def _pooled(model: nn.Module, inputs: dict) -> torch.Tensor:
-    """Mean-pooled last hidden states (sentence-transformers' pooling for MiniLM)."""
-    mask = inputs["attention_mask"].unsqueeze(-1).float()
-    return (first_tensor(model(**inputs)) * mask).sum(1) / mask.sum(1)
 
 
 def _sentences(texts: list[str], count: int) -> list[str]:
