@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import resource
 import subprocess
 import sys
@@ -31,6 +30,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "recipes" / "finetune.py"
+
+sys.path.insert(0, str(ROOT / "scripts"))
+from bench_speed import machine  # noqa: E402  the CPU and its bf16 / AMX flags, recorded as every benchmark does
 
 METHODS: dict[str, list[str]] = {
     # the recipe's default: KL to the original's logits, all weights
@@ -48,17 +50,6 @@ METHODS: dict[str, list[str]] = {
     # original block's output (hf_normswap.reconstruct), then logit distillation
     "blockwise": ["calibration.strategy=block", "calibration.block_weights_lr=1.0e-4"],
 }
-
-
-def machine() -> dict:
-    flags = set()
-    try:
-        flags = set(Path("/proc/cpuinfo").read_text().split("flags")[1].split("\n")[0].split())
-    except (OSError, IndexError):
-        pass
-    model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                  if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else ""
-    return {"cpu": model, "avx512_bf16": "avx512_bf16" in flags, "amx": any(f.startswith("amx") for f in flags)}
 
 
 def commit() -> str:
