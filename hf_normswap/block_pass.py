@@ -27,6 +27,7 @@ from .capture import StopForward, capturing, first_call_inputs
 from .discovery import NormInfo
 from .model_inputs import first_tensor, forward_without_cache
 from .end_to_end import training_only
+from .layerwise import per_token_relative_error
 from .modules import adam_groups
 from .reconstruct import block_weights
 from .roles import block_of
@@ -206,7 +207,7 @@ def _rows(value, rows: slice, batch_size: int):
 
 def _relative_error(out: torch.Tensor, target: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     """Mean over tokens of ||out - target||^2 / ||target||^2: every token counts alike, sinks at RMS 1000 too."""
-    per_token = (out.float() - target.float()).pow(2).sum(-1) / target.float().pow(2).sum(-1).clamp_min(1e-12)
+    per_token = per_token_relative_error(out, target)
     if mask is not None and mask.shape == per_token.shape:
         return per_token[mask.bool()].mean()
     return per_token.mean()

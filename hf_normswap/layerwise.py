@@ -16,6 +16,13 @@ from __future__ import annotations
 import torch
 
 
+def per_token_relative_error(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """``||out - target||^2 / ||target||^2`` of each token (over the last dimension), in fp32: the error block
+    tuning (``block_pass``) and layer-wise distillation both minimize."""
+    target = target.float()
+    return (out.float() - target).pow(2).sum(-1) / target.pow(2).sum(-1).clamp_min(1e-12)
+
+
 def relative_hidden_error(student: tuple[torch.Tensor, ...], teacher: tuple[torch.Tensor, ...],
                           mask: torch.Tensor | None = None, sink_weight: float = 0.0) -> torch.Tensor:
     """Mean over layers of the per-token relative squared error of ``student`` hidden states to ``teacher``'s.
@@ -34,7 +41,5 @@ def relative_hidden_error(student: tuple[torch.Tensor, ...], teacher: tuple[torc
     total = weights.sum().clamp_min(1e-12)
     errors = []
     for s, t in zip(student[1:], teacher[1:]):
-        t = t.float()
-        per_token = (s.float() - t).pow(2).sum(-1) / t.pow(2).sum(-1).clamp_min(1e-12)
-        errors.append((per_token * weights).sum() / total)
+        errors.append((per_token_relative_error(s, t) * weights).sum() / total)
     return torch.stack(errors).mean()
