@@ -2,9 +2,10 @@
 
 bf16 autocast runs the matmuls in bf16 and keeps everything else as it was: master weights, gradients and the
 optimizer state stay fp32, and the DyT / ELN modules compute in fp32 whatever their input. Whether it pays depends
-on the CPU: with AMX tiles a SmolLM2 step runs about 2.5x faster, with AVX512-BF16 alone about 2x, and without
-either bf16 is emulated and slower than fp32. ``auto`` therefore measures instead of guessing: it times a few
-interleaved fp32 / bf16 repetitions of the step and takes bf16 only when it is faster by a margin.
+on the CPU: with AMX tiles a SmolLM2 step runs about 2.5x faster, with AVX512-BF16 alone the recipe's step ran
+1.4-1.6x faster (BENCHMARKS.md, "Training throughput"), and a CPU with neither has no bf16 matrix instructions to
+gain from. ``auto`` therefore measures instead of guessing: it times a few interleaved fp32 / bf16 repetitions
+of the step and takes bf16 only when it is faster by a margin.
 """
 
 from __future__ import annotations
