@@ -87,7 +87,14 @@ def _decode_problem(error: BaseException, files: list[Path], loader: str) -> str
 def _hub(spec: str, default_split: str) -> list[str]:
     import datasets
 
+    from huggingface_hub import constants
+
+    from .loading import hub_reachable  # loading imports this module
+
     name, config, split = (spec.split(":") + [None, None])[:3]
+    if not constants.HF_HUB_OFFLINE and not hub_reachable():  # fail in seconds, not after a minute of retries
+        raise DataError(f"cannot load dataset {spec!r}: the Hub ({constants.ENDPOINT}) is unreachable; name a local "
+                        "text file instead, or set HF_HUB_OFFLINE=1 to read the datasets cache")
     try:
         dataset = datasets.load_dataset(name, config or None, split=split or default_split)
     except Exception as error:  # datasets raises many types for missing names, configs and network failures
