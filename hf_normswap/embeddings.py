@@ -32,9 +32,10 @@ METRICS = (  # (label, Embedding attribute)
 )
 
 
-def sentences(texts: list[str], tokenizer, max_tokens: int | None = None) -> list[str]:
+def sentences(texts: list[str], tokenizer, max_tokens: int | None = None,
+              max_sentences: int | None = MAX_SENTENCES) -> list[str]:
     """Prose sentences of MIN_WORDS to MAX_WORDS words from the texts (wrapped lines joined), the first
-    MAX_SENTENCES of them, up to ``max_tokens``."""
+    ``max_sentences`` of them (None: all), up to ``max_tokens``."""
     found, total = [], 0
     for text in texts:
         for paragraph in re.split(r"\n\s*\n", text):
@@ -44,7 +45,7 @@ def sentences(texts: list[str], tokenizer, max_tokens: int | None = None) -> lis
                     if max_tokens is not None and total > max_tokens:
                         return found
                     found.append(sentence)
-                    if len(found) == MAX_SENTENCES:
+                    if len(found) == max_sentences:
                         return found
     return found
 

@@ -41,7 +41,7 @@ DEFAULTS = {
     "calibration": {"data": "builtin", "strategy": None, "num_blocks": 16, "block_len": 512},
     "train_data": "builtin:calibration",
     "eval_data": "builtin:evaluation",
-    "block_len": 256,            # training sequence length (packed, no padding)
+    "block_len": 256,            # training sequence length (packed, no padding; a sentence encoder: its longest)
     "max_train_tokens": None,    # cap on training text (tokens)
     "train_tokens": None,        # tokens to train on in total, all processes and launches: sets training.max_steps
     "eval_blocks": 8,            # blocks of eval_data for the Trainer's periodic eval_loss / eval_perplexity
@@ -224,6 +224,30 @@ def block_dataset(tokenizer, spec: str, split: str, block_len: int, max_tokens: 
     except DataError as error:
         raise SystemExit(f"finetune: {spec}: {error}") from None
     return datasets.Dataset.from_dict({"input_ids": blocks, "labels": blocks})
+
+
+def sentence_dataset(tokenizer, spec: str, max_len: int, max_tokens: int | None = None):
+    """A sentence encoder's training rows: prose sentences with the tokenizer's special tokens, as the encoder is
+    used and evaluated (``hf_normswap.embeddings``), padded per batch by the Trainer's collator. Packed blocks would
+    train it on inputs it never sees: no [CLS] / [SEP], no padding."""
+    import datasets
+
+    from hf_normswap.data import DataError, load_texts
+    from hf_normswap.embeddings import sentences
+
+    try:
+        found = sentences(load_texts(spec, "calibration"), tokenizer, max_tokens, max_sentences=None)
+    except DataError as error:
+        raise SystemExit(f"finetune: {spec}: {error}") from None
+    if not found:
+        raise SystemExit(f"finetune: {spec}: no prose sentences to train a sentence encoder on")
+    return datasets.Dataset.from_dict(dict(tokenizer(found, truncation=True, max_length=max_len)))
+
+
+def tokens_per_row(dataset) -> float:
+    """Mean tokens of a training row (``block_len`` for packed blocks): what ``train_tokens`` steps are counted in."""
+    rows = dataset["input_ids"]
+    return sum(map(len, rows)) / len(rows)
 
 
 @torch.no_grad()
@@ -427,11 +451,6 @@ def main(argv=None) -> int:
     config["training"]["use_cpu"] = cpu
     state = PartialState(cpu=cpu)
     set_seed(config["seed"])
-    if config["train_tokens"] is not None:  # takes precedence over max_steps
-        training = config["training"]
-        per_step = (config["block_len"] * training["per_device_train_batch_size"]
-                    * training.get("gradient_accumulation_steps", 1) * state.num_processes)
-        training["max_steps"] = max(1, math.ceil(int(config["train_tokens"]) / per_step))
     out = Path(config["output_dir"])
     save_dir = Path(config["save_dir"] or out / "final")
     summary_path = out / "summary.json"
@@ -458,12 +477,19 @@ def main(argv=None) -> int:
 
     # 3. train
     encoder = ends_in_hidden_states(original)
-    train_set = block_dataset(tokenizer, config["train_data"], "calibration", config["block_len"],
-                              config["max_train_tokens"])
-    eval_set = block_dataset(tokenizer, config["eval_data"], "evaluation", config["block_len"],
-                             max_blocks=config["eval_blocks"])
     if encoder:  # trained on hidden states alone; evaluated by embedding cosine after training
-        train_set, eval_set = train_set.remove_columns("labels"), None
+        train_set = sentence_dataset(tokenizer, config["train_data"], config["block_len"], config["max_train_tokens"])
+        eval_set = None
+    else:
+        train_set = block_dataset(tokenizer, config["train_data"], "calibration", config["block_len"],
+                                  config["max_train_tokens"])
+        eval_set = block_dataset(tokenizer, config["eval_data"], "evaluation", config["block_len"],
+                                 max_blocks=config["eval_blocks"])
+    if config["train_tokens"] is not None:  # takes precedence over max_steps
+        training = config["training"]
+        per_step = (tokens_per_row(train_set) * training["per_device_train_batch_size"]
+                    * training.get("gradient_accumulation_steps", 1) * state.num_processes)
+        training["max_steps"] = max(1, math.ceil(int(config["train_tokens"]) / per_step))
     progressive = config["progressive"]
     swap = None
     if progressive["enabled"]:
@@ -488,7 +514,8 @@ def main(argv=None) -> int:
     log(precision.describe())
     args = TrainingArguments(output_dir=str(out), seed=config["seed"], learning_rate=config["lr"]["base"],
                              prediction_loss_only=True, eval_on_start=not encoder,
-                             **{"include_num_input_tokens_seen": "all", **config["training"]})
+                             **{"include_num_input_tokens_seen": "non_padding" if encoder else "all",
+                                **config["training"]})
     callbacks = [WallClockStop(config["max_minutes"])] if config["max_minutes"] else []
     if swap is not None:
         callbacks.append(ProgressiveSwapCallback(swap))

@@ -181,6 +181,29 @@ def test_block_dataset_packs_blocks_within_the_limits(tiny_setup):
         recipe.block_dataset(tokenizer, text, "calibration", 32, max_tokens=10)
 
 
+def test_a_sentence_encoder_trains_on_sentences_with_its_special_tokens(tmp_path):
+    """The rows an encoder is used on ([CLS] sentence [SEP], padded per batch), not packed blocks; ``train_tokens``
+    counts their real tokens."""
+    from transformers import AutoTokenizer
+
+    from hf_normswap.packaged import PackagedModelMissing, packaged_path
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(packaged_path("offline:minilm"))
+    except PackagedModelMissing as missing:
+        pytest.skip(str(missing))
+    recipe = import_file("recipes/finetune.py")
+    text = tmp_path / "text.txt"
+    text.write_text("A short first sentence of prose here. The second sentence is a little longer than that one.\n"
+                    "= Heading =\nToo short.\n")
+    rows = recipe.sentence_dataset(tokenizer, str(text), 128)["input_ids"]
+    assert [tokenizer.decode(r) for r in rows] == [
+        "[CLS] a short first sentence of prose here. [SEP]",
+        "[CLS] the second sentence is a little longer than that one. [SEP]"]
+    assert recipe.tokens_per_row(recipe.sentence_dataset(tokenizer, str(text), 128)) == (len(rows[0]) + len(rows[1])) / 2
+    assert len(recipe.sentence_dataset(tokenizer, str(text), 6)["input_ids"][1]) == 6  # cut to block_len
+
+
 # ------------------------------------------------------------------------------------------ library pieces
 
 
