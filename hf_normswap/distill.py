@@ -186,26 +186,40 @@ def layerwise_step(model: nn.Module, teacher: nn.Module, inputs: dict, *, distil
     return (1.0 - distill_weight) * ce + distill_weight * (kd + hidden_weight * hidden), ce, kd, hidden
 
 
+def training_loss(model: nn.Module, teacher: nn.Module, inputs: dict, *, distill_weight: float,
+                  temperature: float = 1.0, logits: bool = True, hidden_weight: float = 0.0, sink_weight: float = 0.0,
+                  head_chunk: int = 0):
+    """``(loss, ce, kd, hidden)`` of one batch as :class:`NormSwapTrainer` trains (``distill_weight`` > 0): the
+    layer-wise step when there is a hidden-state term (every block's output is needed: full forward passes), else
+    the distillation step (``head_chunk`` > 0: through the chunked head loss)."""
+    if hidden_weight > 0:
+        return layerwise_step(model, teacher, inputs, distill_weight=distill_weight, temperature=temperature,
+                              logits=logits, hidden_weight=hidden_weight, sink_weight=sink_weight)
+    loss, ce, kd = distillation_step(model, teacher, inputs, distill_weight=distill_weight, temperature=temperature,
+                                     head_chunk=head_chunk)
+    return loss, ce, kd, torch.zeros(())
+
+
 def distillation_precision(precision: str, student: nn.Module, teacher: nn.Module, input_ids: torch.Tensor, *,
-                           distill_weight: float = 1.0, temperature: float = 1.0, head_chunk: int = DEFAULT_CHUNK,
-                           device: torch.device | str = "cpu"):
-    """``precision`` ('auto' | 'fp32' | 'bf16') for training ``student``; ``auto`` times this distillation step
-    (forward, loss, backward on ``input_ids``) in fp32 and under bf16 autocast (:func:`precision.choose_precision`)."""
+                           device: torch.device | str = "cpu", head_chunk: int = DEFAULT_CHUNK, **loss_settings):
+    """``precision`` ('auto' | 'fp32' | 'bf16') for training ``student``; ``auto`` times the training step
+    (:func:`training_loss` with ``loss_settings``, or the model's own loss when ``distill_weight`` is 0, then
+    backward) on ``input_ids`` in fp32 and under bf16 autocast (:func:`precision.choose_precision`)."""
+    from .model_inputs import ends_in_hidden_states
     from .precision import choose_precision
 
     if precision != "auto":
         return choose_precision(precision)
     student.to(device).train()
     teacher.to(device)
-    inputs = dict(input_ids=input_ids.to(device), labels=input_ids.to(device))
-    chunk = head_chunk_for(student, teacher, head_chunk) if distill_weight > 0 else 0
+    ids = input_ids.to(device)
+    inputs = dict(input_ids=ids) if ends_in_hidden_states(teacher) else dict(input_ids=ids, labels=ids)
+    distilled = loss_settings.get("distill_weight", 0) > 0
+    chunk = head_chunk_for(student, teacher, head_chunk) if distilled else 0
 
     def step():
-        if distill_weight > 0:
-            loss = distillation_step(student, teacher, inputs, distill_weight=distill_weight,
-                                     temperature=temperature, head_chunk=chunk)[0]
-        else:
-            loss = student(**inputs).loss
+        loss = training_loss(student, teacher, inputs, head_chunk=chunk, **loss_settings)[0] if distilled \
+            else student(**inputs).loss
         loss.backward()
         student.zero_grad(set_to_none=True)
 
@@ -270,18 +284,14 @@ class NormSwapTrainer(Trainer):
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         if self.distill_weight == 0 or not model.training:  # evaluation: plain cross-entropy, for perplexity
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        if self.head_chunk is None:  # decided once, on the models as trained
+            self.head_chunk = head_chunk_for(self.accelerator.unwrap_model(model), self.teacher,
+                                             self.requested_head_chunk)
         with self.accelerator.autocast():  # the teacher and the head loss as the student's forward (bf16 or not)
-            if self.hidden_weight > 0:  # every block's output is needed: full forward passes
-                loss, ce, kd, hidden = layerwise_step(model, self.teacher, inputs, distill_weight=self.distill_weight,
-                                                      temperature=self.temperature, logits=self.logits,
-                                                      hidden_weight=self.hidden_weight, sink_weight=self.sink_weight)
-            else:
-                if self.head_chunk is None:  # decided once, on the models as trained
-                    self.head_chunk = head_chunk_for(self.accelerator.unwrap_model(model), self.teacher,
-                                                     self.requested_head_chunk)
-                loss, ce, kd = distillation_step(model, self.teacher, inputs, distill_weight=self.distill_weight,
-                                                 temperature=self.temperature, head_chunk=self.head_chunk)
-                hidden = torch.zeros(())
+            loss, ce, kd, hidden = training_loss(model, self.teacher, inputs, distill_weight=self.distill_weight,
+                                                 temperature=self.temperature, logits=self.logits,
+                                                 hidden_weight=self.hidden_weight, sink_weight=self.sink_weight,
+                                                 head_chunk=self.head_chunk)
         for key, value in zip(self.COMPONENTS, (ce, kd, hidden)):
             self._component_sums[key] += float(value.detach())
         self._component_sums["count"] += 1

@@ -343,11 +343,12 @@ def training_precision(config: dict, student, original, train_set, state):
 
     choice = [None]
     if state.is_main_process or config["precision"] != "auto":
+        distill = config["distill"]
         choice = [distillation_precision(config["precision"], student, original,
-                                         torch.tensor(train_set[:1]["input_ids"]),
-                                         distill_weight=config["distill"]["weight"],
-                                         temperature=config["distill"]["temperature"],
-                                         head_chunk=config["head_chunk"], device=state.device)]
+                                         torch.tensor(train_set[:1]["input_ids"]), device=state.device,
+                                         head_chunk=config["head_chunk"], distill_weight=distill["weight"],
+                                         temperature=distill["temperature"], logits=distill["logits"],
+                                         hidden_weight=distill["hidden"], sink_weight=distill["sink_weight"])]
     if state.num_processes > 1 and config["precision"] == "auto":
         choice = broadcast_object_list(choice)
     return choice[0]

@@ -100,3 +100,19 @@ def test_recipe_rejects_an_unknown_precision_before_any_work(capsys):
     with pytest.raises(SystemExit) as error:
         recipe.load_config(["precision=fp16"])
     assert error.value.code == 2 and "precision 'fp16' is unknown: choose auto, fp32 or bf16" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("model_type, settings", [
+    ("llama", dict(distill_weight=1.0)),
+    ("llama", dict(distill_weight=1.0, hidden_weight=1.0)),
+    ("bert", dict(distill_weight=1.0, logits=False, hidden_weight=1.0, sink_weight=1.0)),  # no logits, no labels
+])
+def test_auto_probes_the_training_step_of_decoders_and_encoders(model_type, settings):
+    from hf_normswap import convert
+    from hf_normswap.distill import distillation_precision
+
+    student, teacher = tiny_model(model_type), tiny_model(model_type)
+    convert(student, to="eln")
+    choice = distillation_precision("auto", student, teacher, torch.randint(0, 100, (1, 16)), **settings)
+    assert choice.requested == "auto" and choice.fp32_seconds > 0 and choice.bf16_seconds > 0
+    assert all(p.grad is None for p in student.parameters())
