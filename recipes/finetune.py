@@ -200,11 +200,13 @@ def check_config(config: dict) -> None:
 def check_data(config: dict) -> None:
     """Read every text source before any model loads, so a missing file or an unreachable Hub dataset stops the
     run at once with one line naming the key that overrides it."""
+    from hf_normswap.checkpoint import read_config
     from hf_normswap.data import DataError, load_texts
 
-    for key, spec, split in (("calibration.data", config["calibration"]["data"], "calibration"),
-                             ("train_data", config["train_data"], "calibration"),
-                             ("eval_data", config["eval_data"], "evaluation")):
+    sources = [("train_data", config["train_data"], "calibration"), ("eval_data", config["eval_data"], "evaluation")]
+    if not (Path(config["model"]).is_dir() and read_config(config["model"]) is not None):  # else: calibrated
+        sources.insert(0, ("calibration.data", config["calibration"]["data"], "calibration"))
+    for key, spec, split in sources:
         try:
             load_texts(spec, split)
         except DataError as error:

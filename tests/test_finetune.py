@@ -320,3 +320,14 @@ def test_configs_name_hub_or_builtin_data_and_local_files_override_them(config, 
     assert error.value.code == 2
     assert re.fullmatch(r"finetune: error: eval_data: data file not found: .*missing.txt.*\(eval_data=PATH\)\n",
                         capsys.readouterr().err)
+
+
+def test_a_converted_checkpoint_needs_no_calibration_data(tmp_path):
+    """The main job's recovery: the recipe on a saved calibrated checkpoint reads no calibration text."""
+    recipe = import_file("recipes/finetune.py")
+    model, _, _ = converted_tiny()
+    hf_normswap.save_pretrained(model, tmp_path / "converted")
+    unreadable = f"calibration.data={tmp_path}/missing.txt"
+    recipe.check_data(recipe.load_config([f"model={tmp_path / 'converted'}", unreadable]))
+    with pytest.raises(SystemExit):  # an original to convert still needs it
+        recipe.check_data(recipe.load_config([f"model={tmp_path}", unreadable]))
