@@ -492,8 +492,8 @@ def main(argv=None) -> int:
         trainable = set_trainable(student, config["trainable"])
     if config["freeze_embeddings"]:
         trainable = freeze_embeddings(student)
-    log(f"training {trainable:,} parameters ({config['trainable']}) on {len(train_set)} blocks of "
-        f"{config['block_len']} tokens")
+    rows = f"sentences (at most {config['block_len']} tokens)" if encoder else f"blocks of {config['block_len']} tokens"
+    log(f"training {trainable:,} parameters ({config['trainable']}) on {len(train_set)} {rows}")
 
     distill = config["distill"]
     precision = training_precision(config, student, original, train_set, state)
