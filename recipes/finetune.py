@@ -116,6 +116,9 @@ def load_config(argv=None) -> dict:
             section[last] = yaml.safe_load(value)
         except yaml.YAMLError as error:
             fail(f"override {item!r}: {first_line(error)}")
+    for key, value in config["training"].items():  # YAML 1.1 reads an unquoted `no` as false
+        if key.endswith("_strategy") and value is False:
+            config["training"][key] = "no"
     check_config(config)
     return config
 

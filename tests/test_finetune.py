@@ -331,3 +331,12 @@ def test_a_converted_checkpoint_needs_no_calibration_data(tmp_path):
     recipe.check_data(recipe.load_config([f"model={tmp_path / 'converted'}", unreadable]))
     with pytest.raises(SystemExit):  # an original to convert still needs it
         recipe.check_data(recipe.load_config([f"model={tmp_path}", unreadable]))
+
+
+def test_a_strategy_set_to_no_stays_no(tmp_path):
+    """YAML reads an unquoted `no` as false; the Trainer's strategies take the word."""
+    recipe = import_file("recipes/finetune.py")
+    config = tmp_path / "c.yaml"
+    config.write_text("training: {save_strategy: no}\n")
+    loaded = recipe.load_config(["--config", str(config), "training.eval_strategy=no"])
+    assert loaded["training"]["eval_strategy"] == loaded["training"]["save_strategy"] == "no"
