@@ -524,7 +524,8 @@ def main(argv=None) -> int:
     wall = time.time() - start
 
     # 4. evaluate, save, check, plot, push (main process)
-    model = merge_lora(trainer.accelerator.unwrap_model(trainer.model))
+    # without the autocast wrapper accelerate puts on forward under bf16: evaluated and saved as it reloads
+    model = merge_lora(trainer.accelerator.unwrap_model(trainer.model, keep_fp32_wrapper=False))
     if state.is_main_process:
         model.eval()
         after = final_evaluation(model, original, tokenizer, config, "finetuned")

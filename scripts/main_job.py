@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import json
 import subprocess
 import sys
 import time
@@ -66,7 +67,7 @@ def calibration_config(args, tokenizer):
                              tokenizer=tokenizer)
 
 
-def recover_command(args, method: str, checkpoint: Path) -> list[str]:
+def recover_command(args, method: str, checkpoint: Path, precision: str) -> list[str]:
     """The recipe on a saved calibrated checkpoint, with this job's texts and windows: the command a user runs."""
     return [sys.executable, str(ROOT / "recipes" / "finetune.py"),
             "--config", str(ROOT / "recipes" / "configs" / f"smollm2-{method}.yaml"),
@@ -74,7 +75,7 @@ def recover_command(args, method: str, checkpoint: Path) -> list[str]:
             f"train_tokens={args.recover_tokens}", f"output_dir={checkpoint}-recovery",
             f"final_eval.max_tokens={args.eval_tokens}", f"final_eval.max_length={args.eval_len}",
             "training.warmup_steps=2", "training.eval_strategy=no", "training.save_strategy=no",
-            "training.disable_tqdm=true", "eval_blocks=1"]
+            "training.disable_tqdm=true", "eval_blocks=1", f"precision={precision}"]
 
 
 def main(argv=None) -> int:
@@ -101,14 +102,16 @@ def main(argv=None) -> int:
     out = Path(args.out)
     saved = {method: save_pretrained(model, out / f"smollm2-{method}", tokenizer=tokenizer, overwrite=True)
              for method, model in converted.items()}
-    scored = dict(converted)
+    scored, precision = dict(converted), "auto"
     for method in METHODS if args.recover_tokens else ():
-        command = recover_command(args, method, saved[method])
+        command = recover_command(args, method, saved[method], precision)
         step = time.time()
         print(f"[main job] recovering {method.upper()}: recipes/finetune.py, {args.recover_tokens:,} training tokens "
               f"against the original:\n  {' '.join(command[1:])}", flush=True)
         subprocess.run(command, check=True)
         scored[f"{method} recovered"] = load(f"{saved[method]}-recovery/final")
+        summary = json.loads(Path(f"{saved[method]}-recovery/summary.json").read_text())
+        precision = summary["training"]["precision"]["precision"]  # probed once: the next model takes it
         print(f"[main job] {method.upper()} recovered in {time.time() - step:.0f}s", flush=True)
 
     texts = load_texts(args.data, default_split="evaluation")

@@ -110,7 +110,8 @@ def test_two_process_training_resumes_and_saves_a_reloadable_checkpoint(tiny_set
     summary = json.loads((output / "summary.json").read_text())
     assert summary["training"]["world_size"] == 2 and summary["training"]["steps"] == 4
 
-    second = launch(config, "train_tokens=768", "training.max_steps=100")  # tokens take precedence: 6 steps
+    # tokens take precedence: 6 steps; in bf16 autocast, evaluated and saved without accelerate's autocast wrapper
+    second = launch(config, "train_tokens=768", "training.max_steps=100", "precision=bf16")
     assert "resuming from" in second.stdout and "checkpoint-4" in second.stdout
     summary = json.loads((output / "summary.json").read_text())
     assert [s["global_step"] for s in summary["launches"]] == [4, 6]
