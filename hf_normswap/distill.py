@@ -262,10 +262,12 @@ class NormSwapTrainer(Trainer):
         if not self.logits and self.hidden_weight <= 0:
             raise ValueError("distillation without logits needs hidden_weight > 0")
         self.shape_lr, self.gamma_lr = shape_lr, gamma_lr
-        self.requested_head_chunk, self.head_chunk = int(head_chunk or 0), None
         if self.teacher is not None and self.distill_weight > 0:
             self.teacher.to(self.args.device).eval().requires_grad_(False)
             self.loss_is_scaled_for_ga = False  # compute_loss returns a per-batch mean: let the Trainer divide
+        # decided here, before accelerate wraps the forward in autocast: the check compares fp32 logits exactly
+        distilled_logits = teacher is not None and self.distill_weight > 0 and self.hidden_weight <= 0
+        self.head_chunk = head_chunk_for(self.model, teacher, int(head_chunk or 0)) if distilled_logits else 0
         self._component_sums = dict.fromkeys(self.COMPONENTS, 0.0) | {"count": 0}
 
     COMPONENTS = ("ce_loss", "kd_loss", "hidden_loss")
@@ -284,9 +286,6 @@ class NormSwapTrainer(Trainer):
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         if self.distill_weight == 0 or not model.training:  # evaluation: plain cross-entropy, for perplexity
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
-        if self.head_chunk is None:  # decided once, on the models as trained
-            self.head_chunk = head_chunk_for(self.accelerator.unwrap_model(model), self.teacher,
-                                             self.requested_head_chunk)
         with self.accelerator.autocast():  # the teacher and the head loss as the student's forward (bf16 or not)
             loss, ce, kd, hidden = training_loss(model, self.teacher, inputs, distill_weight=self.distill_weight,
                                                  temperature=self.temperature, logits=self.logits,

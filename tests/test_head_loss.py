@@ -79,3 +79,23 @@ def test_freeze_embeddings_freezes_the_tied_matrix_and_nothing_else():
         0 if model.get_output_embeddings().weight is embedding else model.get_output_embeddings().weight.numel())
     assert not embedding.requires_grad and not model.get_output_embeddings().weight.requires_grad
     assert all(p.requires_grad for n, p in model.named_parameters() if "embed" not in n and "lm_head" not in n)
+
+
+def test_the_trainer_keeps_the_chunked_head_loss_under_bf16_autocast(tmp_path):
+    """The head check runs before accelerate wraps the forward in bf16 autocast: under autocast the logits are not
+    exactly ``hidden @ W.T`` in fp32, and a check made there would drop the chunked loss (or fail on the dtypes)."""
+    import datasets
+    from transformers import TrainingArguments
+
+    from hf_normswap import convert
+    from hf_normswap.distill import NormSwapTrainer
+
+    student, teacher = tiny_model("llama"), tiny_model("llama")
+    convert(student, to="eln")
+    ids = torch.randint(0, 100, (4, 16), generator=torch.Generator().manual_seed(0)).tolist()
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=2, bf16=True,
+                             use_cpu=True, save_strategy="no", report_to="none", disable_tqdm=True)
+    trainer = NormSwapTrainer(model=student, args=args, teacher=teacher, distill_weight=1.0, head_chunk=8,
+                              train_dataset=datasets.Dataset.from_dict({"input_ids": ids, "labels": ids}))
+    assert trainer.train().training_loss > 0
+    assert trainer.head_chunk == 8
