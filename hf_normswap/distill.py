@@ -22,7 +22,7 @@ from torch import nn
 from transformers import Trainer, TrainerCallback
 
 from .head_loss import DEFAULT_CHUNK, head_bypassed, head_is_plain, head_loss
-from .layerwise import relative_hidden_error
+from .layerwise import embedding_cosine_error, relative_hidden_error
 from .modules import ElementwiseNorm
 
 TRAINABLE = ("norms", "all", "lora")
@@ -168,9 +168,10 @@ def distillation_step(model: nn.Module, teacher: nn.Module | None, inputs: dict,
 
 def layerwise_step(model: nn.Module, teacher: nn.Module, inputs: dict, *, distill_weight: float,
                    temperature: float = 1.0, logits: bool = True, hidden_weight: float = 1.0,
-                   sink_weight: float = 0.0):
-    """``(loss, ce, kd, hidden)``: ``(1 - w) * CE + w * (KD + h * H)`` with H the layer-wise loss
-    (:func:`hf_normswap.layerwise.relative_hidden_error`); KD is left out when ``logits`` is false. A model without a
+                   sink_weight: float = 0.0, embedding_weight: float = 0.0):
+    """``(loss, ce, kd, hidden, embedding)``: ``(1 - w) * CE + w * (KD + h * H + e * E)`` with H the layer-wise loss
+    (:func:`hf_normswap.layerwise.relative_hidden_error`) and E the pooled-embedding cosine error
+    (:func:`hf_normswap.layerwise.embedding_cosine_error`); KD is left out when ``logits`` is false. A model without a
     loss of its own (a sentence encoder) needs ``w = 1``."""
     outputs = model(**inputs, output_hidden_states=True)
     zero = torch.zeros((), device=inputs["input_ids"].device)
@@ -182,22 +183,27 @@ def layerwise_step(model: nn.Module, teacher: nn.Module, inputs: dict, *, distil
     with torch.no_grad():
         reference = teacher(input_ids=inputs["input_ids"], attention_mask=mask, output_hidden_states=True)
     kd = distillation_loss(outputs.logits, reference.logits, temperature, mask) if logits else zero
-    hidden = relative_hidden_error(outputs.hidden_states, reference.hidden_states, mask, sink_weight)
-    return (1.0 - distill_weight) * ce + distill_weight * (kd + hidden_weight * hidden), ce, kd, hidden
+    hidden = relative_hidden_error(outputs.hidden_states, reference.hidden_states, mask, sink_weight) \
+        if hidden_weight > 0 else zero
+    embedding = embedding_cosine_error(outputs.hidden_states[-1], reference.hidden_states[-1], mask) \
+        if embedding_weight > 0 else zero
+    total = kd + hidden_weight * hidden + embedding_weight * embedding
+    return (1.0 - distill_weight) * ce + distill_weight * total, ce, kd, hidden, embedding
 
 
 def training_loss(model: nn.Module, teacher: nn.Module, inputs: dict, *, distill_weight: float,
                   temperature: float = 1.0, logits: bool = True, hidden_weight: float = 0.0, sink_weight: float = 0.0,
-                  head_chunk: int = 0):
-    """``(loss, ce, kd, hidden)`` of one batch as :class:`NormSwapTrainer` trains (``distill_weight`` > 0): the
-    layer-wise step when there is a hidden-state term (every block's output is needed: full forward passes), else
-    the distillation step (``head_chunk`` > 0: through the chunked head loss)."""
-    if hidden_weight > 0:
+                  embedding_weight: float = 0.0, head_chunk: int = 0):
+    """``(loss, ce, kd, hidden, embedding)`` of one batch as :class:`NormSwapTrainer` trains (``distill_weight`` > 0):
+    the layer-wise step when there is a hidden-state term (hidden states are needed: full forward passes), else the
+    distillation step (``head_chunk`` > 0: through the chunked head loss)."""
+    if hidden_weight > 0 or embedding_weight > 0:
         return layerwise_step(model, teacher, inputs, distill_weight=distill_weight, temperature=temperature,
-                              logits=logits, hidden_weight=hidden_weight, sink_weight=sink_weight)
+                              logits=logits, hidden_weight=hidden_weight, sink_weight=sink_weight,
+                              embedding_weight=embedding_weight)
     loss, ce, kd = distillation_step(model, teacher, inputs, distill_weight=distill_weight, temperature=temperature,
                                      head_chunk=head_chunk)
-    return loss, ce, kd, torch.zeros(())
+    return loss, ce, kd, torch.zeros(()), torch.zeros(())
 
 
 def distillation_precision(precision: str, student: nn.Module, teacher: nn.Module, input_ids: torch.Tensor, *,
@@ -239,9 +245,10 @@ def _unwrapped(model: nn.Module) -> nn.Module:
 class NormSwapTrainer(Trainer):
     """``Trainer`` with cross-entropy + distillation from a frozen ``teacher`` and DyT / ELN parameter groups.
 
-    ``distill_weight`` w: loss = (1 - w) * CE + w * (KD + h * H) (w = 0: plain fine-tuning, no teacher forward),
-    with ``hidden_weight`` h and H the layer-wise loss (:func:`hf_normswap.layerwise.relative_hidden_error`, the
-    first position weighted by ``sink_weight``); ``logits=False`` drops KD (layer-wise distillation alone). The
+    ``distill_weight`` w: loss = (1 - w) * CE + w * (KD + h * H + e * E) (w = 0: plain fine-tuning, no teacher
+    forward), with ``hidden_weight`` h and H the layer-wise loss (:func:`hf_normswap.layerwise.relative_hidden_error`,
+    the first position weighted by ``sink_weight``), ``embedding_weight`` e and E the pooled-embedding cosine error
+    (:func:`hf_normswap.layerwise.embedding_cosine_error`); ``logits=False`` drops KD (hidden states alone). The
     teacher is moved to the training device and never wrapped for DDP, so every process holds its own copy; it runs
     under the student's autocast (bf16 when the Trainer's ``bf16`` is set). ``head_chunk`` tokens at a time go
     through the output head (:mod:`hf_normswap.head_loss`) when both heads are plain linear maps and there is no
@@ -250,7 +257,7 @@ class NormSwapTrainer(Trainer):
 
     def __init__(self, *args, teacher: nn.Module | None = None, distill_weight: float = 0.0,
                  temperature: float = 1.0, logits: bool = True, hidden_weight: float = 0.0, sink_weight: float = 0.0,
-                 shape_lr: float | None = None, gamma_lr: float | None = None, head_chunk: int = DEFAULT_CHUNK,
+                 embedding_weight: float = 0.0, shape_lr: float | None = None, gamma_lr: float | None = None, head_chunk: int = DEFAULT_CHUNK,
                  **kwargs):
         super().__init__(*args, **kwargs)
         if distill_weight > 0 and teacher is None:
@@ -259,18 +266,20 @@ class NormSwapTrainer(Trainer):
         self.distill_weight = float(distill_weight)
         self.temperature = float(temperature)
         self.logits, self.hidden_weight, self.sink_weight = bool(logits), float(hidden_weight), float(sink_weight)
-        if not self.logits and self.hidden_weight <= 0:
-            raise ValueError("distillation without logits needs hidden_weight > 0")
+        self.embedding_weight = float(embedding_weight)
+        hidden_terms = self.hidden_weight > 0 or self.embedding_weight > 0
+        if not self.logits and not hidden_terms:
+            raise ValueError("distillation without logits needs hidden_weight or embedding_weight > 0")
         self.shape_lr, self.gamma_lr = shape_lr, gamma_lr
         if self.teacher is not None and self.distill_weight > 0:
             self.teacher.to(self.args.device).eval().requires_grad_(False)
             self.loss_is_scaled_for_ga = False  # compute_loss returns a per-batch mean: let the Trainer divide
         # decided here, before accelerate wraps the forward in autocast: the check compares fp32 logits exactly
-        distilled_logits = teacher is not None and self.distill_weight > 0 and self.hidden_weight <= 0
+        distilled_logits = teacher is not None and self.distill_weight > 0 and not hidden_terms
         self.head_chunk = head_chunk_for(self.model, teacher, int(head_chunk or 0)) if distilled_logits else 0
         self._component_sums = dict.fromkeys(self.COMPONENTS, 0.0) | {"count": 0}
 
-    COMPONENTS = ("ce_loss", "kd_loss", "hidden_loss")
+    COMPONENTS = ("ce_loss", "kd_loss", "hidden_loss", "embedding_loss")
 
     def create_optimizer(self, model=None):
         opt_model = self.model if model is None else model
@@ -287,11 +296,11 @@ class NormSwapTrainer(Trainer):
         if self.distill_weight == 0 or not model.training:  # evaluation: plain cross-entropy, for perplexity
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
         with self.accelerator.autocast():  # the teacher and the head loss as the student's forward (bf16 or not)
-            loss, ce, kd, hidden = training_loss(model, self.teacher, inputs, distill_weight=self.distill_weight,
-                                                 temperature=self.temperature, logits=self.logits,
-                                                 hidden_weight=self.hidden_weight, sink_weight=self.sink_weight,
-                                                 head_chunk=self.head_chunk)
-        for key, value in zip(self.COMPONENTS, (ce, kd, hidden)):
+            loss, *components = training_loss(model, self.teacher, inputs, distill_weight=self.distill_weight,
+                                              temperature=self.temperature, logits=self.logits,
+                                              hidden_weight=self.hidden_weight, sink_weight=self.sink_weight,
+                                              embedding_weight=self.embedding_weight, head_chunk=self.head_chunk)
+        for key, value in zip(self.COMPONENTS, components):
             self._component_sums[key] += float(value.detach())
         self._component_sums["count"] += 1
         return (loss, None) if return_outputs else loss

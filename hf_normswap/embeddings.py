@@ -50,12 +50,19 @@ def sentences(texts: list[str], tokenizer, max_tokens: int | None = None,
     return found
 
 
+def mean_pool(hidden: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+    """``(batch, dim)``: the attention-mask-weighted mean over positions of ``(batch, seq, dim)`` hidden states."""
+    hidden = hidden.float()
+    if attention_mask is None:
+        return hidden.mean(1)
+    mask = attention_mask.unsqueeze(-1).to(hidden)
+    return (hidden * mask).sum(1) / mask.sum(1).clamp_min(1)
+
+
 @torch.no_grad()
 def mean_pooled(model: nn.Module, encoded: dict) -> torch.Tensor:
     """One embedding per row of a tokenized batch: the attention-mask-weighted mean of the last hidden states."""
-    hidden = model(**encoded, output_hidden_states=True).hidden_states[-1].float()
-    mask = encoded["attention_mask"].unsqueeze(-1).to(hidden)
-    return (hidden * mask).sum(1) / mask.sum(1)
+    return mean_pool(model(**encoded, output_hidden_states=True).hidden_states[-1], encoded["attention_mask"])
 
 
 def _embed(model: nn.Module, batches: list[dict]) -> torch.Tensor:

@@ -43,3 +43,14 @@ def relative_hidden_error(student: tuple[torch.Tensor, ...], teacher: tuple[torc
     for s, t in zip(student[1:], teacher[1:]):
         errors.append((per_token_relative_error(s, t) * weights).sum() / total)
     return torch.stack(errors).mean()
+
+
+def embedding_cosine_error(student_last: torch.Tensor, teacher_last: torch.Tensor,
+                           mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Mean over rows of ``1 - cosine`` between the mean-pooled last hidden states (a sentence encoder's embedding,
+    :func:`hf_normswap.embeddings.mean_pool`): the direction its users compare, free of the per-token scale an
+    element-wise norm cannot set."""
+    from .embeddings import mean_pool
+
+    return 1.0 - torch.nn.functional.cosine_similarity(mean_pool(student_last, mask), mean_pool(teacher_last, mask),
+                                                       dim=-1).mean()

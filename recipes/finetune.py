@@ -48,8 +48,10 @@ DEFAULTS = {
     "final_eval": {"max_tokens": 8192, "max_length": 512},  # hf_normswap.evaluate, before and after training
     "trainable": "norms",        # norms | all | lora
     "lora": {"r": 16, "alpha": 32, "dropout": 0.0, "target_modules": "all-linear"},
-    # loss = (1 - weight) * CE + weight * (logit KL + hidden * layer-wise loss); hf_normswap.distill, .layerwise
-    "distill": {"weight": 0.5, "temperature": 1.0, "logits": True, "hidden": 0.0, "sink_weight": 0.0},
+    # loss = (1 - weight) * CE + weight * (logit KL + hidden * layer-wise loss + embedding * (1 - cosine of the
+    # mean-pooled last hidden states, a sentence encoder's embedding)); hf_normswap.distill, .layerwise
+    "distill": {"weight": 0.5, "temperature": 1.0, "logits": True, "hidden": 0.0, "sink_weight": 0.0,
+                "embedding": 0.0},
     "precision": "auto",         # auto | fp32 | bf16 (autocast, fp32 master weights): auto times both on this machine
     "head_chunk": 256,           # distillation: tokens per chunk through the output head (0: full B x T x V logits)
     "freeze_embeddings": False,  # keep the input embeddings and the (tied) output head fixed
@@ -353,7 +355,8 @@ def training_precision(config: dict, student, original, train_set, state):
                                          torch.tensor(train_set[:1]["input_ids"]), device=state.device,
                                          head_chunk=config["head_chunk"], distill_weight=distill["weight"],
                                          temperature=distill["temperature"], logits=distill["logits"],
-                                         hidden_weight=distill["hidden"], sink_weight=distill["sink_weight"])]
+                                         hidden_weight=distill["hidden"], sink_weight=distill["sink_weight"],
+                                         embedding_weight=distill["embedding"])]
     if state.num_processes > 1 and config["precision"] == "auto":
         choice = broadcast_object_list(choice)
     return choice[0]
@@ -514,6 +517,7 @@ def main(argv=None) -> int:
                               teacher=original if distill["weight"] > 0 else None, distill_weight=distill["weight"],
                               temperature=distill["temperature"], logits=distill["logits"],
                               hidden_weight=distill["hidden"], sink_weight=distill["sink_weight"],
+                              embedding_weight=distill["embedding"],
                               shape_lr=config["lr"]["shape"], gamma_lr=config["lr"]["gamma"],
                               head_chunk=config["head_chunk"])
     last = get_last_checkpoint(str(out)) if config["resume"] and out.is_dir() else None

@@ -15,7 +15,7 @@ from transformers import TrainingArguments
 import hf_normswap
 from hf_normswap.calibrate import CalibrationConfig
 from hf_normswap.distill import NormSwapTrainer, distillation_loss, set_trainable
-from hf_normswap.layerwise import relative_hidden_error
+from hf_normswap.layerwise import embedding_cosine_error, relative_hidden_error
 from hf_normswap.progressive import ProgressiveSwap, schedule
 from tiny_models import tiny_model
 
@@ -70,6 +70,33 @@ def test_layerwise_distillation_moves_the_converted_model_toward_the_original(tm
         optimizer.step()
     assert distance() < 0.8 * before  # measured: llama 0.173 -> 0.092 (either loss), bert 0.374 -> 0.252
     assert trainer._component_sums["hidden_loss"] > 0 and (trainer._component_sums["kd_loss"] > 0) == logits
+
+
+def test_embedding_loss_moves_an_encoder_s_pooled_embeddings_toward_the_original(tmp_path):
+    model, original = converted_pair("bert")
+    set_trainable(model, "all")
+    args = TrainingArguments(output_dir=str(tmp_path), learning_rate=1e-2, use_cpu=True, report_to="none")
+    trainer = NormSwapTrainer(model=model, args=args, teacher=original, distill_weight=1.0, logits=False,
+                              embedding_weight=1.0, shape_lr=3e-2)
+    optimizer = trainer.create_optimizer()
+    ids = torch.randint(0, 128, (4, 32), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[2:, 20:] = 0  # padded rows: pooling weighs the real tokens only
+
+    @torch.no_grad()
+    def distance():
+        model.eval()
+        return float(embedding_cosine_error(model(input_ids=ids, attention_mask=mask).last_hidden_state,
+                                            original(input_ids=ids, attention_mask=mask).last_hidden_state, mask))
+
+    before = distance()
+    model.train()
+    for _ in range(20):
+        optimizer.zero_grad()
+        trainer.compute_loss(model, {"input_ids": ids, "attention_mask": mask}).backward()
+        optimizer.step()
+    assert distance() < 0.5 * before
+    assert trainer._component_sums["embedding_loss"] > 0 and trainer._component_sums["hidden_loss"] == 0
 
 
 def block_errors(block_weights_lr: float) -> list[float]:
