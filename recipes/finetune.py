@@ -456,7 +456,8 @@ def main(argv=None) -> int:
     ensure_pad_token(tokenizer)
     original.eval().requires_grad_(False)
     converted = dict(student.config.normswap["converted"])
-    log(f"{len(converted)} {student.config.normswap['method'].upper()} norms; original {config['model']}")
+    log(f"{len(converted)} {student.config.normswap['method'].upper()} norms; original "
+        f"{config['original'] or student.config.normswap.get('base_model') or config['model']}")
 
     # 2. evaluate the calibrated model (once: a resumed run keeps the first measurement)
     if state.is_main_process and "calibrated" not in summary:
