@@ -237,6 +237,15 @@ def head_chunk_for(model: nn.Module, teacher: nn.Module, requested: int) -> int:
     return int(requested) if requested and head_is_plain(model) and head_is_plain(teacher) else 0
 
 
+def without_autocast_wrapper(model: nn.Module) -> nn.Module:
+    """``model`` with the autocast wrapper that accelerate sets on its forward under bf16 taken off (an instance
+    attribute over the class's method), so that it is evaluated and saved as it reloads. accelerate's own
+    ``unwrap_model(keep_fp32_wrapper=False)`` also strips transformers' forward decorators: hidden states go missing."""
+    model.__dict__.pop("forward", None)
+    model.__dict__.pop("_original_forward", None)
+    return model
+
+
 def _unwrapped(model: nn.Module) -> nn.Module:
     """The model inside a DDP wrapper (whose output head is the one to bypass)."""
     return getattr(model, "module", model)

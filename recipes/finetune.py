@@ -434,7 +434,7 @@ def main(argv=None) -> int:
 
     import hf_normswap
     from hf_normswap.distill import (NormSwapTrainer, WallClockStop, apply_lora, freeze_embeddings, merge_lora,
-                                     set_trainable)
+                                     set_trainable, without_autocast_wrapper)
     from hf_normswap.model_inputs import ends_in_hidden_states
     from hf_normswap.progressive import ProgressiveSwap, ProgressiveSwapCallback, schedule
 
@@ -529,8 +529,7 @@ def main(argv=None) -> int:
     wall = time.time() - start
 
     # 4. evaluate, save, check, plot, push (main process)
-    # without the autocast wrapper accelerate puts on forward under bf16: evaluated and saved as it reloads
-    model = merge_lora(trainer.accelerator.unwrap_model(trainer.model, keep_fp32_wrapper=False))
+    model = merge_lora(without_autocast_wrapper(trainer.accelerator.unwrap_model(trainer.model)))
     if state.is_main_process:
         model.eval()
         after = final_evaluation(model, original, tokenizer, config, "finetuned")

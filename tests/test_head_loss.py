@@ -99,3 +99,19 @@ def test_the_trainer_keeps_the_chunked_head_loss_under_bf16_autocast(tmp_path):
                               train_dataset=datasets.Dataset.from_dict({"input_ids": ids, "labels": ids}))
     assert trainer.train().training_loss > 0
     assert trainer.head_chunk == 8
+
+
+@pytest.mark.parametrize("arch", ["llama", "bert"])
+def test_taking_off_accelerate_s_autocast_wrapper_gives_back_the_plain_model(arch):
+    """After bf16 training the recipe evaluates and saves the model as it reloads: fp32, hidden states available."""
+    from accelerate import Accelerator
+
+    from hf_normswap.distill import without_autocast_wrapper
+
+    model, fresh = tiny_model(arch).eval(), tiny_model(arch).eval()
+    Accelerator(mixed_precision="bf16", cpu=True).prepare_model(model)
+    ids = torch.randint(0, 100, (2, 12), generator=torch.Generator().manual_seed(0))
+    wrapped = model(input_ids=ids).logits
+    assert not torch.equal(wrapped, fresh(input_ids=ids).logits)  # computed under bf16 autocast
+    plain = without_autocast_wrapper(model)(input_ids=ids, output_hidden_states=True)
+    assert torch.equal(plain.logits, fresh(input_ids=ids).logits) and plain.hidden_states is not None
