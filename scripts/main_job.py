@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import os
 import subprocess
 import sys
 import time
@@ -127,11 +128,12 @@ def main(argv=None) -> int:
         model.config.normswap["evaluation"] = result.card(method)
         save_pretrained(model, saved[method], tokenizer=tokenizer, overwrite=True)
 
-    minutes, cpu = (time.time() - start) / 60, time.process_time() / 60
+    times = os.times()  # this process and the recipe's
+    minutes, cpu = (time.time() - start) / 60, sum(times[:4]) / 60
     print(f"\nSmolLM2-135M-Instruct on {result.describe()}\n\n{result.table()}\n")
     recovered = [f"{p}-recovery/final" for p in saved.values()] if args.recover_tokens else []
     print(f"checkpoints: {', '.join([*map(str, saved.values()), *recovered])}")
-    print(f"[main job] {minutes:.1f} min wall, {cpu:.1f} min CPU time (all threads), torch threads: "
+    print(f"[main job] {minutes:.1f} min wall, {cpu:.1f} min CPU time (all threads and the recipe's), torch threads: "
           f"{torch.get_num_threads()}")
     calib = "" if args.no_calib else (f" --calib {args.calib} --calib-blocks {args.calib_blocks} "
                                       f"--calib-len {args.calib_len}")
