@@ -92,7 +92,8 @@ def _hub(spec: str, default_split: str) -> list[str]:
     from .loading import hub_reachable  # loading imports this module
 
     name, config, split = (spec.split(":") + [None, None])[:3]
-    if not constants.HF_HUB_OFFLINE and not hub_reachable():  # fail in seconds, not after a minute of retries
+    # datasets' own switch (HF_HUB_OFFLINE or HF_DATASETS_OFFLINE): offline, it reads its cache without retries
+    if not datasets.config.HF_HUB_OFFLINE and not hub_reachable():  # fail in seconds, not after minutes of retries
         raise DataError(f"cannot load dataset {spec!r}: the Hub ({constants.ENDPOINT}) is unreachable; name a local "
                         "text file instead, or set HF_HUB_OFFLINE=1 to read the datasets cache")
     try:

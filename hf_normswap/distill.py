@@ -206,11 +206,12 @@ def training_loss(model: nn.Module, teacher: nn.Module, inputs: dict, *, distill
     return loss, ce, kd, torch.zeros(()), torch.zeros(())
 
 
-def distillation_precision(precision: str, student: nn.Module, teacher: nn.Module, input_ids: torch.Tensor, *,
-                           device: torch.device | str = "cpu", head_chunk: int = DEFAULT_CHUNK, **loss_settings):
+def training_step_precision(precision: str, student: nn.Module, teacher: nn.Module, inputs: dict, *,
+                            device: torch.device | str = "cpu", head_chunk: int = DEFAULT_CHUNK, **loss_settings):
     """``precision`` ('auto' | 'fp32' | 'bf16') for training ``student``; ``auto`` times the training step
     (:func:`training_loss` with ``loss_settings``, or the model's own loss when ``distill_weight`` is 0, then
-    backward) on ``input_ids`` in fp32 and under bf16 autocast (:func:`precision.choose_precision`)."""
+    backward) on the batch ``inputs`` (``input_ids``, optionally ``attention_mask``) in fp32 and under bf16
+    autocast (:func:`precision.choose_precision`)."""
     from .model_inputs import ends_in_hidden_states
     from .precision import choose_precision
 
@@ -218,8 +219,9 @@ def distillation_precision(precision: str, student: nn.Module, teacher: nn.Modul
         return choose_precision(precision)
     student.to(device).train()
     teacher.to(device)
-    ids = input_ids.to(device)
-    inputs = dict(input_ids=ids) if ends_in_hidden_states(teacher) else dict(input_ids=ids, labels=ids)
+    inputs = {k: v.to(device) for k, v in inputs.items() if k in ("input_ids", "attention_mask")}
+    if not ends_in_hidden_states(teacher):
+        inputs["labels"] = inputs["input_ids"]
     distilled = loss_settings.get("distill_weight", 0) > 0
     chunk = head_chunk_for(student, teacher, head_chunk) if distilled else 0
 
@@ -261,12 +263,13 @@ class NormSwapTrainer(Trainer):
     teacher is moved to the training device and never wrapped for DDP, so every process holds its own copy; it runs
     under the student's autocast (bf16 when the Trainer's ``bf16`` is set). ``head_chunk`` tokens at a time go
     through the output head (:mod:`hf_normswap.head_loss`) when both heads are plain linear maps and there is no
-    layer-wise term; 0: full logits.
+    hidden-state term (layer-wise or embedding); 0: full logits.
     """
 
     def __init__(self, *args, teacher: nn.Module | None = None, distill_weight: float = 0.0,
                  temperature: float = 1.0, logits: bool = True, hidden_weight: float = 0.0, sink_weight: float = 0.0,
-                 embedding_weight: float = 0.0, shape_lr: float | None = None, gamma_lr: float | None = None, head_chunk: int = DEFAULT_CHUNK,
+                 embedding_weight: float = 0.0, shape_lr: float | None = None, gamma_lr: float | None = None,
+                 head_chunk: int = DEFAULT_CHUNK,
                  **kwargs):
         super().__init__(*args, **kwargs)
         if distill_weight > 0 and teacher is None:

@@ -59,7 +59,7 @@ DEFAULTS = {
     "progressive": {"enabled": False, "order": "depth", "every": 20, "ramp": None, "start": 0, "group": 1,
                     "role_order": None},  # order: depth | reverse_depth | role | PATH.json (`normswap sensitivity`)
     "max_minutes": None,         # wall-clock budget for this launch; stops with a checkpoint
-    "resume": True,              # continue from the last checkpoint in output_dir
+    "resume": True,              # continue from the last checkpoint and summary in output_dir (false: a new run)
     "output_dir": "out/finetune",
     "save_dir": None,            # default: OUTPUT/final
     "push_to_hub": None,         # Hub repo id
@@ -118,10 +118,10 @@ def load_config(argv=None) -> dict:
             section[last] = yaml.safe_load(value)
         except yaml.YAMLError as error:
             fail(f"override {item!r}: {first_line(error)}")
+    check_config(config)
     for key, value in config["training"].items():  # YAML 1.1 reads an unquoted `no` as false
         if key.endswith("_strategy") and value is False:
             config["training"][key] = "no"
-    check_config(config)
     return config
 
 
@@ -205,11 +205,10 @@ def check_config(config: dict) -> None:
 def check_data(config: dict) -> None:
     """Read every text source before any model loads, so a missing file or an unreachable Hub dataset stops the
     run at once with one line naming the key that overrides it."""
-    from hf_normswap.checkpoint import read_config
     from hf_normswap.data import DataError, load_texts
 
     sources = [("train_data", config["train_data"], "calibration"), ("eval_data", config["eval_data"], "evaluation")]
-    if not (Path(config["model"]).is_dir() and read_config(config["model"]) is not None):  # else: calibrated
+    if converted_checkpoint(config) is None:  # a converted checkpoint is calibrated already
         sources.insert(0, ("calibration.data", config["calibration"]["data"], "calibration"))
     for key, spec, split in sources:
         try:
@@ -247,7 +246,9 @@ def sentence_dataset(tokenizer, spec: str, max_len: int, max_tokens: int | None 
     except DataError as error:
         raise SystemExit(f"finetune: {spec}: {error}") from None
     if not found:
-        raise SystemExit(f"finetune: {spec}: no prose sentences to train a sentence encoder on")
+        raise SystemExit(f"finetune: {spec}: no prose sentences to train a sentence encoder on (within "
+                         f"max_train_tokens={max_tokens})" if max_tokens else
+                         f"finetune: {spec}: no prose sentences to train a sentence encoder on")
     return datasets.Dataset.from_dict(dict(tokenizer(found, truncation=True, max_length=max_len)))
 
 
@@ -271,6 +272,24 @@ def block_perplexity(model, dataset, batch_size: int = 4) -> float:
 # -------------------------------------------------------------------------------------------------------- models
 
 
+def converted_checkpoint(config: dict) -> dict | None:
+    """config.json of ``model`` when it is a checkpoint converted by hf_normswap (no calibration then), else None."""
+    from hf_normswap.checkpoint import read_config
+
+    return read_config(config["model"]) if Path(config["model"]).is_dir() else None
+
+
+def original_spec(config: dict) -> str:
+    """The original the converted model is trained toward (teacher and reference)."""
+    converted = converted_checkpoint(config)
+    if converted is None:
+        return config["model"]
+    spec = config["original"] or converted["normswap"].get("base_model")
+    if not spec:
+        raise SystemExit("finetune: the checkpoint does not name its original; set original: in the config")
+    return spec
+
+
 def load_models(config: dict, state):
     """(student, original, tokenizer). The main process calibrates and caches; the others load its result."""
     import hf_normswap
@@ -279,13 +298,9 @@ def load_models(config: dict, state):
     from hf_normswap.loading import load_model
 
     cache = Path(config["output_dir"]) / "calibrated"
-    converted = read_config(config["model"]) if Path(config["model"]).is_dir() else None
-    if converted is not None:  # an already converted checkpoint
+    if converted_checkpoint(config) is not None:
         student, tokenizer = load_model(config["model"])
-        original_spec = config["original"] or converted["normswap"].get("base_model")
-        if not original_spec:
-            raise SystemExit("finetune: the checkpoint does not name its original; set original: in the config")
-        original, _ = load_model(original_spec, with_tokenizer=False)
+        original, _ = load_model(original_spec(config), with_tokenizer=False)
         return student, original, tokenizer
     original, tokenizer = load_model(config["model"])
     with state.main_process_first():
@@ -341,22 +356,23 @@ def final_evaluation(model, original, tokenizer, config: dict, name: str):
                     **config["final_eval"])
 
 
-def training_precision(config: dict, student, original, train_set, state):
-    """fp32 or bf16 autocast (``precision``); ``auto`` times the recipe's own step (forward, distillation loss,
-    backward; one training block) in both on the main process, and every process takes its answer."""
+def training_precision(config: dict, student, original, train_set, tokenizer, state):
+    """fp32 or bf16 autocast (``precision``); ``auto`` times the recipe's own step (forward, loss, backward; one
+    batch of training rows) in both on the main process, and every process takes its answer."""
     from accelerate.utils import broadcast_object_list
 
-    from hf_normswap.distill import distillation_precision
+    from hf_normswap.distill import training_step_precision
 
     choice = [None]
     if state.is_main_process or config["precision"] != "auto":
         distill = config["distill"]
-        choice = [distillation_precision(config["precision"], student, original,
-                                         torch.tensor(train_set[:1]["input_ids"]), device=state.device,
-                                         head_chunk=config["head_chunk"], distill_weight=distill["weight"],
-                                         temperature=distill["temperature"], logits=distill["logits"],
-                                         hidden_weight=distill["hidden"], sink_weight=distill["sink_weight"],
-                                         embedding_weight=distill["embedding"])]
+        rows = train_set[:config["training"]["per_device_train_batch_size"]]["input_ids"]
+        batch = tokenizer.pad({"input_ids": rows}, return_tensors="pt")  # sentences differ in length
+        choice = [training_step_precision(config["precision"], student, original, dict(batch), device=state.device,
+                                          head_chunk=config["head_chunk"], distill_weight=distill["weight"],
+                                          temperature=distill["temperature"], logits=distill["logits"],
+                                          hidden_weight=distill["hidden"], sink_weight=distill["sink_weight"],
+                                          embedding_weight=distill["embedding"])]
     if state.num_processes > 1 and config["precision"] == "auto":
         choice = broadcast_object_list(choice)
     return choice[0]
@@ -447,7 +463,7 @@ def main(argv=None) -> int:
     out = Path(config["output_dir"])
     save_dir = Path(config["save_dir"] or out / "final")
     summary_path = out / "summary.json"
-    summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
+    summary = json.loads(summary_path.read_text()) if summary_path.exists() and config["resume"] else {}
     summary["config"] = config
     log = (lambda *a: print("[finetune]", *a, flush=True)) if state.is_main_process else (lambda *a: None)
 
@@ -456,8 +472,7 @@ def main(argv=None) -> int:
     ensure_pad_token(tokenizer)
     original.eval().requires_grad_(False)
     converted = dict(student.config.normswap["converted"])
-    log(f"{len(converted)} {student.config.normswap['method'].upper()} norms; original "
-        f"{config['original'] or student.config.normswap.get('base_model') or config['model']}")
+    log(f"{len(converted)} {student.config.normswap['method'].upper()} norms; original {original_spec(config)}")
 
     # 2. evaluate the calibrated model (once: a resumed run keeps the first measurement)
     if state.is_main_process and "calibrated" not in summary:
@@ -471,6 +486,11 @@ def main(argv=None) -> int:
 
     # 3. train
     encoder = ends_in_hidden_states(original)
+    distill = config["distill"]
+    hidden_terms = distill["hidden"] or distill["embedding"]
+    if encoder and not (distill["weight"] == 1 and not distill["logits"] and hidden_terms):
+        fail("a sentence encoder has no logits: train it on hidden states alone, distill.weight=1 "
+             "distill.logits=false and distill.hidden or distill.embedding > 0 (recipes/configs/minilm-eln.yaml)")
     if encoder:  # trained on hidden states alone; evaluated by embedding cosine after training
         train_set = sentence_dataset(tokenizer, config["train_data"], config["block_len"], config["max_train_tokens"])
         eval_set = None
@@ -502,8 +522,7 @@ def main(argv=None) -> int:
     rows = f"sentences (at most {config['block_len']} tokens)" if encoder else f"blocks of {config['block_len']} tokens"
     log(f"training {trainable:,} parameters ({config['trainable']}) on {len(train_set)} {rows}")
 
-    distill = config["distill"]
-    precision = training_precision(config, student, original, train_set, state)
+    precision = training_precision(config, student, original, train_set, tokenizer, state)
     config["training"]["bf16"] = precision.bf16
     log(precision.describe())
     args = TrainingArguments(output_dir=str(out), seed=config["seed"], learning_rate=config["lr"]["base"],

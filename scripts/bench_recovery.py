@@ -34,20 +34,23 @@ RECIPE = ROOT / "recipes" / "finetune.py"
 sys.path.insert(0, str(ROOT / "scripts"))
 from bench_speed import machine  # noqa: E402  the CPU and its bf16 / AMX flags, recorded as every benchmark does
 
+NORMS_ONLY = "calibration.block_weights_lr=0"  # calibration fits the norms' parameters alone
+
 METHODS: dict[str, list[str]] = {
-    # the recipe's default: KL to the original's logits, all weights
-    "logits": [],
+    # the baseline: calibration of the norms alone, then KL to the original's logits, all weights
+    "logits": [NORMS_ONLY],
     # every block's output toward the original's (hf_normswap.layerwise), sink masked, no logit term
-    "layerwise": ["distill.logits=false", "distill.hidden=1.0"],
+    "layerwise": [NORMS_ONLY, "distill.logits=false", "distill.hidden=1.0"],
     # both: the layer-wise term weighted to about the logit KL's size at the calibrated start (KL ~3 nats, mean
     # relative block error ~0.3 on SmolLM2)
-    "layerwise+logits": ["distill.hidden=10.0"],
+    "layerwise+logits": [NORMS_ONLY, "distill.hidden=10.0"],
     # norms handed over from the original block by block (hf_normswap.progressive): 3 stages of 10 blocks, then
     # the final norm, one every 2 steps, each ramped over 2 steps: all converted after 8 steps (8,192 tokens at
     # 2 x 512)
-    "progressive": ["progressive.enabled=true", "progressive.group=10", "progressive.every=2", "progressive.ramp=2"],
-    # block-wise reconstruction during calibration: each block's linear weights fitted beside its norms to the
-    # original block's output (hf_normswap.reconstruct), then logit distillation
+    "progressive": [NORMS_ONLY, "progressive.enabled=true", "progressive.group=10", "progressive.every=2",
+                    "progressive.ramp=2"],
+    # block-wise reconstruction during calibration (the SmolLM2 configs' default): each block's linear weights
+    # fitted beside its norms to the original block's output (hf_normswap.reconstruct), then logit distillation
     "blockwise": ["calibration.strategy=block", "calibration.block_weights_lr=1.0e-4"],
 }
 

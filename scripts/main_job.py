@@ -21,6 +21,7 @@ import argparse
 import copy
 import json
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -68,12 +69,18 @@ def calibration_config(args, tokenizer):
                              tokenizer=tokenizer)
 
 
-def recover_command(args, method: str, checkpoint: Path, precision: str) -> list[str]:
-    """The recipe on a saved calibrated checkpoint, with this job's texts and windows: the command a user runs."""
-    return [sys.executable, str(ROOT / "recipes" / "finetune.py"),
-            "--config", str(ROOT / "recipes" / "configs" / f"smollm2-{method}.yaml"),
+def recovery_dir(checkpoint: Path) -> Path:
+    return checkpoint.with_name(f"{checkpoint.name}-recovery")
+
+
+def recover_arguments(args, method: str, checkpoint: Path, precision: str) -> list[str]:
+    """``recipes/finetune.py`` arguments: the recipe on a saved calibrated checkpoint, with this job's texts and
+    windows, as a new run (``resume=false``): the command a user runs."""
+    recipes = ROOT / "recipes"
+    return [os.path.relpath(recipes / "finetune.py"),
+            "--config", os.path.relpath(recipes / "configs" / f"smollm2-{method}.yaml"),
             f"model={checkpoint}", f"original={MODEL}", f"train_data={args.calib}", f"eval_data={args.data}",
-            f"train_tokens={args.recover_tokens}", f"output_dir={checkpoint}-recovery",
+            f"train_tokens={args.recover_tokens}", f"output_dir={recovery_dir(checkpoint)}", "resume=false",
             f"final_eval.max_tokens={args.eval_tokens}", f"final_eval.max_length={args.eval_len}",
             "training.warmup_steps=2", "training.eval_strategy=no", "training.save_strategy=no",
             "training.disable_tqdm=true", "eval_blocks=1", f"precision={precision}"]
@@ -105,13 +112,15 @@ def main(argv=None) -> int:
              for method, model in converted.items()}
     scored, precision = dict(converted), "auto"
     for method in METHODS if args.recover_tokens else ():
-        command = recover_command(args, method, saved[method], precision)
+        arguments = recover_arguments(args, method, saved[method], precision)
         step = time.time()
-        print(f"[main job] recovering {method.upper()}: recipes/finetune.py, {args.recover_tokens:,} training tokens "
-              f"against the original:\n  {' '.join(command[1:])}", flush=True)
-        subprocess.run(command, check=True)
-        scored[f"{method} recovered"] = load(f"{saved[method]}-recovery/final")
-        summary = json.loads(Path(f"{saved[method]}-recovery/summary.json").read_text())
+        print(f"[main job] recovering {method.upper()}: {args.recover_tokens:,} training tokens against the original:"
+              f"\n  python {shlex.join(arguments)}", flush=True)
+        code = subprocess.run([sys.executable, *arguments]).returncode
+        if code:
+            sys.exit(f"[main job] the recipe exited with {code} while recovering {method.upper()}; its output is above")
+        scored[f"{method} recovered"] = load(recovery_dir(saved[method]) / "final")
+        summary = json.loads((recovery_dir(saved[method]) / "summary.json").read_text())
         precision = summary["training"]["precision"]["precision"]  # probed once: the next model takes it
         print(f"[main job] {method.upper()} recovered in {time.time() - step:.0f}s", flush=True)
 
@@ -131,8 +140,8 @@ def main(argv=None) -> int:
     times = os.times()  # this process and the recipe's
     minutes, cpu = (time.time() - start) / 60, sum(times[:4]) / 60
     print(f"\nSmolLM2-135M-Instruct on {result.describe()}\n\n{result.table()}\n")
-    recovered = [f"{p}-recovery/final" for p in saved.values()] if args.recover_tokens else []
-    print(f"checkpoints: {', '.join([*map(str, saved.values()), *recovered])}")
+    recovered = [recovery_dir(p) / "final" for p in saved.values()] if args.recover_tokens else []
+    print(f"checkpoints: {', '.join(map(str, [*saved.values(), *recovered]))}")
     print(f"[main job] {minutes:.1f} min wall, {cpu:.1f} min CPU time (all threads and the recipe's), torch threads: "
           f"{torch.get_num_threads()}")
     calib = "" if args.no_calib else (f" --calib {args.calib} --calib-blocks {args.calib_blocks} "
@@ -149,7 +158,9 @@ blocks, where this job uses {args.tune_blocks}):
   normswap eval {out}/smollm2-eln --against {MODEL} --data {args.data} --{window.format("")}
 
 Next:
-  a longer recovery, on WikiText-2 from the Hub:  python recipes/finetune.py --config recipes/configs/smollm2-eln.yaml train_tokens=100000
+  a longer recovery of the calibrated ELN, on WikiText-2 from the Hub:
+    python recipes/finetune.py --config recipes/configs/smollm2-eln.yaml model={out}/smollm2-eln original={MODEL} \\
+      train_tokens=100000 output_dir={out}/smollm2-eln-longer
   load without hf_normswap:  AutoModelForCausalLM.from_pretrained("{out}/smollm2-eln", trust_remote_code=True)
   push to the Hub (needs `hf auth login` or HF_TOKEN):  normswap push {out}/smollm2-eln YOUR_NAME/smollm2-eln""")
     return 0

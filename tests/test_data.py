@@ -2,7 +2,6 @@
 
 import datasets
 import pytest
-from huggingface_hub import constants
 
 import hf_normswap.loading
 from hf_normswap import data
@@ -22,7 +21,7 @@ def test_an_unreachable_hub_fails_at_once_naming_the_offline_switch(monkeypatch)
     def retried(*args, **kwargs):
         raise AssertionError("load_dataset was called: its retries take half a minute offline")
 
-    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)
     monkeypatch.setattr(hf_normswap.loading, "hub_reachable", lambda: False)
     monkeypatch.setattr(datasets, "load_dataset", retried)
     with pytest.raises(data.DataError, match="unreachable.*HF_HUB_OFFLINE=1"):

@@ -201,7 +201,8 @@ def test_a_sentence_encoder_trains_on_sentences_with_its_special_tokens(tmp_path
     assert [tokenizer.decode(r) for r in rows] == [
         "[CLS] a short first sentence of prose here. [SEP]",
         "[CLS] the second sentence is a little longer than that one. [SEP]"]
-    assert recipe.tokens_per_row(recipe.sentence_dataset(tokenizer, str(text), 128)) == (len(rows[0]) + len(rows[1])) / 2
+    rows_of_128 = recipe.sentence_dataset(tokenizer, str(text), 128)
+    assert recipe.tokens_per_row(rows_of_128) == (len(rows[0]) + len(rows[1])) / 2
     assert len(recipe.sentence_dataset(tokenizer, str(text), 6)["input_ids"][1]) == 6  # cut to block_len
 
 

@@ -106,13 +106,20 @@ def test_recipe_rejects_an_unknown_precision_before_any_work(capsys):
     ("llama", dict(distill_weight=1.0)),
     ("llama", dict(distill_weight=1.0, hidden_weight=1.0)),
     ("bert", dict(distill_weight=1.0, logits=False, hidden_weight=1.0, sink_weight=1.0)),  # no logits, no labels
+    ("bert", dict(distill_weight=1.0, logits=False, embedding_weight=1.0)),
 ])
 def test_auto_probes_the_training_step_of_decoders_and_encoders(model_type, settings):
     from hf_normswap import convert
-    from hf_normswap.distill import distillation_precision
+    from hf_normswap.distill import training_step_precision
 
     student, teacher = tiny_model(model_type), tiny_model(model_type)
+    if model_type == "bert":  # the encoder alone, ending in hidden states as a sentence encoder does
+        student, teacher = student.bert, teacher.bert
     convert(student, to="eln")
-    choice = distillation_precision("auto", student, teacher, torch.randint(0, 100, (1, 16)), **settings)
+    ids = torch.randint(0, 100, (2, 16))
+    mask = torch.ones_like(ids)
+    mask[1, 10:] = 0
+    choice = training_step_precision("auto", student, teacher, {"input_ids": ids, "attention_mask": mask},
+                                     **settings)
     assert choice.requested == "auto" and choice.fp32_seconds > 0 and choice.bf16_seconds > 0
     assert all(p.grad is None for p in student.parameters())
