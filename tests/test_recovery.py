@@ -32,6 +32,16 @@ def converted_pair(arch: str = "llama"):
     return model, original
 
 
+def trainer_for(arch: str, tmp_path, **loss_settings):
+    """(converted model with every weight trainable, its original, a distilling NormSwapTrainer, its optimizer)."""
+    model, original = converted_pair(arch)
+    set_trainable(model, "all")
+    args = TrainingArguments(output_dir=str(tmp_path), learning_rate=1e-2, use_cpu=True, report_to="none")
+    trainer = NormSwapTrainer(model=model, args=args, teacher=original, distill_weight=1.0, shape_lr=3e-2,
+                              **loss_settings)
+    return model, original, trainer, trainer.create_optimizer()
+
+
 def test_relative_hidden_error_is_scale_free_and_masks_the_sink():
     torch.manual_seed(0)
     teacher = tuple(torch.randn(2, 6, 8) * scale for scale in (1.0, 3.0, 100.0))
@@ -47,12 +57,7 @@ def test_relative_hidden_error_is_scale_free_and_masks_the_sink():
 @pytest.mark.parametrize("arch,logits", [("llama", False), ("llama", True), ("bert", False)],
                          ids=["layerwise", "layerwise+logits", "encoder"])
 def test_layerwise_distillation_moves_the_converted_model_toward_the_original(tmp_path, arch, logits):
-    model, original = converted_pair(arch)
-    set_trainable(model, "all")
-    args = TrainingArguments(output_dir=str(tmp_path), learning_rate=1e-2, use_cpu=True, report_to="none")
-    trainer = NormSwapTrainer(model=model, args=args, teacher=original, distill_weight=1.0, logits=logits,
-                              hidden_weight=1.0, shape_lr=3e-2)
-    optimizer = trainer.create_optimizer()
+    model, original, trainer, optimizer = trainer_for(arch, tmp_path, logits=logits, hidden_weight=1.0)
     # a random tiny model does not generalize across random tokens in a few steps: train and measure on one batch
     ids = torch.randint(0, 128, (4, 32), generator=torch.Generator().manual_seed(1))
 
@@ -73,12 +78,7 @@ def test_layerwise_distillation_moves_the_converted_model_toward_the_original(tm
 
 
 def test_embedding_loss_moves_an_encoder_s_pooled_embeddings_toward_the_original(tmp_path):
-    model, original = converted_pair("bert")
-    set_trainable(model, "all")
-    args = TrainingArguments(output_dir=str(tmp_path), learning_rate=1e-2, use_cpu=True, report_to="none")
-    trainer = NormSwapTrainer(model=model, args=args, teacher=original, distill_weight=1.0, logits=False,
-                              embedding_weight=1.0, shape_lr=3e-2)
-    optimizer = trainer.create_optimizer()
+    model, original, trainer, optimizer = trainer_for("bert", tmp_path, logits=False, embedding_weight=1.0)
     ids = torch.randint(0, 128, (4, 32), generator=torch.Generator().manual_seed(1))
     mask = torch.ones_like(ids)
     mask[2:, 20:] = 0  # padded rows: pooling weighs the real tokens only
