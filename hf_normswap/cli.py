@@ -63,6 +63,10 @@ def _calibration_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-tokens-per-norm", type=int, default=defaults.max_tokens_per_norm, metavar="K",
                        help="token vectors kept per norm, the memory cap (default: %(default)s)")
     group.add_argument("--plots", metavar="DIR", help="write one fit plot per norm (PNG) into DIR")
+    group.add_argument("--block-weights-lr", type=float, default=defaults.block_weights_lr, metavar="LR",
+                       help="block-wise reconstruction: the block strategy's tuning also fits each block's own weights "
+                            "at this rate (1e-4 in the SmolLM2 recipe configs); 0: the norms' parameters only "
+                            "(default: %(default)s)")
     group.add_argument("--precision", choices=PRECISIONS, default=defaults.precision,
                        help="forward / backward passes of calibration in fp32, bf16 autocast, or auto: bf16 where a "
                             "timed probe finds it faster on this machine (default: %(default)s)")
@@ -70,13 +74,19 @@ def _calibration_args(parser: argparse.ArgumentParser) -> None:
 
 def _check_calibration_args(args) -> None:
     """Flag mistakes that need no model, so they fail before the (slow) load; numbers are checked even unused."""
+    from .calibrate import DEFAULT_STRATEGY
+
     for flag, value in (("--calib-blocks", args.calib_blocks), ("--calib-len", args.calib_len),
                         ("--max-tokens-per-norm", args.max_tokens_per_norm)):
         check_number(value, flag, minimum=1)
+    check_number(args.block_weights_lr, "--block-weights-lr", minimum=0)
     if not args.calib:
-        for flag, value in (("--plots", args.plots), ("--strategy", args.strategy)):
+        for flag, value in (("--plots", args.plots), ("--strategy", args.strategy),
+                            ("--block-weights-lr", args.block_weights_lr)):
             if value:
                 raise ConversionError(f"{flag} needs --calib SPEC (e.g. --calib builtin)")
+    if args.block_weights_lr and args.strategy not in (None, DEFAULT_STRATEGY, "block"):
+        raise ConversionError(f"--block-weights-lr needs the block strategy, not {args.strategy}")
 
 
 def _calibration(args, tokenizer):
@@ -88,7 +98,8 @@ def _calibration(args, tokenizer):
         raise ConversionError("--calib needs a model with a tokenizer")
     return CalibrationConfig(data=args.calib, num_blocks=args.calib_blocks, block_len=args.calib_len,
                              strategy=args.strategy or DEFAULT_STRATEGY, max_tokens_per_norm=args.max_tokens_per_norm,
-                             plots=args.plots, precision=args.precision, tokenizer=tokenizer)
+                             plots=args.plots, precision=args.precision, block_weights_lr=args.block_weights_lr,
+                             tokenizer=tokenizer)
 
 
 def _roles(text: str) -> list[str]:

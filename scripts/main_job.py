@@ -55,6 +55,9 @@ def parse_args(argv=None):
     parser.add_argument("--eval-tokens", type=int, default=4096,
                         help="tokens scored per model, the CPU budget (default: %(default)s)")
     parser.add_argument("--eval-len", type=int, default=2048, help="perplexity window (default: %(default)s)")
+    parser.add_argument("--block-weights-lr", type=float, default=1e-4,
+                        help="block-wise reconstruction in calibration, as in the SmolLM2 recipe configs; 0: the "
+                             "norms' parameters only (default: %(default)s)")
     parser.add_argument("--no-calib", action="store_true", help="analytic conversion only (no calibration)")
     parser.add_argument("--recover-tokens", type=int, default=RECOVER_TOKENS,
                         help="training tokens of the recipe's recovery per model, 0 for none (default: %(default)s)")
@@ -66,7 +69,7 @@ def calibration_config(args, tokenizer):
         return None
     return CalibrationConfig(data=args.calib, num_blocks=args.calib_blocks, block_len=args.calib_len,
                              tune_blocks=args.tune_blocks, strategy=args.strategy or DEFAULT_STRATEGY,
-                             tokenizer=tokenizer)
+                             block_weights_lr=args.block_weights_lr, tokenizer=tokenizer)
 
 
 def recovery_dir(checkpoint: Path) -> Path:
@@ -145,7 +148,7 @@ def main(argv=None) -> int:
     print(f"[main job] {minutes:.1f} min wall, {cpu:.1f} min CPU time (all threads and the recipe's), torch threads: "
           f"{torch.get_num_threads()}")
     calib = "" if args.no_calib else (f" --calib {args.calib} --calib-blocks {args.calib_blocks} "
-                                      f"--calib-len {args.calib_len}")
+                                      f"--calib-len {args.calib_len} --block-weights-lr {args.block_weights_lr:g}")
     window = f"max-length {args.eval_len} --{{}}max-tokens {args.eval_tokens}"
     print(f"""
 How to read the table: each ratio is the converted model's perplexity over the original's on this text (1 = no

@@ -79,6 +79,9 @@ def test_user_errors_are_one_line_and_nonzero(argv, message, llama_dir, capsys):
     [
         (["--calib", "builtin", "--calib-blocks", "0"], "--calib-blocks must be at least 1"),
         (["--strategy", "block"], "--strategy needs --calib"),
+        (["--block-weights-lr", "1e-4"], "--block-weights-lr needs --calib"),
+        (["--calib", "builtin", "--strategy", "fast", "--block-weights-lr", "1e-4"], "needs the block strategy"),
+        (["--calib", "builtin", "--block-weights-lr", "-1"], "--block-weights-lr must be at least 0"),
         (["--eval", "builtin", "--eval-max-length", "0"], "--eval-max-length must be at least 1"),
     ],
 )
