@@ -85,7 +85,8 @@ def recover_arguments(args, method: str, checkpoint: Path, precision: str) -> li
             "--config", os.path.relpath(recipes / "configs" / f"smollm2-{method}.yaml"),
             f"model={checkpoint}", f"original={MODEL}", f"train_data={args.calib}", f"eval_data={args.data}",
             f"train_tokens={args.recover_tokens}", f"output_dir={recovery_dir(checkpoint)}", "resume=false",
-            f"final_eval.max_tokens={args.eval_tokens}", f"final_eval.max_length={args.eval_len}",
+            f"final_eval.max_tokens={args.eval_len}", f"final_eval.max_length={args.eval_len}",  # one window: the
+            # recipe's own before / after check; the job's table scores every model on --eval-tokens
             "training.warmup_steps=2", "training.eval_strategy=no", "training.save_strategy=no",
             "training.disable_tqdm=true", "eval_blocks=1", f"precision={precision}"]
 
