@@ -78,15 +78,15 @@ def recovery_dir(checkpoint: Path) -> Path:
 
 
 def recover_arguments(args, method: str, checkpoint: Path, precision: str) -> list[str]:
-    """``recipes/finetune.py`` arguments: the recipe on a saved calibrated checkpoint, with this job's texts and
-    windows, as a new run (``resume=false``): the command a user runs."""
+    """``recipes/finetune.py`` arguments: the recipe on a saved calibrated checkpoint, with this job's texts, as a new
+    run (``resume=false``): the command a user runs. Its own before / after check scores one window; the job's
+    table scores every model on ``--eval-tokens``."""
     recipes = ROOT / "recipes"
     return [os.path.relpath(recipes / "finetune.py"),
             "--config", os.path.relpath(recipes / "configs" / f"smollm2-{method}.yaml"),
             f"model={checkpoint}", f"original={MODEL}", f"train_data={args.calib}", f"eval_data={args.data}",
             f"train_tokens={args.recover_tokens}", f"output_dir={recovery_dir(checkpoint)}", "resume=false",
-            f"final_eval.max_tokens={args.eval_len}", f"final_eval.max_length={args.eval_len}",  # one window: the
-            # recipe's own before / after check; the job's table scores every model on --eval-tokens
+            f"final_eval.max_tokens={args.eval_len}", f"final_eval.max_length={args.eval_len}",
             "training.warmup_steps=2", "training.eval_strategy=no", "training.save_strategy=no",
             "training.disable_tqdm=true", "eval_blocks=1", f"precision={precision}"]
 
