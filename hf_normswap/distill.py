@@ -269,8 +269,7 @@ class NormSwapTrainer(Trainer):
     def __init__(self, *args, teacher: nn.Module | None = None, distill_weight: float = 0.0,
                  temperature: float = 1.0, logits: bool = True, hidden_weight: float = 0.0, sink_weight: float = 0.0,
                  embedding_weight: float = 0.0, shape_lr: float | None = None, gamma_lr: float | None = None,
-                 head_chunk: int = DEFAULT_CHUNK,
-                 **kwargs):
+                 head_chunk: int = DEFAULT_CHUNK, **kwargs):
         super().__init__(*args, **kwargs)
         if distill_weight > 0 and teacher is None:
             raise ValueError("distill_weight > 0 needs the original model as teacher")
