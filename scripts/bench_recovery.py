@@ -52,6 +52,9 @@ METHODS: dict[str, list[str]] = {
     # block-wise reconstruction during calibration (the SmolLM2 configs' default): each block's linear weights
     # fitted beside its norms to the original block's output (hf_normswap.reconstruct), then logit distillation
     "blockwise": ["calibration.strategy=block", "calibration.block_weights_lr=1.0e-4"],
+    # both gains at once: the block-wise start, then the layer-wise term beside the logit KL
+    "blockwise+layerwise": ["calibration.strategy=block", "calibration.block_weights_lr=1.0e-4",
+                            "distill.hidden=10.0"],
 }
 
 
