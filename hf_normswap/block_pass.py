@@ -223,12 +223,17 @@ def _block_runner(block, cached):
     return run
 
 
+GUARD_ROWS = 16  # sequences on which tuning's "never worse" check compares the block before and after
+
+
 def tune_block(block, modules, run, hidden, reference, batches, config) -> tuple[dict, list[torch.Tensor]]:
     """Adam on one block's new modules: fed the converted model's hidden states, the block (``run``, see
     :func:`_block_runner`) should reproduce the original block's output on the original's hidden states. Fitting
     each norm's own output leaves the error a block inherits to grow over 30 blocks; matching the block output
-    makes each block compensate for it. Returns the error record and the block's outputs with the parameters it
-    keeps (the next block's inputs), taken from the error pass over all rows, which computes them anyway."""
+    makes each block compensate for it. Returns the error record (before and after, on the first
+    :data:`GUARD_ROWS` sequences) and the block's outputs with the parameters it keeps (the next block's inputs),
+    taken from the error pass over all rows, which computes them anyway. Tuning that leaves those sequences worse
+    is undone; checking on a subset instead of every row saves most of a pass over the data per block."""
     params = [p for m in modules for p in m.parameters(recurse=False)]
     groups = adam_groups(modules, config.block_lr)
     if config.block_weights_lr > 0:  # block-wise reconstruction
@@ -237,21 +242,22 @@ def tune_block(block, modules, run, hidden, reference, batches, config) -> tuple
         groups.append({"params": weights, "lr": config.block_weights_lr})
     chunks = [(k, slice(s, s + config.block_rows)) for k, h in enumerate(hidden)
               for s in range(0, h.shape[0], config.block_rows)]
+    guard = _leading_chunks(chunks, hidden, GUARD_ROWS)
 
     def error(k, rows):
         out = run(hidden[k][rows], k, rows)
         return _relative_error(out, reference[k][rows], batches[k]["attention_mask"][rows]), out
 
-    def error_and_outputs():
+    def errors_and_outputs(selected):
         errors, outputs = [], [[] for _ in hidden]
         with torch.no_grad():
-            for k, rows in chunks:
+            for k, rows in selected:
                 value, out = error(k, rows)
                 errors.append(float(value))
                 outputs[k].append(out)
-        return sum(errors) / len(errors), [torch.cat(parts) for parts in outputs]
+        return errors, [torch.cat(parts) if parts else None for parts in outputs]
 
-    before, start_outputs = error_and_outputs()
+    before = sum(errors_and_outputs(guard)[0]) / len(guard)
     start = [p.detach().clone() for p in params]
     optimizer = torch.optim.Adam(groups)
     with training_only(block, params):
@@ -262,13 +268,25 @@ def tune_block(block, modules, run, hidden, reference, batches, config) -> tuple
                 break
             loss.backward()
             optimizer.step()
-    after, outputs = error_and_outputs()
+    errors, outputs = errors_and_outputs(chunks)
+    after = sum(errors[:len(guard)]) / len(guard)  # chunks begin with the guard's
     if not math.isfinite(after) or after > before:  # never leave the block worse than its start
         with torch.no_grad():
             for p, s in zip(params, start):
                 p.copy_(s)
-        after, outputs = before, start_outputs
+        after, outputs = before, errors_and_outputs(chunks)[1]
     return {"error_before": round(before, 6), "error_after": round(after, 6)}, outputs
+
+
+def _leading_chunks(chunks: list[tuple[int, slice]], hidden, rows: int) -> list[tuple[int, slice]]:
+    """The first chunks, in order, until they hold at least ``rows`` sequences (all of them for less data)."""
+    taken, count = [], 0
+    for k, part in chunks:
+        if count >= rows:
+            break
+        taken.append((k, part))
+        count += len(range(*part.indices(hidden[k].shape[0])))
+    return taken
 
 
 def _post_input_is_stack_output(model, source, batch, hidden) -> bool:

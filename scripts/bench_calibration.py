@@ -25,6 +25,7 @@ import copy
 import json
 import os
 import resource
+import sys
 import time
 from pathlib import Path
 
@@ -34,6 +35,10 @@ from hf_normswap import convert
 from hf_normswap.calibrate import DEFAULT_STRATEGY, STRATEGIES, CalibrationConfig
 from hf_normswap.data import load_texts
 from hf_normswap.loading import load_model
+from hf_normswap.precision import PRECISIONS
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_speed import machine  # noqa: E402  the CPU and its bf16 / AMX flags, recorded as every benchmark does
 
 WIKITEXT = os.environ.get("WIKITEXT")  # a directory with WikiText-2's files, when the data are not named
 
@@ -111,6 +116,11 @@ def main(argv=None) -> int:
     parser.add_argument("--tune-steps", type=int, default=None, help="override the strategy's end-to-end steps")
     parser.add_argument("--block-steps", type=int, default=None, help="override the strategy's per-block steps")
     parser.add_argument("--tune-blocks", type=int, default=None, help="override the strategy's tuning sequences")
+    parser.add_argument("--block-rows", type=int, default=CalibrationConfig.block_rows,
+                        help="sequences per block-tuning step")
+    parser.add_argument("--block-weights-lr", type=float, default=CalibrationConfig.block_weights_lr,
+                        help="> 0: block-wise reconstruction, the blocks' weights fitted at this rate")
+    parser.add_argument("--precision", default=CalibrationConfig.precision, choices=PRECISIONS)
     parser.add_argument("--exact-at", choices=sorted(POSITIONS), action="append", default=[],
                         help="also score with the original norms' outputs at these positions (repeatable)")
     parser.add_argument("--calib", default=WIKITEXT and str(Path(WIKITEXT) / "wiki.valid.tokens"),
@@ -132,13 +142,16 @@ def main(argv=None) -> int:
     model, tokenizer = load_model(args.model)
     original = copy.deepcopy(model)
     record = {"model": args.model, "to": args.to, "strategy": args.strategy,
-              "block_steps": args.block_steps, "tune_steps": args.tune_steps,
+              "block_steps": args.block_steps, "tune_steps": args.tune_steps, "block_rows": args.block_rows,
+              "block_weights_lr": args.block_weights_lr, "precision": args.precision, **machine(),
               "calib": args.calib, "calib_blocks": args.calib_blocks, "calib_len": args.calib_len}
     rss_before = rss_mb()
     if args.to != "none":
         config = CalibrationConfig(data=args.calib, num_blocks=args.calib_blocks, block_len=args.calib_len,
                                    strategy=args.strategy, tune_steps=args.tune_steps, tune_blocks=args.tune_blocks,
-                                   block_steps=args.block_steps, tokenizer=tokenizer)
+                                   block_steps=args.block_steps, block_rows=args.block_rows,
+                                   block_weights_lr=args.block_weights_lr, precision=args.precision,
+                                   tokenizer=tokenizer)
         start, cpu_start = time.perf_counter(), time.process_time()
         report = convert(model, args.to, calibration=config)
         record["calibration_seconds"] = round(time.perf_counter() - start, 1)
