@@ -248,16 +248,20 @@ def tune_block(block, modules, run, hidden, reference, batches, config) -> tuple
         out = run(hidden[k][rows], k, rows)
         return _relative_error(out, reference[k][rows], batches[k]["attention_mask"][rows]), out
 
-    def errors_and_outputs(selected):
+    def guard_error():
+        with torch.no_grad():
+            return sum(float(error(k, rows)[0]) for k, rows in guard) / len(guard)
+
+    def errors_and_outputs():
         errors, outputs = [], [[] for _ in hidden]
         with torch.no_grad():
-            for k, rows in selected:
+            for k, rows in chunks:
                 value, out = error(k, rows)
                 errors.append(float(value))
                 outputs[k].append(out)
-        return errors, [torch.cat(parts) if parts else None for parts in outputs]
+        return errors, [torch.cat(parts) for parts in outputs]
 
-    before = sum(errors_and_outputs(guard)[0]) / len(guard)
+    before = guard_error()
     start = [p.detach().clone() for p in params]
     optimizer = torch.optim.Adam(groups)
     with training_only(block, params):
@@ -268,13 +272,13 @@ def tune_block(block, modules, run, hidden, reference, batches, config) -> tuple
                 break
             loss.backward()
             optimizer.step()
-    errors, outputs = errors_and_outputs(chunks)
+    errors, outputs = errors_and_outputs()
     after = sum(errors[:len(guard)]) / len(guard)  # chunks begin with the guard's
     if not math.isfinite(after) or after > before:  # never leave the block worse than its start
         with torch.no_grad():
             for p, s in zip(params, start):
                 p.copy_(s)
-        after, outputs = before, errors_and_outputs(chunks)[1]
+        after, outputs = before, errors_and_outputs()[1]
     return {"error_before": round(before, 6), "error_after": round(after, 6)}, outputs
 
 
@@ -285,7 +289,7 @@ def _leading_chunks(chunks: list[tuple[int, slice]], hidden, rows: int) -> list[
         if count >= rows:
             break
         taken.append((k, part))
-        count += len(range(*part.indices(hidden[k].shape[0])))
+        count += hidden[k][part].shape[0]
     return taken
 
 

@@ -35,6 +35,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 from bench_speed import machine  # noqa: E402  the CPU and its bf16 / AMX flags, recorded as every benchmark does
 
 NORMS_ONLY = "calibration.block_weights_lr=0"  # calibration fits the norms' parameters alone
+BLOCKWISE = ["calibration.strategy=block", "calibration.block_weights_lr=1.0e-4"]  # and each block's weights too
 
 METHODS: dict[str, list[str]] = {
     # the baseline: calibration of the norms alone, then KL to the original's logits, all weights
@@ -51,10 +52,9 @@ METHODS: dict[str, list[str]] = {
                     "progressive.ramp=2"],
     # block-wise reconstruction during calibration (the SmolLM2 configs' default): each block's linear weights
     # fitted beside its norms to the original block's output (hf_normswap.reconstruct), then logit distillation
-    "blockwise": ["calibration.strategy=block", "calibration.block_weights_lr=1.0e-4"],
+    "blockwise": BLOCKWISE,
     # both gains at once: the block-wise start, then the layer-wise term beside the logit KL
-    "blockwise+layerwise": ["calibration.strategy=block", "calibration.block_weights_lr=1.0e-4",
-                            "distill.hidden=10.0"],
+    "blockwise+layerwise": [*BLOCKWISE, "distill.hidden=10.0"],
 }
 
 

@@ -315,3 +315,22 @@ def test_block_tuning_hands_on_the_outputs_of_the_parameters_it_keeps(lr):
     with torch.no_grad():
         for out, h in zip(outputs, hidden):
             torch.testing.assert_close(out, linear(norm(h)))
+
+
+def test_block_tuning_checks_never_worse_on_the_first_guard_rows():
+    """With more than GUARD_ROWS sequences, the recorded errors are those of the first GUARD_ROWS alone: sequences
+    after them, far off here, would move a check over every row."""
+    from hf_normswap.block_pass import GUARD_ROWS, tune_block
+    from hf_normswap.layerwise import per_token_relative_error
+
+    torch.manual_seed(0)
+    norm = ELN(8, 8.0, amplitude=8 ** 0.5)
+    hidden = [torch.randn(GUARD_ROWS, 5, 8), torch.randn(8, 5, 8)]
+    reference = [torch.nn.RMSNorm(8)(hidden[0]).detach(), 100 * torch.randn(8, 5, 8)]
+    batches = [{"attention_mask": torch.ones(h.shape[:2])} for h in hidden]
+    with torch.no_grad():
+        first = float(per_token_relative_error(norm(hidden[0]), reference[0]).mean())
+    record, outputs = tune_block(norm, [norm], lambda x, k, rows: norm(x), hidden, reference, batches,
+                                 _cfg(block_steps=0, block_rows=4))
+    assert record["error_before"] == pytest.approx(first, rel=1e-5) == record["error_after"]
+    assert [o.shape[0] for o in outputs] == [GUARD_ROWS, 8]  # the next block still gets every sequence
