@@ -63,13 +63,12 @@ def _calibration_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-tokens-per-norm", type=int, default=defaults.max_tokens_per_norm, metavar="K",
                        help="token vectors kept per norm, the memory cap (default: %(default)s)")
     group.add_argument("--plots", metavar="DIR", help="write one fit plot per norm (PNG) into DIR")
-    group.add_argument("--block-weights-lr", type=float, default=defaults.block_weights_lr, metavar="LR",
+    block = STRATEGIES["block"]
+    group.add_argument("--block-weights-lr", type=float, metavar="LR",
                        help="block-wise reconstruction: the block strategy's tuning also fits each block's own weights "
-                            "at this rate (1e-4 in the SmolLM2 recipe configs); 0: the norms' parameters only "
-                            "(default: %(default)s)")
-    group.add_argument("--block-rows", type=int, default=defaults.block_rows, metavar="N",
-                       help="sequences per step of the block strategy's tuning; 1 with --block-weights-lr 1e-4 "
-                            "measured cheaper and better than the default on SmolLM2 (default: %(default)s)")
+                            f"at this rate; 0: the norms' parameters only (default: {block.block_weights_lr:g})")
+    group.add_argument("--block-rows", type=int, metavar="N",
+                       help=f"sequences per step of the block strategy's tuning (default: {block.block_rows})")
     group.add_argument("--precision", choices=PRECISIONS, default=defaults.precision,
                        help="forward / backward passes of calibration in fp32, bf16 autocast, or auto: bf16 where a "
                             "timed probe finds it faster on this machine (default: %(default)s)")
@@ -81,15 +80,18 @@ def _check_calibration_args(args) -> None:
 
     for flag, value in (("--calib-blocks", args.calib_blocks), ("--calib-len", args.calib_len),
                         ("--max-tokens-per-norm", args.max_tokens_per_norm), ("--block-rows", args.block_rows)):
-        check_number(value, flag, minimum=1)
-    check_number(args.block_weights_lr, "--block-weights-lr", minimum=0)
+        if value is not None:
+            check_number(value, flag, minimum=1)
+    if args.block_weights_lr is not None:
+        check_number(args.block_weights_lr, "--block-weights-lr", minimum=0)
     if not args.calib:
         for flag, value in (("--plots", args.plots), ("--strategy", args.strategy),
-                            ("--block-weights-lr", args.block_weights_lr)):
-            if value:
+                            ("--block-weights-lr", args.block_weights_lr), ("--block-rows", args.block_rows)):
+            if value is not None:
                 raise ConversionError(f"{flag} needs --calib SPEC (e.g. --calib builtin)")
-    if args.block_weights_lr and args.strategy not in (None, DEFAULT_STRATEGY, "block"):
-        raise ConversionError(f"--block-weights-lr needs the block strategy, not {args.strategy}")
+    for flag, value in (("--block-weights-lr", args.block_weights_lr), ("--block-rows", args.block_rows)):
+        if value is not None and args.strategy not in (None, DEFAULT_STRATEGY, "block"):
+            raise ConversionError(f"{flag} needs the block strategy, not {args.strategy}")
 
 
 def _calibration(args, tokenizer):
@@ -228,6 +230,12 @@ def _measurer(args, model, tokenizer, texts, calibration, **slice_options):
     return Measurer(model, reference, args.to, calibration, roles=_roles(args.roles), per_channel=args.per_channel)
 
 
+def _measured_weights_lr(args) -> float:
+    """Block-wise reconstruction in a sensitivity measurement only when asked: the map is the damage of norms
+    converted with their blocks' weights as they are, and a few hundred tokens would overfit the weights."""
+    return 0.0 if args.block_weights_lr is None else args.block_weights_lr
+
+
 def _select_within_budget(args, model, tokenizer):
     """The budget search on a copy: the map on the sensitivity slice, then a bisection of its greedy curve."""
     from dataclasses import replace
@@ -245,6 +253,7 @@ def _select_within_budget(args, model, tokenizer):
     calibration = _calibration(args, tokenizer)
     if calibration is not None:  # measured cheaply; the final conversion runs the full calibration
         calibration = replace(calibration, num_blocks=CALIB_BLOCKS, block_len=CALIB_LEN, tune_steps=0, plots=None,
+                              block_weights_lr=_measured_weights_lr(args),
                               progress=False)
     measurer = _measurer(args, model, tokenizer, load_texts(args.budget_data, "evaluation"), calibration)
     _, selected, skipped = plan(model, _roles(args.roles), args.include, args.exclude)
@@ -274,6 +283,7 @@ def _sensitivity(args) -> None:
     calibration = _calibration(args, tokenizer)
     if calibration is not None:
         calibration.tune_steps, calibration.progress = args.tune_steps, False
+        calibration.block_weights_lr = _measured_weights_lr(args)
         _warn(_calibration_overlap(args.calib, None, args.data, texts))
     measurer = _measurer(args, model, tokenizer, texts, calibration, windows=args.windows,
                          window_len=args.window_len, sentences=args.sentences)

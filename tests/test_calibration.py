@@ -310,7 +310,7 @@ def test_block_tuning_hands_on_the_outputs_of_the_parameters_it_keeps(lr):
         reference = [linear(target_norm(h)) for h in hidden]
     batches = [{"attention_mask": torch.ones(4, 5)}] * 2
     record, outputs = tune_block(block, [norm], lambda x, k, rows: linear(norm(x)), hidden, reference, batches,
-                                 _cfg(block_steps=6, block_rows=3, block_lr=lr))
+                                 _cfg(block_steps=6, block_rows=3, block_lr=lr, block_weights_lr=0))
     assert record["error_after"] <= record["error_before"]
     with torch.no_grad():
         for out, h in zip(outputs, hidden):
@@ -331,6 +331,24 @@ def test_block_tuning_checks_never_worse_on_the_first_guard_rows():
     with torch.no_grad():
         first = float(per_token_relative_error(norm(hidden[0]), reference[0]).mean())
     record, outputs = tune_block(norm, [norm], lambda x, k, rows: norm(x), hidden, reference, batches,
-                                 _cfg(block_steps=0, block_rows=4))
+                                 _cfg(block_steps=0, block_rows=4, block_weights_lr=0))
     assert record["error_before"] == pytest.approx(first, rel=1e-5) == record["error_after"]
     assert [o.shape[0] for o in outputs] == [GUARD_ROWS, 8]  # the next block still gets every sequence
+
+
+def test_block_tuning_needs_the_original_outputs_of_the_sequences_it_reads_alone():
+    """The sequential pass runs the original block only on the batches holding the first ``tuned_rows`` sequences:
+    tuning must never read past them, and still hands every sequence on to the next block."""
+    from hf_normswap.block_pass import GUARD_ROWS, _leading_batches, tune_block, tuned_rows
+
+    torch.manual_seed(0)
+    norm = ELN(8, 8.0, amplitude=8 ** 0.5)
+    hidden = [torch.randn(GUARD_ROWS, 5, 8), torch.randn(8, 5, 8)]
+    batches = [{"input_ids": torch.zeros(h.shape[:2]), "attention_mask": torch.ones(h.shape[:2])} for h in hidden]
+    config = _cfg(block_steps=4, block_rows=4, block_weights_lr=0)
+    assert tuned_rows(config) == GUARD_ROWS and _leading_batches(batches, tuned_rows(config)) == 1
+    assert _leading_batches(batches, tuned_rows(_cfg(block_steps=5, block_rows=4))) == 2
+    reference = [torch.nn.RMSNorm(8)(hidden[0]).detach()]  # the first batch's alone
+    record, outputs = tune_block(norm, [norm], lambda x, k, rows: norm(x), hidden, reference, batches, config)
+    assert record["error_after"] < record["error_before"]
+    assert [o.shape[0] for o in outputs] == [GUARD_ROWS, 8]

@@ -80,6 +80,8 @@ def test_user_errors_are_one_line_and_nonzero(argv, message, llama_dir, capsys):
         (["--calib", "builtin", "--calib-blocks", "0"], "--calib-blocks must be at least 1"),
         (["--strategy", "block"], "--strategy needs --calib"),
         (["--block-weights-lr", "1e-4"], "--block-weights-lr needs --calib"),
+        (["--block-rows", "2"], "--block-rows needs --calib"),
+        (["--calib", "builtin", "--strategy", "kl", "--block-rows", "2"], "--block-rows needs the block strategy"),
         (["--calib", "builtin", "--strategy", "fast", "--block-weights-lr", "1e-4"], "needs the block strategy"),
         (["--calib", "builtin", "--block-weights-lr", "-1"], "--block-weights-lr must be at least 0"),
         (["--calib", "builtin", "--block-rows", "0"], "--block-rows must be at least 1"),
@@ -136,3 +138,6 @@ def test_block_tuning_flags_reach_the_calibration_config():
                                       "--block-weights-lr", "1e-4"])
     config = _calibration(args, tokenizer=object())
     assert (config.block_rows, config.block_weights_lr) == (1, 1e-4)
+    unset = _calibration(build_parser().parse_args(["convert", "m", "--to", "eln", "--calib", "builtin"]),
+                         tokenizer=object())
+    assert (unset.block_rows, unset.block_weights_lr) == (None, None)  # the strategy's values, once resolved
