@@ -11,8 +11,9 @@ points to find the largest prefix within a budget.
 
 Each measurement is a full ``convert`` of a copy of the model with the calibration config given; the command line
 sets its end-to-end tuning steps (``tune_steps``) to 0 unless asked, since they cost more than everything else
-together (30 forward-backward passes of the whole model per measurement on SmolLM2); the strategy's per-norm fit
-and per-block tuning run as in ``convert``.
+together (30 forward-backward passes of the whole model per measurement on SmolLM2), and leaves the blocks' own
+weights out of block tuning unless asked (``block_weights_lr``: the map is the damage of the norms, and a few hundred
+tokens would overfit the weights); the strategy's per-norm fit and per-block tuning run as in ``convert``.
 """
 
 from __future__ import annotations

@@ -166,3 +166,27 @@ def test_convert_budget_converts_within_it_and_refuses_an_impossible_one(tmp_pat
     assert "no norm converts within the budget" in capsys.readouterr().err
     assert cli.main(argv + ["--budget-cosine", "0.9"]) == 2
     assert "--budget-cosine does not apply" in capsys.readouterr().err
+
+
+def test_sensitivity_leaves_the_blocks_weights_alone_unless_asked(tmp_path, monkeypatch):
+    """The block strategy fits each block's weights by default; a sensitivity measurement (a few hundred tokens) does
+    not, unless --block-weights-lr says so."""
+    import hf_normswap.cli as cli
+
+    class Measured(Exception):
+        pass
+
+    seen = []
+
+    def measurer(args, model, tokenizer, texts, calibration, **options):
+        seen.append(calibration.block_weights_lr)
+        raise Measured
+
+    monkeypatch.setattr(cli, "load_model", lambda *a, **k: (tiny_model("llama"), tiny_tokenizer()))
+    monkeypatch.setattr(cli, "_measurer", measurer)
+    text = tmp_path / "text.txt"
+    text.write_text(TEXT[0])
+    for extra in ([], ["--block-weights-lr", "1e-4"]):
+        with pytest.raises(Measured):
+            cli.main(["sensitivity", "tiny", "--to", "eln", "--calib", str(text), "--data", str(text), *extra])
+    assert seen == [0.0, 1e-4]
