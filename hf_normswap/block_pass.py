@@ -5,8 +5,9 @@ The inputs of the first repeated block are cached once; then, for each block, ea
 fits its replacement, which is swapped in, and the block is re-run to give the next block its input. Norms outside
 the blocks (an embedding LayerNorm before, the final norm after) are handled before / after them. With
 ``block_steps`` each block's new modules are then tuned so that the block reproduces the original block's output
-(:func:`tune_block`), and a final norm fed straight by the last block is tuned the same way toward the original
-final norm's output on the original trajectory.
+(:func:`tune_block`; with ``block_weights_lr`` the block's own weights too, ``reconstruct.py``), and a final norm
+fed straight by the last block is tuned the same way toward the original final norm's output on the original
+trajectory.
 
 Models whose norms do not sit in one stack of blocks (encoder-decoder: two stacks) fall back to :func:`one_shot`:
 every norm fitted on activations of the original model, captured in one pass.
@@ -230,8 +231,8 @@ GUARD_ROWS = 16  # sequences on which tuning's "never worse" check compares the 
 
 def tuned_rows(config) -> int:
     """Sequences that block tuning reads: its steps' (``block_steps`` x ``block_rows``, the first ones in order)
-    and the guard's. Only these need the original block's output: on SmolLM2's 64 calibration sequences, 40 steps
-    of one sequence read 40."""
+    and the guard's. Only these need the original block's output: of 256 calibration sequences, the default 60 steps
+    of one sequence read 60."""
     return max(config.block_steps * config.block_rows, GUARD_ROWS)
 
 

@@ -7,15 +7,16 @@ per-token scale error that the block's linear layers can absorb. With ``Calibrat
 the block's other parameters (attention and MLP weights) join the same Adam steps at that rate, as in BRECQ's and
 EfficientQAT's block-wise stage: the whole model is never trained at once, only one block against cached targets.
 
-Memory, for ``N`` calibration sequences of ``L`` tokens, hidden size ``d``, one block of ``P`` parameters and
-``block_rows`` = ``r`` sequences a step (fp32, bytes):
+Memory, for ``N`` calibration sequences of ``L`` tokens, hidden size ``d``, one block of ``P`` parameters,
+``block_rows`` = ``r`` sequences a step and ``block_steps`` = ``s`` (fp32, bytes):
 
-    cache    2 * N * L * d * 4          converted and original hidden states of every sequence (CPU memory)
+    cache    (N + min(N, max(s * r, 16))) * L * d * 4    converted hidden states of every sequence, original ones of
+                                                           the sequences tuning reads (CPU memory)
     block    P * 4 * 4                  weights, Adam's two moments and their gradient
     step     r * L * (activations of one block)   the autograd graph of one block on r sequences
 
-SmolLM2-135M (d = 576, P = 3.5M a block), N = 16, L = 512, r = 4: 38 MB of cache, 57 MB for the block; only one
-block at a time needs the compute device, so the stage scales to models larger than it.
+SmolLM2-135M (d = 576, P = 3.5M a block), N = 64, L = 512, r = 1, s = 60: 146 MB of cache, 57 MB for the block; only
+one block at a time needs the compute device, so the stage scales to models larger than it.
 """
 
 from __future__ import annotations

@@ -38,7 +38,7 @@ NORMS_ONLY = "calibration.block_weights_lr=0"  # calibration fits the norms' par
 # and each block's weights too, 40 steps of 4 sequences a block (the settings the long curve was measured with)
 BLOCKWISE = ["calibration.strategy=block", "calibration.block_weights_lr=1.0e-4", "calibration.block_steps=40",
              "calibration.block_rows=4"]
-# the block strategy's default since: 60 steps of one sequence a block
+# the block strategy's default: 60 steps of one sequence a block
 BLOCKWISE_60X1 = ["calibration.strategy=block", "calibration.block_weights_lr=1.0e-4", "calibration.block_steps=60",
                   "calibration.block_rows=1"]
 
