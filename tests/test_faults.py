@@ -157,6 +157,8 @@ class _KillAt:
     def step(self):
         self.count += 1
         if self.count == self.at:
+            if self.signum == signal.SIGINT:  # Ctrl-C at exactly this step: Python runs a signal's handler later,
+                raise KeyboardInterrupt      # which can land in a finalizer that swallows it and let the save finish
             os.kill(os.getpid(), self.signum)
 
     def install(self):
