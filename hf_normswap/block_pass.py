@@ -290,25 +290,25 @@ def tune_block(block, modules, run, hidden, reference, batches, config) -> tuple
     return {"error_before": round(before, 6), "error_after": round(after, 6)}, outputs
 
 
-def _leading_chunks(chunks: list[tuple[int, slice]], hidden, rows: int) -> list[tuple[int, slice]]:
-    """The first chunks, in order, until they hold at least ``rows`` sequences (all of them for less data)."""
-    taken, count = [], 0
-    for k, part in chunks:
+def _leading(sizes: list[int], rows: int) -> int:
+    """How many of the first items, of ``sizes`` sequences each, hold at least ``rows`` sequences (all of them for
+    less data)."""
+    count = 0
+    for index, size in enumerate(sizes):
         if count >= rows:
-            break
-        taken.append((k, part))
-        count += hidden[k][part].shape[0]
-    return taken
+            return index
+        count += size
+    return len(sizes)
+
+
+def _leading_chunks(chunks: list[tuple[int, slice]], hidden, rows: int) -> list[tuple[int, slice]]:
+    """The first chunks, in order, until they hold at least ``rows`` sequences."""
+    return chunks[:_leading([hidden[k][part].shape[0] for k, part in chunks], rows)]
 
 
 def _leading_batches(batches, rows: int) -> int:
-    """How many of the first batches hold at least ``rows`` sequences (all of them for less data)."""
-    count = 0
-    for index, batch in enumerate(batches):
-        if count >= rows:
-            return index
-        count += batch["input_ids"].shape[0]
-    return len(batches)
+    """How many of the first batches hold at least ``rows`` sequences."""
+    return _leading([batch["input_ids"].shape[0] for batch in batches], rows)
 
 
 def _post_input_is_stack_output(model, source, batch, hidden) -> bool:
