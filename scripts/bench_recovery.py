@@ -63,6 +63,8 @@ METHODS: dict[str, list[str]] = {
     "blockwise-60x1": BLOCKWISE_60X1,
     # the same start, the input embeddings and the tied head kept fixed in training (fewer weight gradients)
     "blockwise-60x1+frozen-embeddings": [*BLOCKWISE_60X1, "freeze_embeddings=true"],
+    # the same start, then the layer-wise term beside the logit KL (as in blockwise+layerwise)
+    "blockwise-60x1+layerwise": [*BLOCKWISE_60X1, "distill.hidden=10.0"],
 }
 
 
