@@ -145,62 +145,81 @@ def freeze_embeddings(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
-def distillation_step(model: nn.Module, teacher: nn.Module | None, inputs: dict, *, distill_weight: float,
-                      temperature: float = 1.0, head_chunk: int = 0):
-    """``(loss, ce, kd)`` of one batch: ``(1 - w) * CE + w * KD`` with the teacher's forward under no_grad.
-    ``head_chunk`` > 0: from hidden states, chunked over tokens (no B x T x V logits); 0: from full logits."""
+def _forwards(model: nn.Module, teacher: nn.Module, inputs: dict, *, head_chunk: int, hidden_states: bool):
+    """``(student outputs, teacher outputs, heads)`` of one batch, the teacher's under no_grad. ``head_chunk`` > 0:
+    both output heads bypassed (:func:`hf_normswap.head_loss.head_bypassed`): ``.logits`` hold the hidden states
+    that enter them and ``heads`` is ``(student head, teacher head)``; 0: full logits, ``heads`` None."""
+    extra = {"output_hidden_states": True} if hidden_states else {}
+    teacher_inputs = dict(input_ids=inputs["input_ids"], attention_mask=inputs.get("attention_mask"), **extra)
+    if not head_chunk:
+        outputs = model(**inputs, **extra)
+        with torch.no_grad():
+            return outputs, teacher(**teacher_inputs), None
+    with head_bypassed(_unwrapped(model)) as head:
+        outputs = model(**{k: v for k, v in inputs.items() if k != "labels"}, **extra)
+    with torch.no_grad(), head_bypassed(teacher) as teacher_head:
+        return outputs, teacher(**teacher_inputs), (head, teacher_head)
+
+
+def _logit_terms(outputs, reference, heads, inputs: dict, *, distill_weight: float, temperature: float,
+                 logits: bool, head_chunk: int):
+    """``((1 - w) * CE + w * KD, CE, KD)`` of :func:`_forwards`' outputs (KD left out when ``logits`` is false)."""
     mask = inputs.get("attention_mask")
-    teacher_inputs = dict(input_ids=inputs["input_ids"], attention_mask=mask)
-    if head_chunk:
-        with head_bypassed(_unwrapped(model)) as head:
-            hidden = model(**{k: v for k, v in inputs.items() if k != "labels"}).logits
-        with torch.no_grad(), head_bypassed(teacher) as teacher_head:
-            teacher_hidden = teacher(**teacher_inputs).logits
-        return head_loss(hidden, head.weight, inputs["labels"], teacher_hidden=teacher_hidden,
-                         teacher_weight=teacher_head.weight, kd_mask=mask, ce_weight=1.0 - distill_weight,
-                         kd_weight=distill_weight, temperature=temperature, chunk=head_chunk)
-    outputs = model(**inputs)
-    with torch.no_grad():
-        teacher_logits = teacher(**teacher_inputs).logits
-    kd = distillation_loss(outputs.logits, teacher_logits, temperature, mask)
-    return (1.0 - distill_weight) * outputs.loss + distill_weight * kd, outputs.loss, kd
-
-
-def layerwise_step(model: nn.Module, teacher: nn.Module, inputs: dict, *, distill_weight: float,
-                   temperature: float = 1.0, logits: bool = True, hidden_weight: float = 1.0,
-                   sink_weight: float = 0.0, embedding_weight: float = 0.0):
-    """``(loss, ce, kd, hidden, embedding)``: ``(1 - w) * CE + w * (KD + h * H + e * E)`` with H the layer-wise loss
-    (:func:`hf_normswap.layerwise.relative_hidden_error`) and E the pooled-embedding cosine error
-    (:func:`hf_normswap.layerwise.embedding_cosine_error`); KD is left out when ``logits`` is false. A model without a
-    loss of its own (a sentence encoder) needs ``w = 1``."""
-    outputs = model(**inputs, output_hidden_states=True)
     zero = torch.zeros((), device=inputs["input_ids"].device)
+    kd_weight = distill_weight if logits else 0.0
+    if heads is not None:
+        if not (1.0 - distill_weight or kd_weight):  # hidden states alone: nothing goes through the heads
+            return zero, zero, zero
+        return head_loss(outputs.logits, heads[0].weight, inputs["labels"], teacher_hidden=reference.logits,
+                         teacher_weight=heads[1].weight, kd_mask=mask, ce_weight=1.0 - distill_weight,
+                         kd_weight=kd_weight, temperature=temperature, chunk=head_chunk)
     ce = getattr(outputs, "loss", None)
     if ce is None and distill_weight < 1:
         raise ValueError("the model computes no loss of its own (a sentence encoder): set distill weight 1")
     ce = zero if ce is None else ce
-    mask = inputs.get("attention_mask")
-    with torch.no_grad():
-        reference = teacher(input_ids=inputs["input_ids"], attention_mask=mask, output_hidden_states=True)
     kd = distillation_loss(outputs.logits, reference.logits, temperature, mask) if logits else zero
+    return (1.0 - distill_weight) * ce + distill_weight * kd, ce, kd
+
+
+def distillation_step(model: nn.Module, teacher: nn.Module | None, inputs: dict, *, distill_weight: float,
+                      temperature: float = 1.0, head_chunk: int = 0):
+    """``(loss, ce, kd)`` of one batch: ``(1 - w) * CE + w * KD`` with the teacher's forward under no_grad.
+    ``head_chunk`` > 0: from hidden states, chunked over tokens (no B x T x V logits); 0: from full logits."""
+    outputs, reference, heads = _forwards(model, teacher, inputs, head_chunk=head_chunk, hidden_states=False)
+    return _logit_terms(outputs, reference, heads, inputs, distill_weight=distill_weight, temperature=temperature,
+                        logits=True, head_chunk=head_chunk)
+
+
+def layerwise_step(model: nn.Module, teacher: nn.Module, inputs: dict, *, distill_weight: float,
+                   temperature: float = 1.0, logits: bool = True, hidden_weight: float = 1.0,
+                   sink_weight: float = 0.0, embedding_weight: float = 0.0, head_chunk: int = 0):
+    """``(loss, ce, kd, hidden, embedding)``: ``(1 - w) * CE + w * (KD + h * H + e * E)`` with H the layer-wise loss
+    (:func:`hf_normswap.layerwise.relative_hidden_error`) and E the pooled-embedding cosine error
+    (:func:`hf_normswap.layerwise.embedding_cosine_error`); KD is left out when ``logits`` is false. A model without a
+    loss of its own (a sentence encoder) needs ``w = 1``. ``head_chunk`` as :func:`distillation_step`."""
+    outputs, reference, heads = _forwards(model, teacher, inputs, head_chunk=head_chunk, hidden_states=True)
+    head_part, ce, kd = _logit_terms(outputs, reference, heads, inputs, distill_weight=distill_weight,
+                                     temperature=temperature, logits=logits, head_chunk=head_chunk)
+    mask = inputs.get("attention_mask")
+    zero = torch.zeros((), device=inputs["input_ids"].device)
     hidden = relative_hidden_error(outputs.hidden_states, reference.hidden_states, mask, sink_weight) \
         if hidden_weight > 0 else zero
     embedding = embedding_cosine_error(outputs.hidden_states[-1], reference.hidden_states[-1], mask) \
         if embedding_weight > 0 else zero
-    total = kd + hidden_weight * hidden + embedding_weight * embedding
-    return (1.0 - distill_weight) * ce + distill_weight * total, ce, kd, hidden, embedding
+    return head_part + distill_weight * (hidden_weight * hidden + embedding_weight * embedding), ce, kd, hidden, \
+        embedding
 
 
 def training_loss(model: nn.Module, teacher: nn.Module, inputs: dict, *, distill_weight: float,
                   temperature: float = 1.0, logits: bool = True, hidden_weight: float = 0.0, sink_weight: float = 0.0,
                   embedding_weight: float = 0.0, head_chunk: int = 0):
     """``(loss, ce, kd, hidden, embedding)`` of one batch as :class:`NormSwapTrainer` trains (``distill_weight`` > 0):
-    the layer-wise step when there is a hidden-state term (hidden states are needed: full forward passes), else the
-    distillation step (``head_chunk`` > 0: through the chunked head loss)."""
+    the layer-wise step when there is a hidden-state term (the models' hidden states are needed), else the
+    distillation step; ``head_chunk`` > 0: CE and KD through the chunked head loss."""
     if hidden_weight > 0 or embedding_weight > 0:
         return layerwise_step(model, teacher, inputs, distill_weight=distill_weight, temperature=temperature,
                               logits=logits, hidden_weight=hidden_weight, sink_weight=sink_weight,
-                              embedding_weight=embedding_weight)
+                              embedding_weight=embedding_weight, head_chunk=head_chunk)
     loss, ce, kd = distillation_step(model, teacher, inputs, distill_weight=distill_weight, temperature=temperature,
                                      head_chunk=head_chunk)
     return loss, ce, kd, torch.zeros(()), torch.zeros(())
@@ -262,8 +281,8 @@ class NormSwapTrainer(Trainer):
     (:func:`hf_normswap.layerwise.embedding_cosine_error`); ``logits=False`` drops KD (hidden states alone). The
     teacher is moved to the training device and never wrapped for DDP, so every process holds its own copy; it runs
     under the student's autocast (bf16 when the Trainer's ``bf16`` is set). ``head_chunk`` tokens at a time go
-    through the output head (:mod:`hf_normswap.head_loss`) when both heads are plain linear maps and there is no
-    hidden-state term (layer-wise or embedding); 0: full logits.
+    through the output head (:mod:`hf_normswap.head_loss`) when both heads are plain linear maps (a sentence
+    encoder has none); 0: full logits.
     """
 
     def __init__(self, *args, teacher: nn.Module | None = None, distill_weight: float = 0.0,
@@ -286,8 +305,8 @@ class NormSwapTrainer(Trainer):
             self.teacher.to(self.args.device).eval().requires_grad_(False)
             self.loss_is_scaled_for_ga = False  # compute_loss returns a per-batch mean: let the Trainer divide
         # decided here, before accelerate wraps the forward in autocast: the check compares fp32 logits exactly
-        distilled_logits = teacher is not None and self.distill_weight > 0 and not hidden_terms
-        self.head_chunk = head_chunk_for(self.model, teacher, int(head_chunk or 0)) if distilled_logits else 0
+        distilled = teacher is not None and self.distill_weight > 0
+        self.head_chunk = head_chunk_for(self.model, teacher, int(head_chunk or 0)) if distilled else 0
         self._component_sums = dict.fromkeys(self.COMPONENTS, 0.0) | {"count": 0}
 
     COMPONENTS = ("ce_loss", "kd_loss", "hidden_loss", "embedding_loss")

@@ -438,11 +438,14 @@ def head_section(args) -> list[dict]:
 
 # ------------------------------------------------------------------------------------------------------ training
 TRAIN_VARIANTS = {
-    # name: (distillation with the recipe's trainer, head chunk, precision, freeze embeddings)
-    "baseline": (False, 0, "fp32", False),
-    "recipe": (True, 256, "auto", False),
-    "recipe-fp32-full-logits": (True, 0, "fp32", False),
-    "recipe-frozen-embeddings": (True, 256, "auto", True),
+    # name: (distillation with the recipe's trainer, head chunk, precision, freeze embeddings, layer-wise weight)
+    "baseline": (False, 0, "fp32", False, 0.0),
+    "recipe": (True, 256, "auto", False, 0.0),
+    "recipe-fp32-full-logits": (True, 0, "fp32", False, 0.0),
+    "recipe-frozen-embeddings": (True, 256, "auto", True, 0.0),
+    # the layer-wise term beside the logit KL (bench_recovery's +layerwise methods), through the chunked head or not
+    "recipe-layerwise": (True, 256, "auto", False, 10.0),
+    "recipe-layerwise-full-logits": (True, 0, "auto", False, 10.0),
 }
 
 
@@ -474,13 +477,13 @@ def train_steps(variants, student, teacher, inputs, directory: str, precision: s
     memory takes the parent's choice)."""
     from transformers import Trainer, TrainingArguments
 
-    from hf_normswap.distill import NormSwapTrainer, distillation_step, freeze_embeddings, head_chunk_for
+    from hf_normswap.distill import NormSwapTrainer, freeze_embeddings, head_chunk_for, training_loss
     from hf_normswap.precision import choose_precision
 
     optimizer = torch.optim.AdamW(student.parameters(), lr=1e-5)
     steps, choices = {}, {}
     for name in variants:
-        distill, chunk, variant_precision, frozen = TRAIN_VARIANTS[name]
+        distill, chunk, variant_precision, frozen, hidden = TRAIN_VARIANTS[name]
         if precision is not None:
             variant_precision = precision
 
@@ -493,9 +496,10 @@ def train_steps(variants, student, teacher, inputs, directory: str, precision: s
             one = {k: v[:1] for k, v in inputs.items()}
             chunk_used = head_chunk_for(student, teacher, chunk)
 
-            def probe_step(trainable=trainable, chunk_used=chunk_used):
+            def probe_step(trainable=trainable, chunk_used=chunk_used, hidden=hidden):
                 trainable()
-                distillation_step(student, teacher, one, distill_weight=0.5, head_chunk=chunk_used)[0].backward()
+                training_loss(student, teacher, one, distill_weight=0.5, hidden_weight=hidden,
+                              head_chunk=chunk_used)[0].backward()
                 student.zero_grad(set_to_none=True)
             student.train()
             choices[name] = choose_precision("auto", probe_step, repetitions=2)
@@ -503,8 +507,8 @@ def train_steps(variants, student, teacher, inputs, directory: str, precision: s
             choices[name] = choose_precision(variant_precision)
         training = TrainingArguments(output_dir=directory, use_cpu=True, report_to="none", bf16=choices[name].bf16,
                                      per_device_train_batch_size=inputs["input_ids"].shape[0])
-        trainer = (NormSwapTrainer(model=student, args=training, teacher=teacher, distill_weight=0.5, head_chunk=chunk)
-                   if distill else Trainer(model=student, args=training))
+        trainer = (NormSwapTrainer(model=student, args=training, teacher=teacher, distill_weight=0.5, head_chunk=chunk,
+                                   hidden_weight=hidden) if distill else Trainer(model=student, args=training))
         trainer.current_gradient_accumulation_steps = 1  # set by Trainer.train(), which this bypasses
 
         def step(trainer=trainer, trainable=trainable):

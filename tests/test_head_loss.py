@@ -1,4 +1,4 @@
-"""The chunked head loss equals the full-logits loss and its gradients, and the distillation step uses it."""
+"""The chunked head loss equals the full-logits loss and its gradients, and both training steps use it."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hf_normswap.distill import distillation_loss, distillation_step, freeze_embeddings
+from hf_normswap.distill import distillation_loss, distillation_step, freeze_embeddings, layerwise_step
 from hf_normswap.head_loss import head_bypassed, head_is_plain, head_loss
 from tiny_models import tiny_model
 
@@ -58,6 +58,31 @@ def test_distillation_step_through_the_bypassed_head_matches_full_logits_on_a_ti
         torch.testing.assert_close(results[5][3][name], grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
+@pytest.mark.parametrize("distill_weight, logits", [(1.0, True), (0.5, True), (1.0, False)])
+def test_layerwise_step_through_the_bypassed_head_matches_full_logits_on_a_tiny_llama(distill_weight, logits):
+    """The layer-wise term beside the logit KL (or alone) gives the same loss, parts and gradients when CE and KD go
+    through the chunked head: the hidden states are the same forward's."""
+    student, teacher = tiny_model("llama", seed=0), tiny_model("llama", seed=1)
+    student.train()
+    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(0))
+    inputs = dict(input_ids=ids, labels=ids, attention_mask=torch.ones_like(ids))
+    results = {}
+    for chunk in (0, 5):
+        student.zero_grad(set_to_none=True)
+        loss, ce, kd, hidden, _ = layerwise_step(student, teacher, inputs, distill_weight=distill_weight,
+                                                 logits=logits, hidden_weight=3.0, head_chunk=chunk)
+        loss.backward()
+        results[chunk] = ((loss, kd, hidden) + ((ce,) if distill_weight < 1 else ()),
+                          {n: p.grad.clone() for n, p in student.named_parameters() if p.grad is not None})
+    assert float(results[5][0][2]) > 0 and (float(results[5][0][1]) > 0) == logits
+    for a, b in zip(results[0][0], results[5][0]):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+    for name, grad in results[0][1].items():  # without CE and KD the full path gives the head a zero gradient
+        torch.testing.assert_close(results[5][1].get(name, torch.zeros_like(grad)), grad, rtol=1e-4, atol=1e-6,
+                                   msg=name)
+    assert results[5][1].keys() <= results[0][1].keys()
+
+
 def test_head_bypass_is_undone_and_a_biased_head_is_not_plain():
     model = tiny_model("llama")
     ids = torch.arange(6)[None]
@@ -81,7 +106,8 @@ def test_freeze_embeddings_freezes_the_tied_matrix_and_nothing_else():
     assert all(p.requires_grad for n, p in model.named_parameters() if "embed" not in n and "lm_head" not in n)
 
 
-def test_the_trainer_keeps_the_chunked_head_loss_under_bf16_autocast(tmp_path, monkeypatch):
+@pytest.mark.parametrize("hidden_weight", [0.0, 10.0])
+def test_the_trainer_keeps_the_chunked_head_loss_under_bf16_autocast(tmp_path, monkeypatch, hidden_weight):
     """The head check runs before accelerate wraps the forward in bf16 autocast: under autocast the logits are not
     exactly ``hidden @ W.T`` in fp32, and a check made there would drop the chunked loss (or fail on the dtypes)."""
     import datasets
@@ -96,11 +122,11 @@ def test_the_trainer_keeps_the_chunked_head_loss_under_bf16_autocast(tmp_path, m
     args = TrainingArguments(output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=2, bf16=True,
                              use_cpu=True, save_strategy="no", report_to="none", disable_tqdm=True)
     trainer = NormSwapTrainer(model=student, args=args, teacher=teacher, distill_weight=1.0, head_chunk=8,
-                              train_dataset=datasets.Dataset.from_dict({"input_ids": ids, "labels": ids}))
+                              hidden_weight=hidden_weight, train_dataset=datasets.Dataset.from_dict({"input_ids": ids, "labels": ids}))
     chunks = []
     monkeypatch.setattr(distill, "head_loss", lambda *a, **k: chunks.append(k["chunk"]) or head_loss(*a, **k))
     assert trainer.train().training_loss > 0
-    assert chunks == [8, 8]  # both steps went through the chunked loss
+    assert chunks == [8, 8]  # both steps went through the chunked loss, with the layer-wise term or without
 
 
 @pytest.mark.parametrize("arch", ["llama", "bert"])
