@@ -35,6 +35,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 from bench_speed import machine  # noqa: E402  the CPU and its bf16 / AMX flags, recorded as every benchmark does
 
 NORMS_ONLY = "calibration.block_weights_lr=0"  # calibration fits the norms' parameters alone
+LOGITS_ONLY = "distill.hidden=0"  # no layer-wise term (the SmolLM2 configs have one)
 # and each block's weights too, 40 steps of 4 sequences a block (the settings the long curve was measured with)
 BLOCKWISE = ["calibration.strategy=block", "calibration.block_weights_lr=1.0e-4", "calibration.block_steps=40",
              "calibration.block_rows=4"]
@@ -44,7 +45,7 @@ BLOCKWISE_60X1 = ["calibration.strategy=block", "calibration.block_weights_lr=1.
 
 METHODS: dict[str, list[str]] = {
     # the baseline: calibration of the norms alone, then KL to the original's logits, all weights
-    "logits": [NORMS_ONLY],
+    "logits": [NORMS_ONLY, LOGITS_ONLY],
     # every block's output toward the original's (hf_normswap.layerwise), sink masked, no logit term
     "layerwise": [NORMS_ONLY, "distill.logits=false", "distill.hidden=1.0"],
     # both: the layer-wise term weighted to about the logit KL's size at the calibrated start (KL ~3 nats, mean
@@ -53,17 +54,18 @@ METHODS: dict[str, list[str]] = {
     # norms handed over from the original block by block (hf_normswap.progressive): 3 stages of 10 blocks, then
     # the final norm, one every 2 steps, each ramped over 2 steps: all converted after 8 steps (8,192 tokens at
     # 2 x 512)
-    "progressive": [NORMS_ONLY, "progressive.enabled=true", "progressive.group=10", "progressive.every=2",
-                    "progressive.ramp=2"],
-    # block-wise reconstruction during calibration (the SmolLM2 configs' default): each block's linear weights
-    # fitted beside its norms to the original block's output (hf_normswap.reconstruct), then logit distillation
-    "blockwise": BLOCKWISE,
+    "progressive": [NORMS_ONLY, LOGITS_ONLY, "progressive.enabled=true", "progressive.group=10",
+                    "progressive.every=2", "progressive.ramp=2"],
+    # block-wise reconstruction during calibration: each block's linear weights fitted beside its norms to the
+    # original block's output (hf_normswap.reconstruct), then logit distillation
+    "blockwise": [*BLOCKWISE, LOGITS_ONLY],
     # both gains at once: the block-wise start, then the layer-wise term beside the logit KL
     "blockwise+layerwise": [*BLOCKWISE, "distill.hidden=10.0"],
-    "blockwise-60x1": BLOCKWISE_60X1,
+    # the same with the block strategy's default (the SmolLM2 configs' calibration)
+    "blockwise-60x1": [*BLOCKWISE_60X1, LOGITS_ONLY],
     # the same start, the input embeddings and the tied head kept fixed in training (fewer weight gradients)
-    "blockwise-60x1+frozen-embeddings": [*BLOCKWISE_60X1, "freeze_embeddings=true"],
-    # the same start, then the layer-wise term beside the logit KL (as in blockwise+layerwise)
+    "blockwise-60x1+frozen-embeddings": [*BLOCKWISE_60X1, LOGITS_ONLY, "freeze_embeddings=true"],
+    # the same start, then the layer-wise term beside the logit KL (as in blockwise+layerwise): the SmolLM2 configs
     "blockwise-60x1+layerwise": [*BLOCKWISE_60X1, "distill.hidden=10.0"],
 }
 
