@@ -39,43 +39,51 @@ def test_chunked_loss_and_gradients_equal_the_full_logits_version(chunk, tempera
         torch.testing.assert_close(got, 2.0 * want, rtol=1e-5, atol=1e-6)
 
 
-def test_distillation_step_through_the_bypassed_head_matches_full_logits_on_a_tiny_llama():
+def _tiny_pair_and_batch():
     student, teacher = tiny_model("llama", seed=0), tiny_model("llama", seed=1)
-    assert head_is_plain(student) and head_is_plain(teacher)
     student.train()
     ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(0))
-    inputs = dict(input_ids=ids, labels=ids, attention_mask=torch.ones_like(ids))
+    return student, teacher, dict(input_ids=ids, labels=ids, attention_mask=torch.ones_like(ids))
+
+
+def _outputs_and_grads_per_chunk(student, step):
+    """``step(head_chunk)`` with full logits (0) and through the chunked head (5): its outputs and the gradients."""
     results = {}
     for chunk in (0, 5):
         student.zero_grad(set_to_none=True)
-        loss, ce, kd = distillation_step(student, teacher, inputs, distill_weight=0.5, head_chunk=chunk)
-        loss.backward()
-        results[chunk] = (loss, ce, kd, {n: p.grad.clone() for n, p in student.named_parameters()})
-    for a, b in zip(results[0][:3], results[5][:3]):
+        outputs = step(chunk)
+        outputs[0].backward()
+        results[chunk] = (outputs, {n: p.grad.clone() for n, p in student.named_parameters() if p.grad is not None})
+    return results
+
+
+def test_distillation_step_through_the_bypassed_head_matches_full_logits_on_a_tiny_llama():
+    student, teacher, inputs = _tiny_pair_and_batch()
+    assert head_is_plain(student) and head_is_plain(teacher)
+    results = _outputs_and_grads_per_chunk(
+        student, lambda chunk: distillation_step(student, teacher, inputs, distill_weight=0.5, head_chunk=chunk))
+    for a, b in zip(results[0][0], results[5][0]):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
-    assert results[0][3].keys() == results[5][3].keys()
-    for name, grad in results[0][3].items():
-        torch.testing.assert_close(results[5][3][name], grad, rtol=1e-4, atol=1e-6, msg=name)
+    assert results[0][1].keys() == results[5][1].keys()
+    for name, grad in results[0][1].items():
+        torch.testing.assert_close(results[5][1][name], grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
 @pytest.mark.parametrize("distill_weight, logits", [(1.0, True), (0.5, True), (1.0, False)])
 def test_layerwise_step_through_the_bypassed_head_matches_full_logits_on_a_tiny_llama(distill_weight, logits):
     """The layer-wise term beside the logit KL (or alone) gives the same loss, parts and gradients when CE and KD go
     through the chunked head: the hidden states are the same forward's."""
-    student, teacher = tiny_model("llama", seed=0), tiny_model("llama", seed=1)
-    student.train()
-    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(0))
-    inputs = dict(input_ids=ids, labels=ids, attention_mask=torch.ones_like(ids))
-    results = {}
-    for chunk in (0, 5):
-        student.zero_grad(set_to_none=True)
-        loss, ce, kd, hidden, _ = layerwise_step(student, teacher, inputs, distill_weight=distill_weight,
-                                                 logits=logits, hidden_weight=3.0, head_chunk=chunk)
-        loss.backward()
-        results[chunk] = ((loss, kd, hidden) + ((ce,) if distill_weight < 1 else ()),
-                          {n: p.grad.clone() for n, p in student.named_parameters() if p.grad is not None})
-    assert float(results[5][0][2]) > 0 and (float(results[5][0][1]) > 0) == logits
-    for a, b in zip(results[0][0], results[5][0]):
+    student, teacher, inputs = _tiny_pair_and_batch()
+    results = _outputs_and_grads_per_chunk(
+        student, lambda chunk: layerwise_step(student, teacher, inputs, distill_weight=distill_weight, logits=logits,
+                                              hidden_weight=3.0, head_chunk=chunk))
+
+    def compared(outputs):  # loss, KD, layer-wise term, and CE where it counts
+        loss, ce, kd, hidden, _ = outputs
+        return (loss, kd, hidden) + ((ce,) if distill_weight < 1 else ())
+
+    assert float(compared(results[5][0])[2]) > 0 and (float(compared(results[5][0])[1]) > 0) == logits
+    for a, b in zip(compared(results[0][0]), compared(results[5][0])):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
     for name, grad in results[0][1].items():  # without CE and KD the full path gives the head a zero gradient
         torch.testing.assert_close(results[5][1].get(name, torch.zeros_like(grad)), grad, rtol=1e-4, atol=1e-6,
