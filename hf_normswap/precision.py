@@ -4,8 +4,10 @@ bf16 autocast runs the matmuls in bf16 and keeps everything else as it was: mast
 optimizer state stay fp32, and the DyT / ELN modules compute in fp32 whatever their input. Whether it pays depends
 on the CPU: with AMX tiles a SmolLM2 step runs about 2.5x faster, with AVX512-BF16 alone the recipe's step ran
 1.4-1.6x faster (BENCHMARKS.md, "Training throughput"), and a CPU with neither has no bf16 matrix instructions to
-gain from. ``auto`` therefore measures instead of guessing: it times a few interleaved fp32 / bf16 repetitions
-of the step and takes bf16 only when it is faster by a margin.
+gain from: there a bf16 matmul ran 70x slower than fp32 (AVX2 alone, BENCHMARKS.md "Training throughput"), and
+one bf16 step of SmolLM2 took minutes. ``auto`` therefore measures instead of guessing, in two stages: a matmul of
+a fraction of a second first, and where bf16 is not clearly slower there, a few interleaved fp32 / bf16
+repetitions of the step itself; it takes bf16 only when the step is faster by a margin.
 """
 
 from __future__ import annotations
@@ -21,28 +23,38 @@ import torch
 
 PRECISIONS = ("auto", "fp32", "bf16")
 MARGIN = 0.05  # bf16 must save at least this share of the fp32 step time, so that noise never picks a slower one
+# A bf16 matmul below this share of fp32's speed means no bf16 matrix instructions: the step is not timed in bf16.
+# Far below any CPU with them (small shapes blunt their gain), far above the 0.01-0.02 of a CPU without.
+SLOW_MATMUL = 0.5
+MATMUL_SHAPE = (128, 512, 512)  # rows x inner x columns: ~1 ms in fp32, ~0.1 s where bf16 is emulated
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass
 class PrecisionChoice:
-    """The precision to train in and, for ``auto``, the probe's median seconds per step of each."""
+    """The precision to train in and, for ``auto``, the probes' results: the matmul's speed ratio, and the median
+    seconds per step of each precision where the step was timed."""
 
     precision: str
     requested: str
     fp32_seconds: float | None = None
     bf16_seconds: float | None = None
+    matmul_speedup: float | None = None  # fp32 seconds / bf16 seconds of :data:`MATMUL_SHAPE`
 
     @property
     def bf16(self) -> bool:
         return self.precision == "bf16"
 
     def describe(self) -> str:
-        if self.fp32_seconds is None:
+        if self.requested != "auto":
             return f"precision {self.precision} (set)"
+        if self.fp32_seconds is None:
+            return (f"precision {self.precision} (auto: a bf16 matmul ran at {self.matmul_speedup:.3g}x fp32's speed, "
+                    f"no bf16 matrix instructions: the step was not timed in bf16)")
         return (f"precision {self.precision} (auto: probe step fp32 {self.fp32_seconds:.3g}s, bf16 autocast "
-                f"{self.bf16_seconds:.3g}s, {self.fp32_seconds / self.bf16_seconds:.2f}x)")
+                f"{self.bf16_seconds:.3g}s, {self.fp32_seconds / self.bf16_seconds:.2f}x; matmul "
+                f"{self.matmul_speedup:.3g}x)")
 
 
 def check_precision(precision: str) -> str:
@@ -63,6 +75,27 @@ def _synchronized(device_type: str, timer: Callable[[], float]) -> Callable[[], 
     if device_type == "cuda":
         return lambda: (torch.cuda.synchronize(), timer())[1]
     return timer
+
+
+def matmul_speedup(device: torch.device | str = "cpu", repetitions: int = 3) -> float:
+    """fp32 seconds / bf16-autocast seconds of one matmul of :data:`MATMUL_SHAPE` (the casts included, as in a
+    step): one warm-up round, then the median of ``repetitions`` interleaved rounds. A fraction of a second where a
+    bf16 step would take minutes."""
+    device_type = torch.device(device).type
+    clock = _synchronized(device_type, time.perf_counter)
+    rows, inner, columns = MATMUL_SHAPE
+    with torch.random.fork_rng(devices=[] if device_type != "cuda" else None):
+        inputs, weight = torch.randn(rows, inner, device=device), torch.randn(inner, columns, device=device)
+    times = {False: [], True: []}
+    with torch.no_grad():
+        for round_ in range(repetitions + 1):
+            for bf16 in (False, True):
+                start = clock()
+                with autocast(bf16, device):
+                    inputs @ weight
+                if round_:
+                    times[bf16].append(clock() - start)
+    return statistics.median(times[False]) / statistics.median(times[True])
 
 
 def probe(step: Callable[[], object], *, device: torch.device | str = "cpu", repetitions: int = 3,
@@ -89,15 +122,20 @@ def probe(step: Callable[[], object], *, device: torch.device | str = "cpu", rep
 def choose_precision(precision: str, step: Callable[[], object] | None = None, *,
                      device: torch.device | str = "cpu", repetitions: int = 3,
                      timer: Callable[[], float] = time.perf_counter) -> PrecisionChoice:
-    """``fp32`` / ``bf16`` as given; ``auto``: bf16 when the probe of ``step`` finds it at least :data:`MARGIN`
-    faster, else fp32. Logs the probe's numbers."""
+    """``fp32`` / ``bf16`` as given; ``auto``: fp32 when a bf16 matmul runs below :data:`SLOW_MATMUL` of fp32's
+    speed (:func:`matmul_speedup`), else bf16 when the probe of ``step`` finds it at least :data:`MARGIN` faster,
+    else fp32. Logs the probes' numbers."""
     check_precision(precision)
     if precision != "auto":
         return PrecisionChoice(precision, precision)
     if step is None:
         raise ValueError("precision 'auto' needs a step to time")
-    fp32, bf16 = probe(step, device=device, repetitions=repetitions, timer=timer)
-    choice = PrecisionChoice("bf16" if bf16 < (1 - MARGIN) * fp32 else "fp32", "auto", fp32, bf16)
+    speedup = matmul_speedup(device)
+    if speedup < SLOW_MATMUL:
+        choice = PrecisionChoice("fp32", "auto", matmul_speedup=speedup)
+    else:
+        fp32, bf16 = probe(step, device=device, repetitions=repetitions, timer=timer)
+        choice = PrecisionChoice("bf16" if bf16 < (1 - MARGIN) * fp32 else "fp32", "auto", fp32, bf16, speedup)
     logger.info(choice.describe())
     return choice
 

@@ -566,6 +566,7 @@ def train_section(args) -> list[dict]:
     rows = [dict(section="train", model=args.models[0], variant=name, tokens=tokens, seconds=seconds,
                  tokens_per_s=tokens / seconds, speedup=base / seconds, precision=choices[name].precision,
                  probe_fp32_s=choices[name].fp32_seconds, probe_bf16_s=choices[name].bf16_seconds,
+                 probe_matmul_speedup=choices[name].matmul_speedup,
                  peak_rss_mb=memory[name], rss_ratio=memory[name] / memory["baseline"])
             for name, seconds in med.items()]
     for row in rows:

@@ -5,8 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 
+from hf_normswap import precision
 from hf_normswap.precision import choose_precision
 from tiny_models import tiny_model
+
+
+@pytest.fixture
+def bf16_matmuls(monkeypatch):
+    """A machine whose bf16 matmuls are fast, so that ``auto`` goes on to time the step (whatever this CPU has)."""
+    monkeypatch.setattr(precision, "matmul_speedup", lambda device="cpu": 2.0)
 
 
 def _fake_timed_step(fp32_seconds: float, bf16_seconds: float):
@@ -20,12 +27,32 @@ def _fake_timed_step(fp32_seconds: float, bf16_seconds: float):
 
 
 @pytest.mark.parametrize("fp32, bf16, expected", [(10.0, 5.0, "bf16"), (5.0, 10.0, "fp32"), (10.0, 9.8, "fp32")])
-def test_auto_picks_bf16_only_when_the_probe_finds_it_faster(fp32, bf16, expected):
+def test_auto_picks_bf16_only_when_the_probe_finds_it_faster(fp32, bf16, expected, bf16_matmuls):
     step, timer = _fake_timed_step(fp32, bf16)
     choice = choose_precision("auto", step, timer=timer)
     assert choice.precision == expected
     assert (choice.fp32_seconds, choice.bf16_seconds) == (fp32, bf16)
     assert f"{fp32:.3g}s" in choice.describe()
+
+
+def test_slow_bf16_matmuls_pick_fp32_without_timing_the_step(monkeypatch):
+    """A CPU without bf16 matrix instructions (AVX2 alone: matmuls 70x slower) must not pay for a bf16 step."""
+    monkeypatch.setattr(precision, "matmul_speedup", lambda device="cpu": 0.014)
+
+    def step():
+        raise AssertionError("the step was timed")
+
+    choice = choose_precision("auto", step)
+    assert (choice.precision, choice.fp32_seconds, choice.bf16_seconds) == ("fp32", None, None)
+    assert "0.014x fp32's speed" in choice.describe() and "not timed" in choice.describe()
+
+
+def test_matmul_probe_returns_a_finite_speed_ratio_and_restores_the_random_state():
+    torch.manual_seed(0)
+    assert 0 < precision.matmul_speedup() < float("inf")
+    after = torch.rand(1)
+    torch.manual_seed(0)
+    assert torch.equal(after, torch.rand(1))
 
 
 def test_fixed_precisions_do_not_probe_and_unknown_ones_fail():
@@ -34,7 +61,7 @@ def test_fixed_precisions_do_not_probe_and_unknown_ones_fail():
         choose_precision("fp16")
 
 
-def test_probe_restores_the_random_state():
+def test_probe_restores_the_random_state(bf16_matmuls):
     torch.manual_seed(0)
     choose_precision("auto", lambda: torch.rand(1), repetitions=1)
     after = torch.rand(1)
@@ -80,7 +107,7 @@ def test_bf16_calibration_runs_its_passes_under_autocast_and_keeps_fp32_modules(
     torch.testing.assert_close(results["bf16"], results["fp32"], rtol=0.1, atol=0.05)  # same fit, bf16 rounding
 
 
-def test_auto_calibration_probes_the_model_and_records_both_timings():
+def test_auto_calibration_probes_the_model_and_records_both_timings(bf16_matmuls):
     from hf_normswap import convert
     from hf_normswap.calibrate import CalibrationConfig
 
@@ -108,7 +135,7 @@ def test_recipe_rejects_an_unknown_precision_before_any_work(capsys):
     ("bert", dict(distill_weight=1.0, logits=False, hidden_weight=1.0, sink_weight=1.0)),  # no logits, no labels
     ("bert", dict(distill_weight=1.0, logits=False, embedding_weight=1.0)),
 ])
-def test_auto_probes_the_training_step_of_decoders_and_encoders(model_type, settings):
+def test_auto_probes_the_training_step_of_decoders_and_encoders(model_type, settings, bf16_matmuls):
     from hf_normswap import convert
     from hf_normswap.distill import training_step_precision
 
