@@ -4,7 +4,7 @@ bf16 autocast runs the matmuls in bf16 and keeps everything else as it was: mast
 optimizer state stay fp32, and the DyT / ELN modules compute in fp32 whatever their input. Whether it pays depends
 on the CPU: with AMX tiles a SmolLM2 step runs about 2.5x faster, with AVX512-BF16 alone the recipe's step ran
 1.4-1.6x faster (BENCHMARKS.md, "Training throughput"), and a CPU with neither has no bf16 matrix instructions to
-gain from: there a bf16 matmul ran 70x slower than fp32 (AVX2 alone, BENCHMARKS.md "Training throughput"), and
+gain from: there a bf16 matmul ran about 45x slower than fp32 (AVX2 alone, BENCHMARKS.md "Training throughput"), and
 one bf16 step of SmolLM2 took minutes. ``auto`` therefore measures instead of guessing, in two stages: a matmul of
 a fraction of a second first, and where bf16 is not clearly slower there, a few interleaved fp32 / bf16
 repetitions of the step itself; it takes bf16 only when the step is faster by a margin.
@@ -24,7 +24,7 @@ import torch
 PRECISIONS = ("auto", "fp32", "bf16")
 MARGIN = 0.05  # bf16 must save at least this share of the fp32 step time, so that noise never picks a slower one
 # A bf16 matmul below this share of fp32's speed means no bf16 matrix instructions: the step is not timed in bf16.
-# Far below any CPU with them (small shapes blunt their gain), far above the 0.01-0.02 of a CPU without.
+# Far below any CPU with them (small shapes blunt their gain), far above the 0.02 of a CPU without (AVX2 alone).
 SLOW_MATMUL = 0.5
 MATMUL_SHAPE = (128, 512, 512)  # rows x inner x columns: ~1 ms in fp32, ~0.1 s where bf16 is emulated
 
