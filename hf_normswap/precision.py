@@ -1,4 +1,4 @@
-"""Training precision: fp32, or bf16 autocast, chosen by timing the model's own step on this machine.
+"""Training precision: fp32, or bf16 autocast, chosen by timing a matmul and the model's own step on this machine.
 
 bf16 autocast runs the matmuls in bf16 and keeps everything else as it was: master weights, gradients and the
 optimizer state stay fp32, and the DyT / ELN modules compute in fp32 whatever their input. Whether it pays depends
@@ -26,7 +26,7 @@ MARGIN = 0.05  # bf16 must save at least this share of the fp32 step time, so th
 # A bf16 matmul below this share of fp32's speed means no bf16 matrix instructions: the step is not timed in bf16.
 # Far below any CPU with them (small shapes blunt their gain), far above the 0.02 of a CPU without (AVX2 alone).
 SLOW_MATMUL = 0.5
-MATMUL_SHAPE = (128, 512, 512)  # rows x inner x columns: ~1 ms in fp32, ~0.1 s where bf16 is emulated
+MATMUL_SHAPE = (128, 512, 512)  # rows x inner x columns: ~1 ms in fp32, ~50 ms in bf16 on AVX2 alone
 
 logger = logging.getLogger(__name__)
 
@@ -79,31 +79,21 @@ def _synchronized(device_type: str, timer: Callable[[], float]) -> Callable[[], 
 
 def matmul_speedup(device: torch.device | str = "cpu", repetitions: int = 5) -> float:
     """fp32 seconds / bf16-autocast seconds of one matmul of :data:`MATMUL_SHAPE` (the casts included, as in a
-    step): one warm-up round, then the fastest of ``repetitions`` interleaved rounds (a millisecond matmul is easily
-    interrupted on a shared machine; the fastest is its own speed). Under a second where a bf16 step would take
-    minutes."""
-    device_type = torch.device(device).type
-    clock = _synchronized(device_type, time.perf_counter)
+    step), timed by :func:`probe` with the fastest of its rounds (a millisecond matmul is easily interrupted on a
+    shared machine; the fastest is its own speed). Under a second where a bf16 step would take minutes."""
     rows, inner, columns = MATMUL_SHAPE
-    with torch.random.fork_rng(devices=[] if device_type != "cuda" else None):
-        inputs, weight = torch.randn(rows, inner, device=device), torch.randn(inner, columns, device=device)
-    times = {False: [], True: []}
-    with torch.no_grad():
-        for round_ in range(repetitions + 1):
-            for bf16 in (False, True):
-                start = clock()
-                with autocast(bf16, device):
-                    inputs @ weight
-                if round_:
-                    times[bf16].append(clock() - start)
-    return min(times[False]) / min(times[True])
+    inputs, weight = torch.full((rows, inner), 0.5, device=device), torch.full((inner, columns), 0.5, device=device)
+    fp32, bf16 = probe(lambda: inputs @ weight, device=device, repetitions=repetitions, statistic=min)
+    return fp32 / bf16
 
 
 def probe(step: Callable[[], object], *, device: torch.device | str = "cpu", repetitions: int = 3,
-          timer: Callable[[], float] = time.perf_counter) -> tuple[float, float]:
-    """Median seconds of ``step()`` in fp32 and under bf16 autocast: one untimed warm-up of each, then
-    ``repetitions`` timed rounds, fp32 and bf16 interleaved so that a load change on a shared machine hits both.
-    The random state is restored afterwards, so probing does not change what training draws."""
+          timer: Callable[[], float] = time.perf_counter,
+          statistic: Callable[[list[float]], float] = statistics.median) -> tuple[float, float]:
+    """Seconds of ``step()`` in fp32 and under bf16 autocast (``statistic`` of the timed rounds, median by
+    default): one untimed warm-up of each, then ``repetitions`` timed rounds, fp32 and bf16 interleaved so that a
+    load change on a shared machine hits both. The random state is restored afterwards, so probing does not change
+    what training draws."""
     device_type = torch.device(device).type
     clock = _synchronized(device_type, timer)
     times = {False: [], True: []}
@@ -117,7 +107,7 @@ def probe(step: Callable[[], object], *, device: torch.device | str = "cpu", rep
                 with autocast(bf16, device):
                     step()
                 times[bf16].append(clock() - start)
-    return statistics.median(times[False]), statistics.median(times[True])
+    return statistic(times[False]), statistic(times[True])
 
 
 def choose_precision(precision: str, step: Callable[[], object] | None = None, *,
