@@ -15,7 +15,9 @@ of the calibrated start. The recipe's final evaluation gives the numbers: WikiTe
         --train-data PATH/wiki.valid.tokens --eval-data PATH/wiki.test.raw
     python scripts/bench_recovery.py --out out/recovery --plot-only
 
-Methods (:data:`METHODS`, overrides on top of the config; ``--set KEY=VALUE`` adds overrides to every method).
+Methods (:data:`METHODS`, overrides on top of the config; ``--set KEY=VALUE`` adds overrides to every method and wins
+over a method's own setting of the same key, so one method can be measured with one setting changed; every JSON line
+records them as ``overrides``).
 """
 
 from __future__ import annotations
@@ -93,7 +95,7 @@ def point(summary: dict, key: str) -> dict:
 
 def calibration_settings(args, method: str) -> list[str]:
     """The overrides that decide the calibrated start (the last one of a key wins, as in the recipe)."""
-    settings = dict(item.partition("=")[::2] for item in [*args.set, *METHODS[method]]
+    settings = dict(item.partition("=")[::2] for item in [*METHODS[method], *args.set]
                     if item.startswith(("calibration.", "model=")))
     return sorted(f"{k}={v}" for k, v in settings.items())
 
@@ -113,14 +115,20 @@ def share_calibration(args, norm: str, method: str, run_dir: Path) -> None:
             return
 
 
+def recipe_overrides(args, norm: str, method: str, budget: int, run_dir: Path) -> list[str]:
+    """The recipe's overrides for one chunk: the method's settings, then ``--set`` (the recipe takes the last one of a
+    key, so the command line wins)."""
+    return [f"method={norm}", f"train_tokens={max(budget, 1)}", f"output_dir={run_dir}",
+            f"train_data={args.train_data}", f"eval_data={args.eval_data}",
+            f"calibration.data={args.train_data}", f"threads={args.threads}",
+            f"training.lr_scheduler_type={args.schedule}", "training.disable_tqdm=true",
+            *METHODS[method], *args.set]
+
+
 def run_chunk(args, norm: str, method: str, budget: int, run_dir: Path) -> tuple[dict, float, float, int]:
     """One launch of the recipe up to ``budget`` tokens; (summary, wall s, CPU s, return code)."""
-    overrides = [f"method={norm}", f"train_tokens={max(budget, 1)}", f"output_dir={run_dir}",
-                 f"train_data={args.train_data}", f"eval_data={args.eval_data}",
-                 f"calibration.data={args.train_data}", f"threads={args.threads}",
-                 f"training.lr_scheduler_type={args.schedule}", "training.disable_tqdm=true",
-                 *args.set, *METHODS[method]]  # the method's own settings win
-    command = [sys.executable, str(RECIPE), "--config", args.config, *overrides]
+    command = [sys.executable, str(RECIPE), "--config", args.config,
+               *recipe_overrides(args, norm, method, budget, run_dir)]
     share_calibration(args, norm, method, run_dir)
     log = run_dir.parent / f"{run_dir.name}.log"
     cpu_before = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -230,7 +238,7 @@ def main(argv=None) -> int:
     parser.add_argument("--train-data", help="training and calibration text (e.g. WikiText-2 validation)")
     parser.add_argument("--eval-data", help="evaluation text (e.g. WikiText-2 test)")
     parser.add_argument("--schedule", default="constant_with_warmup", help="the Trainer's lr_scheduler_type")
-    parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="recipe overrides for every run")
+    parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="recipe overrides for every run; they win over the method's own")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--timeout", type=float, default=None, help="seconds per launch of the recipe")
     parser.add_argument("--out", default="out/recovery")

@@ -10,6 +10,7 @@ import pytest
 from file_modules import import_file
 
 bench = import_file("scripts/bench_recovery.py")
+recipe = import_file("recipes/finetune.py")
 
 
 def test_plot_draws_every_series_from_the_json_lines(tmp_path):
@@ -33,6 +34,16 @@ def test_methods_with_the_same_calibration_share_the_calibrated_start(tmp_path):
     assert not (runs / "eln-blockwise" / "calibrated").exists()
     bench.share_calibration(args, "dyt", "layerwise", runs / "dyt-layerwise")  # another norm
     assert not (runs / "dyt-layerwise" / "calibrated").exists()
+
+
+def test_the_command_line_wins_over_the_methods_own_setting(tmp_path):
+    """--set distill.hidden=30 measures the configs' method with that one setting changed, not silently without it."""
+    args = argparse.Namespace(set=["distill.hidden=30", "calibration.block_steps=120"], train_data="train.txt",
+                              eval_data="test.txt", threads=1, schedule="constant_with_warmup")
+    overrides = bench.recipe_overrides(args, "eln", "blockwise-60x1+layerwise", 1024, tmp_path / "run")
+    config = recipe.load_config(["--config", str(bench.ROOT / "recipes/configs/smollm2-eln.yaml"), *overrides])
+    assert config["distill"]["hidden"] == 30 and config["calibration"]["block_steps"] == 120
+    assert "calibration.block_steps=120" in bench.calibration_settings(args, "blockwise-60x1+layerwise")
 
 
 def test_missing_data_is_refused_before_any_run(tmp_path, capsys):
