@@ -1,5 +1,7 @@
 """Recovery curve: perplexity ratio (with KL and top-1 agreement) of the converted model to the original against the
-training tokens seen, for named recovery methods at equal token budgets.
+training tokens seen, for named recovery methods at equal token budgets; for a sentence encoder (a config such as
+``recipes/configs/minilm-eln.yaml``), the embedding cosine to the original (with nearest-neighbour agreement and
+similarity rank correlation) instead.
 
 Each (norm, method) is one run of ``recipes/finetune.py`` in ``OUT/runs/NORM-METHOD``, extended budget by budget:
 ``train_tokens=B`` for each budget in turn, each launch resuming from the previous one's last checkpoint. A launch is
@@ -8,11 +10,14 @@ processes: run the same command with larger budgets and it goes on from where it
 already in ``OUT/curve.jsonl`` are not measured again). The learning rate is constant after warmup
 (``--schedule``), so extending a run does not change the steps already taken. Budget 0 is the recipe's evaluation
 of the calibrated start. The recipe's final evaluation gives the numbers: WikiText-2 test windows of
-``final_eval.max_length`` tokens, the original scored on the same windows.
+``final_eval.max_length`` tokens, the original scored on the same windows (an encoder: the sentences of the first
+``final_eval.max_tokens`` tokens).
 
     python scripts/bench_recovery.py --config recipes/configs/smollm2-eln.yaml --norms eln dyt \\
         --methods logits layerwise+logits --budgets 0 2048 5120 10240 --out out/recovery \\
         --train-data PATH/wiki.valid.tokens --eval-data PATH/wiki.test.raw
+    python scripts/bench_recovery.py --config recipes/configs/minilm-eln.yaml --norms eln dyt --methods config \\
+        --budgets 0 77000 154000 308000 --out out/recovery-minilm --train-data ... --eval-data ...
     python scripts/bench_recovery.py --out out/recovery --plot-only
 
 Methods (:data:`METHODS`, overrides on top of the config; ``--set KEY=VALUE`` adds overrides to every method and wins
@@ -46,6 +51,8 @@ BLOCKWISE_60X1 = ["calibration.strategy=block", "calibration.block_weights_lr=1.
                   "calibration.block_rows=1"]
 
 METHODS: dict[str, list[str]] = {
+    # the config's own calibration and recovery, unchanged (the SmolLM2 configs: blockwise-60x1+layerwise)
+    "config": [],
     # the baseline: calibration of the norms alone, then KL to the original's logits, all weights
     "logits": [NORMS_ONLY, LOGITS_ONLY],
     # every block's output toward the original's (hf_normswap.layerwise), sink masked, no logit term
@@ -84,13 +91,32 @@ def read_points(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
 
+# the numbers of a point, the goal line drawn beside the first, and the axes' labels: a language model's, an encoder's
+METRICS = {"ratio": "perplexity / original", "kl": "KL(original || converted), nats/token",
+           "top1": "top-1 agreement with the original"}
+ENCODER_METRICS = {"cosine": "embedding cosine to the original", "neighbours": "nearest-neighbour agreement",
+                   "spearman": "similarity rank correlation (Spearman)"}
+GOALS = {"ratio": 2.0, "cosine": 0.98}
+
+
 def point(summary: dict, key: str) -> dict:
-    """ratio / KL / top-1 / perplexities of one of the recipe's evaluations (``calibrated`` or ``finetuned``)."""
+    """The numbers of one of the recipe's evaluations (``calibrated`` or ``finetuned``): ratio / KL / top-1 /
+    perplexities, or for a sentence encoder (``hf_normswap.embeddings``) cosine / neighbours / rank correlation."""
     evaluation = summary[key]
     results = evaluation["results"]
+    embedding = results.get("converted", {})
+    if "cosine" in embedding:
+        return {"cosine": embedding["cosine"], "neighbours": embedding["nearest_neighbour_agreement"],
+                "spearman": embedding["spearman"], "eval_sentences": evaluation["sentences"],
+                "eval_tokens": evaluation["tokens"]}
     return {"ratio": evaluation["ratio"][key], "kl": evaluation["kl"][key], "top1": evaluation["top1_agreement"][key],
             "ppl": results[key]["token_perplexity"], "ppl_original": results["original"]["token_perplexity"],
             "eval_tokens": evaluation["tokens"], "eval_max_length": evaluation["max_length"]}
+
+
+def describe(row: dict) -> str:
+    metrics = METRICS if "ratio" in row else ENCODER_METRICS
+    return ", ".join(f"{key} {row[key]:.4g}" for key in metrics)
 
 
 def calibration_settings(args, method: str) -> list[str]:
@@ -186,19 +212,20 @@ def measure(args) -> None:
                 with curve.open("a") as f:
                     f.write(json.dumps(row) + "\n")
                 done.add((norm, method, budget))
-                print(f"[bench_recovery] {norm} {method} {row['tokens']:,} tokens: ratio {row['ratio']:.3f}, "
-                      f"KL {row['kl']:.3f}, top-1 {row['top1']:.3f}", flush=True)
+                print(f"[bench_recovery] {norm} {method} {row['tokens']:,} tokens: {describe(row)}", flush=True)
 
 
 def plot(curve: Path, path: Path) -> Path:
-    """Ratio, KL and top-1 agreement against training tokens (log x; 0 sits on the linear part of a symlog axis);
-    one colour per method, solid ELN, dashed DyT."""
+    """Ratio, KL and top-1 agreement (an encoder: cosine, neighbours, rank correlation) against training tokens (log
+    x; 0 sits on the linear part of a symlog axis); one colour per method, solid ELN, dashed DyT."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     points = read_points(curve)
+    metrics = METRICS if all("ratio" in p for p in points) else ENCODER_METRICS
+    points = [p for p in points if all(key in p for key in metrics)]
     series: dict[tuple[str, str], list[dict]] = {}
     for p in points:
         series.setdefault((p["norm"], p["method"]), []).append(p)
@@ -209,17 +236,18 @@ def plot(curve: Path, path: Path) -> Path:
     for (norm, method), rows in sorted(series.items()):
         rows = sorted(rows, key=lambda p: p["tokens"])
         style = "-" if norm == "eln" else "--"
-        for ax, key in zip(axes, ("ratio", "kl", "top1")):
+        for ax, key in zip(axes, metrics):
             ax.plot([p["tokens"] for p in rows], [p[key] for p in rows], style, marker="o", ms=3,
                     c=colours[method], label=f"{norm.upper()} {method}")
-    for ax, label in zip(axes, ("perplexity / original", "KL(original || converted), nats/token",
-                                "top-1 agreement with the original")):
+    for ax, label in zip(axes, metrics.values()):
         if positive:
             ax.set_xscale("symlog", linthresh=min(positive))
         ax.set(xlabel="training tokens", ylabel=label)
         ax.grid(alpha=0.3, which="both")
-    axes[0].set_yscale("log")
-    axes[0].axhline(2.0, c="k", ls=":", lw=0.8, label="goal 2.0x")
+    first = next(iter(metrics))
+    if first == "ratio":
+        axes[0].set_yscale("log")
+    axes[0].axhline(GOALS[first], c="k", ls=":", lw=0.8, label=f"goal {GOALS[first]}")
     axes[0].legend(fontsize=7)
     fig.suptitle(f"Recovery per training token ({curve})", fontsize=10)
     fig.tight_layout()

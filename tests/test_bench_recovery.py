@@ -23,6 +23,21 @@ def test_plot_draws_every_series_from_the_json_lines(tmp_path):
     assert path.stat().st_size > 10_000
 
 
+def test_an_encoders_curve_is_its_embedding_agreement(tmp_path):
+    """A sentence encoder's summary (hf_normswap.embeddings) gives cosine / neighbours / rank correlation points,
+    plotted on their own axes."""
+    evaluation = {"data": "test.txt", "sentences": 266, "tokens": 8000, "reference": "original",
+                  "results": {"converted": {"cosine": 0.96, "nearest_neighbour_agreement": 0.7, "spearman": 0.97}}}
+    row = bench.point({"finetuned": evaluation}, "finetuned")
+    assert row == {"cosine": 0.96, "neighbours": 0.7, "spearman": 0.97, "eval_sentences": 266, "eval_tokens": 8000}
+    assert bench.describe(row) == "cosine 0.96, neighbours 0.7, spearman 0.97"
+    curve = tmp_path / "curve.jsonl"
+    rows = [{"norm": norm, "method": "config", "budget": t, "tokens": t, "cosine": 0.85 + t / 1e6,
+             "neighbours": 0.5 + t / 1e6, "spearman": 0.9 + t / 1e6} for norm in ("eln", "dyt") for t in (0, 77000)]
+    curve.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    assert bench.plot(curve, tmp_path / "curve.png").stat().st_size > 10_000
+
+
 def test_methods_with_the_same_calibration_share_the_calibrated_start(tmp_path):
     args = argparse.Namespace(set=["calibration.strategy=fast"])
     runs = tmp_path / "runs"
