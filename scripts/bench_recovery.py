@@ -8,7 +8,9 @@ Each (norm, method) is one run of ``recipes/finetune.py`` in ``OUT/runs/NORM-MET
 a chunk; every JSON line records where its chunk began (``chunk_start_tokens``), so a curve can be carried across
 processes: run the same command with larger budgets and it goes on from where it stopped (points
 already in ``OUT/curve.jsonl`` are not measured again). The learning rate is constant after warmup
-(``--schedule``), so extending a run does not change the steps already taken. Budget 0 is the recipe's evaluation
+(``--schedule``), so extending a run does not change the steps already taken. A schedule that decays over the
+run's length (cosine, linear) needs ``--run-per-budget``: each budget is then a whole run of its own, in
+``OUT/runs/NORM-METHOD-BUDGET``, from the shared calibrated start. Budget 0 is the recipe's evaluation
 of the calibrated start. The recipe's final evaluation gives the numbers: WikiText-2 test windows of
 ``final_eval.max_length`` tokens, the original scored on the same windows (an encoder: the sentences of the first
 ``final_eval.max_tokens`` tokens).
@@ -16,8 +18,9 @@ of the calibrated start. The recipe's final evaluation gives the numbers: WikiTe
     python scripts/bench_recovery.py --config recipes/configs/smollm2-eln.yaml --norms eln dyt \\
         --methods logits layerwise+logits --budgets 0 2048 5120 10240 --out out/recovery \\
         --train-data PATH/wiki.valid.tokens --eval-data PATH/wiki.test.raw
-    python scripts/bench_recovery.py --config recipes/configs/minilm-eln.yaml --norms eln dyt --methods config \\
-        --budgets 0 77000 154000 308000 --out out/recovery-minilm --train-data ... --eval-data ...
+    python scripts/bench_recovery.py --config recipes/configs/minilm-eln.yaml --norms eln --methods config \\
+        --schedule cosine --run-per-budget --budgets 0 77000 308000 --out out/recovery-minilm \\
+        --train-data PATH/wiki.valid.tokens --eval-data PATH/wiki.test.raw
     python scripts/bench_recovery.py --out out/recovery --plot-only
 
 Methods (:data:`METHODS`, overrides on top of the config; ``--set KEY=VALUE`` adds overrides to every method and wins
@@ -97,6 +100,8 @@ METRICS = {"ratio": "perplexity / original", "kl": "KL(original || converted), n
 ENCODER_METRICS = {"cosine": "embedding cosine to the original", "neighbours": "nearest-neighbour agreement",
                    "spearman": "similarity rank correlation (Spearman)"}
 GOALS = {"ratio": 2.0, "cosine": 0.98}
+# the Trainer's schedules whose rate at a step depends on the run's length (max_steps)
+DECAYING = ("linear", "cosine", "cosine_with_restarts", "polynomial", "cosine_with_min_lr")
 
 
 def point(summary: dict, key: str) -> dict:
@@ -127,18 +132,26 @@ def calibration_settings(args, method: str) -> list[str]:
 
 
 def share_calibration(args, norm: str, method: str, run_dir: Path) -> None:
-    """Start from another method's calibrated model when the calibration settings are the same: the same start for
-    every method (the curves then differ by the recovery alone) and one calibration instead of one per method."""
+    """Start from another run's calibrated model when the calibration settings are the same: the same start for
+    every method and budget (the curves then differ by the recovery alone) and one calibration instead of one per
+    run."""
     cache = run_dir / "calibrated"
     if cache.exists():
         return
-    for other in METHODS:
-        source = run_dir.parent / f"{norm}-{other}" / "calibrated"
-        if other != method and (source / "config.json").exists() and \
-                calibration_settings(args, other) == calibration_settings(args, method):
+    for source in sorted(run_dir.parent.glob(f"{norm}-*/calibrated/config.json")):
+        other = source.parent.parent.name[len(norm) + 1:]
+        head, _, budget = other.rpartition("-")
+        other = head if budget.isdigit() and head in METHODS else other  # NORM-METHOD-BUDGET (--run-per-budget)
+        if other in METHODS and calibration_settings(args, other) == calibration_settings(args, method):
             run_dir.mkdir(parents=True, exist_ok=True)
-            cache.symlink_to(source.resolve(), target_is_directory=True)
+            cache.symlink_to(source.parent.resolve(), target_is_directory=True)
             return
+
+
+def run_directory(args, norm: str, method: str, budget: int) -> Path:
+    """Where a point's run lives: one run a method extended budget by budget, or one a budget."""
+    name = f"{norm}-{method}-{budget}" if args.run_per_budget else f"{norm}-{method}"
+    return Path(args.out) / "runs" / name
 
 
 def recipe_overrides(args, norm: str, method: str, budget: int, run_dir: Path) -> list[str]:
@@ -179,11 +192,11 @@ def measure(args) -> None:
     curve = out / "curve.jsonl"
     done = {(p["norm"], p["method"], p["budget"]) for p in read_points(curve)}
     context = {"commit": commit(), **machine(), "config": args.config, "schedule": args.schedule,
-               "overrides": args.set, "threads": args.threads}
+               "run_per_budget": args.run_per_budget, "overrides": args.set, "threads": args.threads}
     for norm in args.norms:
         for method in args.methods:
-            run_dir = out / "runs" / f"{norm}-{method}"
             for budget in sorted(args.budgets):
+                run_dir = run_directory(args, norm, method, budget)
                 if (norm, method, budget) in done:
                     continue
                 if budget == 0:  # the calibrated start, evaluated by the recipe before any step
@@ -266,6 +279,9 @@ def main(argv=None) -> int:
     parser.add_argument("--train-data", help="training and calibration text (e.g. WikiText-2 validation)")
     parser.add_argument("--eval-data", help="evaluation text (e.g. WikiText-2 test)")
     parser.add_argument("--schedule", default="constant_with_warmup", help="the Trainer's lr_scheduler_type")
+    parser.add_argument("--run-per-budget", action="store_true",
+                        help="each budget a whole run from the calibrated start (for a schedule that decays over the "
+                             "run, such as cosine), not one run extended budget by budget")
     parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="recipe overrides for every run; they win over the method's own")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--timeout", type=float, default=None, help="seconds per launch of the recipe")
@@ -279,6 +295,9 @@ def main(argv=None) -> int:
             parser.error(f"{', '.join(missing)}: give existing text files (or builtin:...)")
         if not Path(args.config).is_file():
             parser.error(f"--config {args.config}: no such file")
+        if args.schedule in DECAYING and len([b for b in args.budgets if b > 0]) > 1 and not args.run_per_budget:
+            parser.error(f"--schedule {args.schedule} decays over the run's length, so extending a run budget by "
+                         "budget would change the steps already taken: give --run-per-budget")
         measure(args)
     curve = Path(args.out) / "curve.jsonl"
     if not read_points(curve):

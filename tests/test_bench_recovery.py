@@ -51,6 +51,31 @@ def test_methods_with_the_same_calibration_share_the_calibrated_start(tmp_path):
     assert not (runs / "dyt-layerwise" / "calibrated").exists()
 
 
+def test_a_run_per_budget_has_its_own_directory_and_shares_the_calibrated_start(tmp_path):
+    args = argparse.Namespace(set=[], out=str(tmp_path), run_per_budget=True)
+    first, second = (bench.run_directory(args, "eln", "config", b) for b in (77000, 308000))
+    assert first.name == "eln-config-77000" and second.name == "eln-config-308000"
+    (first / "calibrated").mkdir(parents=True)
+    (first / "calibrated" / "config.json").write_text("{}")
+    bench.share_calibration(args, "eln", "config", second)
+    assert (second / "calibrated").resolve() == (first / "calibrated").resolve()
+    bench.share_calibration(args, "eln", "blockwise", bench.run_directory(args, "eln", "blockwise", 77000))
+    assert not (tmp_path / "runs" / "eln-blockwise-77000" / "calibrated").exists()  # its own calibration
+    chunks = argparse.Namespace(out=str(tmp_path), run_per_budget=False)
+    assert bench.run_directory(chunks, "eln", "config", 77000).name == "eln-config"
+
+
+def test_a_decaying_schedule_over_several_budgets_needs_a_run_per_budget(tmp_path, capsys):
+    """Extending a cosine run changes its length and so the rate of the steps already taken: refused at once."""
+    data = tmp_path / "text.txt"
+    data.write_text("text")
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main(["--train-data", str(data), "--eval-data", str(data), "--schedule", "cosine",
+                    "--budgets", "0", "1000", "2000", "--out", str(tmp_path / "out")])
+    assert exit_info.value.code == 2 and "--run-per-budget" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
 def test_the_command_line_wins_over_the_methods_own_setting(tmp_path):
     """--set distill.hidden=30 measures the configs' method with that one setting changed, not silently without it."""
     args = argparse.Namespace(set=["distill.hidden=30", "calibration.block_steps=120"], train_data="train.txt",
