@@ -119,9 +119,13 @@ def point(summary: dict, key: str) -> dict:
             "eval_tokens": evaluation["tokens"], "eval_max_length": evaluation["max_length"]}
 
 
+def metrics_of(row: dict) -> dict[str, str]:
+    """A point's metrics and their labels: a language model's or a sentence encoder's."""
+    return METRICS if "ratio" in row else ENCODER_METRICS
+
+
 def describe(row: dict) -> str:
-    metrics = METRICS if "ratio" in row else ENCODER_METRICS
-    return ", ".join(f"{key} {row[key]:.4g}" for key in metrics)
+    return ", ".join(f"{key} {row[key]:.4g}" for key in metrics_of(row))
 
 
 def calibration_settings(args, method: str) -> list[str]:
@@ -237,8 +241,8 @@ def plot(curve: Path, path: Path) -> Path:
     import matplotlib.pyplot as plt
 
     points = read_points(curve)
-    metrics = METRICS if all("ratio" in p for p in points) else ENCODER_METRICS
-    points = [p for p in points if all(key in p for key in metrics)]
+    metrics = METRICS if all(metrics_of(p) is METRICS for p in points) else ENCODER_METRICS
+    points = [p for p in points if metrics_of(p) is metrics]
     series: dict[tuple[str, str], list[dict]] = {}
     for p in points:
         series.setdefault((p["norm"], p["method"]), []).append(p)
