@@ -44,41 +44,46 @@ RECIPE = ROOT / "recipes" / "finetune.py"
 sys.path.insert(0, str(ROOT / "scripts"))
 from bench_speed import machine  # noqa: E402  the CPU and its bf16 / AMX flags, recorded as every benchmark does
 
-NORMS_ONLY = "calibration.block_weights_lr=0"  # calibration fits the norms' parameters alone
 LOGITS_ONLY = "distill.hidden=0"  # no layer-wise term (the SmolLM2 configs have one)
-# and each block's weights too, 40 steps of 4 sequences a block (the settings the long curve was measured with)
-BLOCKWISE = ["calibration.strategy=block", "calibration.block_weights_lr=1.0e-4", "calibration.block_steps=40",
-             "calibration.block_rows=4"]
-# the block strategy's default: 60 steps of one sequence a block
-BLOCKWISE_60X1 = ["calibration.strategy=block", "calibration.block_weights_lr=1.0e-4", "calibration.block_steps=60",
-                  "calibration.block_rows=1"]
+# Each method pins the calibration its curve was measured with, so that it measures the same when the configs'
+# calibration changes. The block strategy, 40 steps of 4 of 16 sequences a block (its default until eab4faf) ...
+BLOCK_40X4 = ["calibration.strategy=block", "calibration.num_blocks=16", "calibration.block_steps=40",
+              "calibration.block_rows=4"]
+NORMS_ONLY = [*BLOCK_40X4, "calibration.block_weights_lr=0"]  # ... fitting the norms' parameters alone
+BLOCKWISE = [*BLOCK_40X4, "calibration.block_weights_lr=1.0e-4"]  # ... and each block's weights too
+# 60 steps of one of 16 sequences a block, norms and weights (the block strategy's default)
+BLOCKWISE_60X1 = ["calibration.strategy=block", "calibration.num_blocks=16", "calibration.block_weights_lr=1.0e-4",
+                  "calibration.block_steps=60", "calibration.block_rows=1"]
 
 METHODS: dict[str, list[str]] = {
-    # the config's own calibration and recovery, unchanged (the SmolLM2 configs: blockwise-60x1+layerwise)
+    # the config's own calibration and recovery, unchanged (the SmolLM2 configs: blockwise-240x1+layerwise)
     "config": [],
     # the baseline: calibration of the norms alone, then KL to the original's logits, all weights
-    "logits": [NORMS_ONLY, LOGITS_ONLY],
+    "logits": [*NORMS_ONLY, LOGITS_ONLY],
     # every block's output toward the original's (hf_normswap.layerwise), sink masked, no logit term
-    "layerwise": [NORMS_ONLY, "distill.logits=false", "distill.hidden=1.0"],
+    "layerwise": [*NORMS_ONLY, "distill.logits=false", "distill.hidden=1.0"],
     # both: the layer-wise term weighted to about the logit KL's size at the calibrated start (KL ~3 nats, mean
     # relative block error ~0.3 on SmolLM2)
-    "layerwise+logits": [NORMS_ONLY, "distill.hidden=10.0"],
+    "layerwise+logits": [*NORMS_ONLY, "distill.hidden=10.0"],
     # norms handed over from the original block by block (hf_normswap.progressive): 3 stages of 10 blocks, then
     # the final norm, one every 2 steps, each ramped over 2 steps: all converted after 8 steps (8,192 tokens at
     # 2 x 512)
-    "progressive": [NORMS_ONLY, LOGITS_ONLY, "progressive.enabled=true", "progressive.group=10",
+    "progressive": [*NORMS_ONLY, LOGITS_ONLY, "progressive.enabled=true", "progressive.group=10",
                     "progressive.every=2", "progressive.ramp=2"],
     # block-wise reconstruction during calibration: each block's linear weights fitted beside its norms to the
     # original block's output (hf_normswap.reconstruct), then logit distillation
     "blockwise": [*BLOCKWISE, LOGITS_ONLY],
     # both gains at once: the block-wise start, then the layer-wise term beside the logit KL
     "blockwise+layerwise": [*BLOCKWISE, "distill.hidden=10.0"],
-    # the same with the block strategy's default (the SmolLM2 configs' calibration)
+    # the same with the block strategy's default
     "blockwise-60x1": [*BLOCKWISE_60X1, LOGITS_ONLY],
     # the same start, the input embeddings and the tied head kept fixed in training (fewer weight gradients)
     "blockwise-60x1+frozen-embeddings": [*BLOCKWISE_60X1, LOGITS_ONLY, "freeze_embeddings=true"],
-    # the same start, then the layer-wise term beside the logit KL (as in blockwise+layerwise): the SmolLM2 configs
+    # the same start, then the layer-wise term beside the logit KL (as in blockwise+layerwise)
     "blockwise-60x1+layerwise": [*BLOCKWISE_60X1, "distill.hidden=10.0"],
+    # the same with four times the block steps, over 64 sequences: the SmolLM2 configs
+    "blockwise-240x1+layerwise": [*BLOCKWISE_60X1, "calibration.num_blocks=64", "calibration.block_steps=240",
+                                  "distill.hidden=10.0"],
 }
 
 

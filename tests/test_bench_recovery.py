@@ -92,3 +92,26 @@ def test_missing_data_is_refused_before_any_run(tmp_path, capsys):
                     "--out", str(tmp_path / "out")])
     assert exit_info.value.code == 2 and "--train-data" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def resolved(method: str, config: str = "recipes/configs/smollm2-eln.yaml") -> dict:
+    args = argparse.Namespace(set=[], train_data="train.txt", eval_data="test.txt", threads=1,
+                              schedule="constant_with_warmup")
+    overrides = bench.recipe_overrides(args, "eln", method, 1024, bench.ROOT / "out" / "unused")
+    return recipe.load_config(["--config", str(bench.ROOT / config), *overrides])
+
+
+@pytest.mark.parametrize("config", ["recipes/configs/smollm2-eln.yaml", "recipes/configs/smollm2-dyt.yaml"])
+def test_each_method_keeps_its_calibration_whatever_the_config_says(config):
+    """A named method measures the calibration its curve was measured with, so a change of the configs' calibration
+    does not silently change an earlier curve's method; the configs' own recovery is blockwise-240x1+layerwise."""
+    keys = ("strategy", "num_blocks", "block_steps", "block_rows", "block_weights_lr")
+    for method in bench.METHODS:
+        if method != "config":
+            pinned = bench.calibration_settings(argparse.Namespace(set=[]), method)
+            assert {f"calibration.{key}" for key in keys} <= {item.split("=")[0] for item in pinned}, method
+    assert resolved("logits", config)["calibration"]["block_steps"] == 40
+    assert resolved("blockwise-60x1", config)["calibration"]["num_blocks"] == 16
+    configs = resolved("config", config)
+    assert {k: configs[k] for k in ("calibration", "distill")} == \
+        {k: resolved("blockwise-240x1+layerwise", config)[k] for k in ("calibration", "distill")}
