@@ -85,6 +85,10 @@ def test_user_errors_are_one_line_and_nonzero(argv, message, llama_dir, capsys):
         (["--calib", "builtin", "--strategy", "fast", "--block-weights-lr", "1e-4"], "needs the block strategy"),
         (["--calib", "builtin", "--block-weights-lr", "-1"], "--block-weights-lr must be at least 0"),
         (["--calib", "builtin", "--block-rows", "0"], "--block-rows must be at least 1"),
+        (["--block-steps", "240"], "--block-steps needs --calib"),
+        (["--calib", "builtin", "--strategy", "encoder", "--block-steps", "240"],
+         "--block-steps needs the block strategy"),
+        (["--calib", "builtin", "--block-steps", "0"], "--block-steps must be at least 1"),
         (["--eval", "builtin", "--eval-max-length", "0"], "--eval-max-length must be at least 1"),
     ],
 )
@@ -131,13 +135,15 @@ def test_help_is_plain_text(capsys):
 
 
 def test_block_tuning_flags_reach_the_calibration_config():
-    """--block-rows and --block-weights-lr are what calibration runs with, not only what the parser accepts."""
+    """--block-rows, --block-steps and --block-weights-lr are what calibration runs with, not only what the parser
+    accepts."""
     from hf_normswap.cli import _calibration, build_parser
 
     args = build_parser().parse_args(["convert", "m", "--to", "eln", "--calib", "builtin", "--block-rows", "1",
-                                      "--block-weights-lr", "1e-4"])
+                                      "--block-steps", "240", "--block-weights-lr", "1e-4"])
     config = _calibration(args, tokenizer=object())
-    assert (config.block_rows, config.block_weights_lr) == (1, 1e-4)
+    assert (config.block_rows, config.block_steps, config.block_weights_lr) == (1, 240, 1e-4)
     unset = _calibration(build_parser().parse_args(["convert", "m", "--to", "eln", "--calib", "builtin"]),
                          tokenizer=object())
-    assert (unset.block_rows, unset.block_weights_lr) == (None, None)  # the strategy's values, once resolved
+    # the strategy's values, once resolved
+    assert (unset.block_rows, unset.block_steps, unset.block_weights_lr) == (None, None, None)
