@@ -82,21 +82,18 @@ def _check_calibration_args(args) -> None:
     """Flag mistakes that need no model, so they fail before the (slow) load; numbers are checked even unused."""
     from .calibrate import DEFAULT_STRATEGY
 
-    for flag, value in (("--calib-blocks", args.calib_blocks), ("--calib-len", args.calib_len),
-                        ("--max-tokens-per-norm", args.max_tokens_per_norm), ("--block-rows", args.block_rows),
-                        ("--block-steps", args.block_steps)):
+    # the block strategy's own settings, with their least values
+    block_flags = (("--block-weights-lr", args.block_weights_lr, 0), ("--block-rows", args.block_rows, 1),
+                   ("--block-steps", args.block_steps, 1))
+    for flag, value, minimum in (("--calib-blocks", args.calib_blocks, 1), ("--calib-len", args.calib_len, 1),
+                                 ("--max-tokens-per-norm", args.max_tokens_per_norm, 1), *block_flags):
         if value is not None:
-            check_number(value, flag, minimum=1)
-    if args.block_weights_lr is not None:
-        check_number(args.block_weights_lr, "--block-weights-lr", minimum=0)
+            check_number(value, flag, minimum=minimum)
     if not args.calib:
-        for flag, value in (("--plots", args.plots), ("--strategy", args.strategy),
-                            ("--block-weights-lr", args.block_weights_lr), ("--block-rows", args.block_rows),
-                            ("--block-steps", args.block_steps)):
+        for flag, value, _ in (("--plots", args.plots, None), ("--strategy", args.strategy, None), *block_flags):
             if value is not None:
                 raise ConversionError(f"{flag} needs --calib SPEC (e.g. --calib builtin)")
-    for flag, value in (("--block-weights-lr", args.block_weights_lr), ("--block-rows", args.block_rows),
-                        ("--block-steps", args.block_steps)):
+    for flag, value, _ in block_flags:
         if value is not None and args.strategy not in (None, DEFAULT_STRATEGY, "block"):
             raise ConversionError(f"{flag} needs the block strategy, not {args.strategy}")
 

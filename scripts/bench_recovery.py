@@ -45,15 +45,21 @@ sys.path.insert(0, str(ROOT / "scripts"))
 from bench_speed import machine  # noqa: E402  the CPU and its bf16 / AMX flags, recorded as every benchmark does
 
 LOGITS_ONLY = "distill.hidden=0"  # no layer-wise term (the SmolLM2 configs have one)
-# Each method pins the calibration its curve was measured with, so that it measures the same when the configs'
-# calibration changes. The block strategy, 40 steps of 4 of 16 sequences a block (its default until eab4faf) ...
-BLOCK_40X4 = ["calibration.strategy=block", "calibration.num_blocks=16", "calibration.block_steps=40",
-              "calibration.block_rows=4"]
-NORMS_ONLY = [*BLOCK_40X4, "calibration.block_weights_lr=0"]  # ... fitting the norms' parameters alone
-BLOCKWISE = [*BLOCK_40X4, "calibration.block_weights_lr=1.0e-4"]  # ... and each block's weights too
-# 60 steps of one of 16 sequences a block, norms and weights (the block strategy's default)
-BLOCKWISE_60X1 = ["calibration.strategy=block", "calibration.num_blocks=16", "calibration.block_weights_lr=1.0e-4",
-                  "calibration.block_steps=60", "calibration.block_rows=1"]
+
+
+def block_calibration(sequences: int, steps: int, rows: int, weights_lr: float) -> list[str]:
+    """The block strategy's settings a method pins (``weights_lr`` 0: the norms' parameters alone), so that it measures
+    the calibration its curve was measured with when the configs' calibration changes."""
+    return ["calibration.strategy=block", f"calibration.num_blocks={sequences}", f"calibration.block_steps={steps}",
+            f"calibration.block_rows={rows}", f"calibration.block_weights_lr={weights_lr:g}"]
+
+
+# 40 steps of 4 of 16 sequences a block (the block strategy's default until eab4faf): the norms alone, or with each
+# block's weights too
+NORMS_ONLY = block_calibration(16, 40, 4, 0)
+BLOCKWISE = block_calibration(16, 40, 4, 1e-4)
+BLOCKWISE_60X1 = block_calibration(16, 60, 1, 1e-4)  # the block strategy's default since
+BLOCKWISE_240X1 = block_calibration(64, 240, 1, 1e-4)  # four times the steps, over 64 sequences: the SmolLM2 configs
 
 METHODS: dict[str, list[str]] = {
     # the config's own calibration and recovery, unchanged (the SmolLM2 configs: blockwise-240x1+layerwise)
@@ -82,8 +88,7 @@ METHODS: dict[str, list[str]] = {
     # the same start, then the layer-wise term beside the logit KL (as in blockwise+layerwise)
     "blockwise-60x1+layerwise": [*BLOCKWISE_60X1, "distill.hidden=10.0"],
     # the same with four times the block steps, over 64 sequences: the SmolLM2 configs
-    "blockwise-240x1+layerwise": [*BLOCKWISE_60X1, "calibration.num_blocks=64", "calibration.block_steps=240",
-                                  "distill.hidden=10.0"],
+    "blockwise-240x1+layerwise": [*BLOCKWISE_240X1, "distill.hidden=10.0"],
 }
 
 
