@@ -145,6 +145,30 @@ def freeze_embeddings(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
+# Rates that transformers' attention code reads as plain floats (``dropout=0.0 if not self.training else
+# self.attention_dropout``) rather than through an ``nn.Dropout`` module: the names its modelling files use.
+DROPOUT_RATES = ("attention_dropout", "dropout", "dropout_p", "dropout_prob", "attn_dropout", "attn_drop")
+
+
+def disable_dropout(model: nn.Module) -> int:
+    """Set every dropout rate of ``model`` to 0 for training, as TRL's ``disable_dropout_in_model`` does, and
+    attention rates held as floats too. The student is fitted to the original's exact outputs: with dropout each step
+    fits a randomly thinned network instead, which held all-MiniLM-L6-v2 (0.1 in its config) at a cosine of 0.97
+    (BENCHMARKS.md, "MiniLM"). The config is left as it is, so a saved checkpoint keeps its dropout for later training.
+    Returns how many rates were above 0."""
+    changed = 0
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            changed += module.p > 0
+            module.p = 0.0
+        for name in DROPOUT_RATES:
+            rate = vars(module).get(name)
+            if isinstance(rate, float):
+                changed += rate > 0
+                setattr(module, name, 0.0)
+    return changed
+
+
 def _forwards(model: nn.Module, teacher: nn.Module, inputs: dict, *, head_chunk: int, hidden_states: bool):
     """``(student outputs, teacher outputs, heads)`` of one batch, the teacher's under no_grad. ``head_chunk`` > 0:
     both output heads bypassed (:func:`hf_normswap.head_loss.head_bypassed`): ``.logits`` hold the hidden states

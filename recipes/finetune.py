@@ -448,8 +448,8 @@ def main(argv=None) -> int:
     from transformers.trainer_utils import get_last_checkpoint
 
     import hf_normswap
-    from hf_normswap.distill import (NormSwapTrainer, WallClockStop, apply_lora, freeze_embeddings, merge_lora,
-                                     set_trainable, without_autocast_wrapper)
+    from hf_normswap.distill import (NormSwapTrainer, WallClockStop, apply_lora, disable_dropout, freeze_embeddings,
+                                     merge_lora, set_trainable, without_autocast_wrapper)
     from hf_normswap.model_inputs import ends_in_hidden_states
     from hf_normswap.progressive import ProgressiveSwap, ProgressiveSwapCallback, schedule
 
@@ -511,6 +511,9 @@ def main(argv=None) -> int:
                           role_order=progressive["role_order"], group=progressive["group"])
         swap = ProgressiveSwap(student, {n: original.get_submodule(n) for n in converted}, stages)
         log(f"progressive: {len(stages)} stages by {progressive['order']}, every {progressive['every']} steps")
+    dropout = disable_dropout(student)  # before LoRA, whose own dropout is the lora config's
+    if dropout:
+        log(f"dropout off in {dropout} places of the student: it is fitted to the original's exact outputs")
     if config["trainable"] == "lora":
         student = apply_lora(student, **config["lora"])
         trainable = sum(p.numel() for p in student.parameters() if p.requires_grad)

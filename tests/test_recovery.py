@@ -14,7 +14,7 @@ from transformers import TrainingArguments
 
 import hf_normswap
 from hf_normswap.calibrate import CalibrationConfig
-from hf_normswap.distill import NormSwapTrainer, distillation_loss, set_trainable
+from hf_normswap.distill import NormSwapTrainer, disable_dropout, distillation_loss, set_trainable
 from hf_normswap.layerwise import embedding_cosine_error, relative_hidden_error
 from hf_normswap.progressive import ProgressiveSwap, schedule
 from tiny_models import tiny_model
@@ -75,6 +75,26 @@ def test_layerwise_distillation_moves_the_converted_model_toward_the_original(tm
         optimizer.step()
     assert distance() < 0.8 * before  # measured: llama 0.173 -> 0.092 (either loss), bert 0.374 -> 0.252
     assert trainer._component_sums["hidden_loss"] > 0 and (trainer._component_sums["kd_loss"] > 0) == logits
+
+
+@pytest.mark.parametrize("arch,rates", [
+    ("bert", dict(hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1)),  # nn.Dropout modules
+    ("llama", dict(attention_dropout=0.1)),  # a float the attention reads in training
+    ("gpt2", dict(resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1)),
+    ("opt", dict(dropout=0.1, attention_dropout=0.1)),
+])
+def test_disable_dropout_makes_training_forwards_deterministic_and_keeps_the_config(arch, rates):
+    model = tiny_model(arch, **rates).train()
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
+
+    def logits():
+        return model(input_ids=ids).logits
+
+    assert not torch.equal(logits(), logits())  # dropout is on in training mode
+    assert disable_dropout(model) > 0
+    assert torch.equal(logits(), logits())
+    assert all(getattr(model.config, name) == rate for name, rate in rates.items())  # saved checkpoints keep it
+    assert disable_dropout(model) == 0
 
 
 def test_embedding_loss_moves_an_encoder_s_pooled_embeddings_toward_the_original(tmp_path):
