@@ -395,8 +395,9 @@ def plot_history(history: list[dict], path: Path, original_ppl: float | None, ti
     fig, (ax_loss, ax_lr, ax_ppl) = plt.subplots(1, 3, figsize=(15, 4))
     if train:
         ax_loss.plot(tokens(train), [h["loss"] for h in train], label="training loss")
-        for key, label in (("ce_loss", "cross-entropy"), ("kd_loss", "distillation KL")):
-            rows = [h for h in train if key in h]
+        for key, label in (("ce_loss", "cross-entropy"), ("kd_loss", "distillation KL"),
+                           ("hidden_loss", "layer-wise"), ("embedding_loss", "1 - embedding cosine")):
+            rows = [h for h in train if h.get(key)]  # a term that is off logs 0
             if rows:
                 ax_loss.plot(tokens(rows), [h[key] for h in rows], lw=0.8, label=label)
         ax_loss.legend(fontsize=8)
@@ -414,7 +415,8 @@ def plot_history(history: list[dict], path: Path, original_ppl: float | None, ti
         ax_ppl.axhline(original_ppl, c="k", ls="--", label=f"original ({original_ppl:.4g})")
         ax_ppl.axhline(1.3 * original_ppl, c="grey", ls=":", label="1.3 x original")
     ax_ppl.set(xlabel="training tokens", ylabel="perplexity", title="eval perplexity", yscale="log")
-    ax_ppl.legend(fontsize=8)
+    if ax_ppl.lines:  # an encoder has no perplexity (it is evaluated by embedding cosine after training)
+        ax_ppl.legend(fontsize=8)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=90)

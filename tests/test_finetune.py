@@ -14,6 +14,7 @@ import random
 import re
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -250,6 +251,21 @@ def test_each_group_learning_rate_is_logged_and_plotted_under_its_name_over_toke
     assert sorted(line.get_label() for line in lr.lines) == ["gamma", "no_decay", "shape"]
     assert list(lr.lines[0].get_xdata()) == [512, 1024, 1536, 2048] and lr.get_xlabel() == "training tokens"
     assert list(ppl.lines[0].get_xdata()) == [2048]
+
+
+def test_an_encoder_s_curve_plots_its_hidden_state_terms_without_a_perplexity_legend(tmp_path, monkeypatch):
+    history = [{"loss": 1.0, "ce_loss": 0.0, "kd_loss": 0.0, "hidden_loss": 0.6, "embedding_loss": 0.4,
+                "num_input_tokens_seen": 900 * i} for i in range(1, 4)]
+    import matplotlib.pyplot as plt
+
+    figures = []
+    monkeypatch.setattr(plt, "close", figures.append)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # matplotlib warns when asked for a legend of no lines
+        import_file(RECIPE).plot_history(history, tmp_path / "curve.png", None, "encoder")
+    loss, _, ppl = figures[0].axes
+    assert [line.get_label() for line in loss.lines] == ["training loss", "layer-wise", "1 - embedding cosine"]
+    assert not ppl.lines and ppl.get_legend() is None
 
 
 def test_distillation_loss_is_zero_for_equal_logits_and_scales_with_temperature():
