@@ -54,11 +54,17 @@ WEIGHT_FILES = re.compile(r"model(-\d+-of-\d+)?\.safetensors(\.index\.json)?")
 
 
 def _temporary_siblings(target: Path, kind: str) -> list[Path]:
-    """Leftovers of earlier saves into ``target`` (``.NAME.partial-PID-*``, ``.NAME.old-PID-*``) whose process is gone."""
+    """Leftovers of earlier saves into ``target`` whose process is gone: exactly the names a save gives them,
+    ``.NAME.KIND-PID-HEX8`` (or the earlier ``tempfile.mkdtemp`` form ``.NAME.KIND-XXXXXXXX``), so a folder of the
+    user's that merely starts like one is never touched."""
+    own = re.compile(rf"\.{re.escape(target.name)}\.{kind}-(?:(\d+)-[0-9a-f]{{8}}|[a-z0-9_]{{8}})")
     found = []
     for path in target.parent.glob(f".{glob_escape(target.name)}.{kind}-*"):
-        pid = path.name[len(f".{target.name}.{kind}-"):].partition("-")[0]
-        if pid.isdigit() and int(pid) != os.getpid() and _alive(int(pid)):
+        match = own.fullmatch(path.name)
+        if match is None:
+            continue
+        pid = match.group(1)
+        if pid and int(pid) != os.getpid() and _alive(int(pid)):
             continue  # another save into the same place is running
         found.append(path)
     return sorted(found, key=lambda p: p.stat().st_mtime)

@@ -10,7 +10,8 @@ read as YAML). Steps, top to bottom:
 
 1. load the original (Hub id, directory, ``.gguf``, ``offline:smollm2``) and convert a copy with calibration, or
    load an already converted checkpoint (its original from ``original:``); the calibrated model is cached in
-   ``OUTPUT/calibrated`` so a resumed run does not calibrate again;
+   ``OUTPUT/calibrated`` so a resumed run does not calibrate again (it refuses a cache calibrated otherwise;
+   ``resume=false`` calibrates anew);
 2. evaluate perplexity of the calibrated model against the original (main process);
 3. train with ``hf_normswap.distill.NormSwapTrainer``: cross-entropy plus optional distillation from the frozen
    original (its logits and / or every block's output, ``hf_normswap.layerwise``; a sentence encoder trains on the
@@ -195,8 +196,31 @@ def check_config(config: dict) -> None:
         if config["progressive"]["enabled"] and config["trainable"] == "lora":
             raise ValidationError("progressive conversion works with trainable: norms or all, not lora")
         check_output_dir(config["save_dir"] or Path(config["output_dir"]) / "final", overwrite=True)
+        check_calibration_cache(config)
     except (ValidationError, CheckpointError) as error:
         fail(str(error))
+
+
+def check_calibration_cache(config: dict) -> None:
+    """A resumed run reuses ``OUTPUT/calibrated`` only if it was calibrated as the config asks: another method or
+    other calibration settings in the same output_dir would otherwise train a start the config does not describe."""
+    from hf_normswap.checkpoint import read_config
+    from hf_normswap.validation import ValidationError
+
+    cache = Path(config["output_dir"]) / "calibrated"
+    cached = read_config(cache) if config["resume"] and converted_checkpoint(config) is None else None
+    if cached is None:
+        return
+    recorded = {"method": cached["normswap"].get("method"), **cached["normswap"].get("calibration", {})}
+    if isinstance(recorded.get("precision"), dict):  # recorded with its probe's timings
+        recorded["precision"] = recorded["precision"].get("requested")
+    asked = {"method": config["method"], **{k: v for k, v in config["calibration"].items()
+                                            if v is not None and k not in ("progress", "plots")}}  # not the result
+    differ = [f"{key} {recorded.get(key)!r} (the config: {value!r})" for key, value in asked.items()
+              if recorded.get(key) != value]
+    if differ:
+        raise ValidationError(f"{cache} was calibrated with {', '.join(differ)}: name another output_dir, or set "
+                              "resume=false to calibrate again")
 
 
 # --------------------------------------------------------------------------------------------------------- data
@@ -303,7 +327,7 @@ def load_models(config: dict, state):
         return student, original, tokenizer
     original, tokenizer = load_model(config["model"])
     with state.main_process_first():
-        if read_config(cache) is not None:
+        if config["resume"] and read_config(cache) is not None:  # check_calibration_cache: it matches the config
             student = hf_normswap.load(cache)
             print(f"[finetune] calibrated model from {cache}", flush=True)
         else:

@@ -528,9 +528,12 @@ def test_leftovers_of_dead_saves_go_and_those_of_running_saves_stay(converted, t
     dead_pid, live_pid = int(dead.stdout), os.getppid()
     out = tmp_path / "ckpt"
     for pid, kind in ((dead_pid, "partial"), (live_pid, "partial"), (dead_pid, "old")):
-        (tmp_path / f".ckpt.{kind}-{pid}-abc").mkdir()
-    legacy = tmp_path / ".ckpt.old-xyz" / "old"  # an earlier layout: the previous checkpoint one level down
+        (tmp_path / f".ckpt.{kind}-{pid}-0a1b2c3d").mkdir()
+    legacy = tmp_path / ".ckpt.old-k2j_x9qz" / "old"  # an earlier layout (mkdtemp): the previous checkpoint inside
     shutil.copytree(converted, legacy)
+    users = [".ckpt.old-backup", ".ckpt.partial-mine", f".ckpt.old-{dead_pid}-notes"]  # named alike, not a save's
+    for name in users:
+        (tmp_path / name).mkdir()
     checkpoint.check_output_dir(out, overwrite=True)
-    assert sorted(p.name for p in tmp_path.iterdir()) == [f".ckpt.partial-{live_pid}-abc", "ckpt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([f".ckpt.partial-{live_pid}-0a1b2c3d", "ckpt", *users])
     assert _tree(out) == _tree(converted)  # the checkpoint an interrupted overwrite had moved aside is back

@@ -167,6 +167,37 @@ def test_lora_single_process(tiny_setup):
     assert not any("k_proj" in n for n in changed)
 
 
+def test_a_resumed_run_refuses_a_cached_calibration_the_config_does_not_describe(tiny_setup, tmp_path, capsys):
+    """``OUTPUT/calibrated`` from another method or other calibration settings stops the run before any model loads,
+    instead of training a start the config does not describe; ``resume=false`` calibrates anew."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from hf_normswap.calibrate import CalibrationConfig
+
+    root, model_dir = tiny_setup
+    recipe = import_file("recipes/finetune.py")
+    output = tmp_path / "run"
+    base = ["--config", str(write_config(root, model_dir, output)), "calibration.precision=auto"]
+    config = recipe.load_config(base)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    settings = {k: v for k, v in config["calibration"].items() if v is not None}
+    hf_normswap.convert(model, to="eln", calibration=CalibrationConfig(tokenizer=tokenizer, **settings))
+    hf_normswap.save_pretrained(model, output / "calibrated", tokenizer=tokenizer)
+
+    recipe.load_config([*base, "calibration.progress=true"])  # calibrated as asked: the run goes on
+    capsys.readouterr()
+    for override, named in (("method=dyt", "method 'eln' (the config: 'dyt')"),
+                            ("calibration.num_blocks=3", "num_blocks 4 (the config: 3)"),
+                            ("calibration.precision=fp32", "precision 'auto' (the config: 'fp32')")):
+        with pytest.raises(SystemExit) as error:
+            recipe.load_config([*base, override])
+        assert error.value.code == 2
+        message = capsys.readouterr().err
+        assert named in message and "resume=false" in message and message.count("\n") == 1, message
+    recipe.load_config([*base, "method=dyt", "resume=false"])
+
+
 def test_block_dataset_packs_blocks_within_the_limits(tiny_setup):
     from transformers import AutoTokenizer
 
