@@ -153,7 +153,11 @@ def _replace(target: Path, staging: Path) -> None:
 
 def _merge(target: Path, staging: Path) -> None:
     """Write the checkpoint's files into a directory that holds other things (a Trainer's output_dir with its
-    checkpoint-N folders), file by file like transformers' own save; stale weight shards of an earlier save go."""
+    checkpoint-N folders), file by file like transformers' own save; stale weight shards of an earlier save go. A
+    README.md that is not a card of this package stays: it is the user's."""
+    card = target / "README.md"
+    if card.is_file() and not model_card.is_own_card(card.read_text(errors="replace")):
+        (staging / "README.md").unlink()
     written = {p.name for p in staging.iterdir()}
     for stale in target.iterdir():
         if WEIGHT_FILES.fullmatch(stale.name) and stale.name not in written and stale.is_file():

@@ -10,11 +10,14 @@ import re
 from collections import Counter
 from pathlib import Path
 
+import yaml
 from huggingface_hub import ModelCard, ModelCardData
+from huggingface_hub.repocard import REGEX_YAML_BLOCK
 
 from .packaged import PACKAGED
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+TAG = "hf-normswap"  # in every card's metadata: marks a README.md as this package's to rewrite
 
 FORMULAS = {
     "eln": ("ELN (Elementwise Layer Normalization, also published as DyISRU)",
@@ -109,6 +112,16 @@ def _evaluation_section(evaluation) -> str | None:
     return "\n".join(lines)
 
 
+def is_own_card(text: str) -> bool:
+    """Whether a README.md is a card this package wrote (its metadata tags name the package), not the user's."""
+    block = REGEX_YAML_BLOCK.search(text)  # the metadata block, as huggingface_hub finds it
+    try:
+        metadata = yaml.safe_load(block.group(2)) if block else None
+    except yaml.YAMLError:  # malformed metadata: not a card we wrote
+        return False
+    return isinstance(metadata, dict) and TAG in (metadata.get("tags") or [])
+
+
 def render(config: dict) -> str:
     """The model card text (YAML metadata + Markdown) for a saved ``config.json``."""
     block = config["normswap"]
@@ -123,7 +136,7 @@ def render(config: dict) -> str:
     data = ModelCardData(
         base_model=base_model,
         library_name="transformers",
-        tags=["hf-normswap", method, "normalization-free", base["model_type"], "custom_code"],
+        tags=[TAG, method, "normalization-free", base["model_type"], "custom_code"],
     )
     kinds = Counter((e["kind"], e.get("role", "?")) for e in converted.values())
     kind_rows = "\n".join(f"| {kind} | {role} | {n} |" for (kind, role), n in sorted(kinds.items()))

@@ -225,6 +225,27 @@ def test_model_save_pretrained_writes_the_full_checkpoint(tmp_path):
         "Qwen3ForCausalLM"
 
 
+def test_saving_into_a_trainer_output_dir_keeps_the_user_s_readme_and_rewrites_its_own_card(tmp_path):
+    model = tiny_model("llama")
+    hf_normswap.convert(model, to="eln")
+    ours = tmp_path / "trainer-out"
+    (ours / "checkpoint-1").mkdir(parents=True)
+    model.save_pretrained(ours)  # no README yet: the card is written, and rewritten by the next save
+    (ours / "README.md").write_text((ours / "README.md").read_text() + "\nstale line\n")
+    model.save_pretrained(ours)
+    assert "stale line" not in (ours / "README.md").read_text()
+    assert model_card.is_own_card((ours / "README.md").read_text())
+
+    theirs = tmp_path / "user-out"
+    (theirs / "checkpoint-1").mkdir(parents=True)
+    for text in ("# My experiment\nnotes\n", "---\ntags: [mine]\n---\nnotes\n", "---\n: : bad\n---\n"):
+        (theirs / "README.md").write_text(text)
+        model.save_pretrained(theirs)
+        assert (theirs / "README.md").read_text() == text
+        assert checkpoint.read_config(theirs) and (theirs / "checkpoint-1").is_dir()
+        assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no staging left behind
+
+
 def _snapshot(root: Path, dir_mtimes: bool = True) -> dict:
     """Every path under root with size and mtime (directories' mtimes change when a temporary entry came and went)."""
     return {str(p.relative_to(root)): (p.stat().st_mtime_ns if dir_mtimes or not p.is_dir() else 0, p.stat().st_size,
