@@ -95,6 +95,15 @@ def recover_interrupted(path: str | os.PathLike) -> None:
         shutil.rmtree(leftover, ignore_errors=True)
 
 
+def checkpoint_files(directory: Path) -> list[str]:
+    """The files of a saved checkpoint in ``directory`` (sorted): what a push uploads. Anything beside them (a
+    Trainer's checkpoint-N folders, notes, a README.md that is not this package's card) is the user's."""
+    own = [p.name for p in directory.iterdir() if p.is_file() and not p.is_symlink() and OWN_FILES.fullmatch(p.name)]
+    if "README.md" in own and not model_card.is_own_card((directory / "README.md").read_text(errors="replace")):
+        own.remove("README.md")
+    return sorted(own)
+
+
 def _foreign_entries(directory: Path, also_own: set[str] = frozenset()) -> list[str]:
     """Entries of a checkpoint directory that a save would not write (sorted), besides ``also_own``."""
     return sorted(p.name for p in directory.iterdir()

@@ -17,7 +17,7 @@ from .convert import DEFAULT_ROLES, ConversionError, check_selection, convert, p
 from .data import DataError, first_line, local_paths
 from .evaluate import EvaluationError, is_encoder
 from .fold import FoldError, fold
-from .checkpoint import CheckpointError, check_output_dir, save_pretrained
+from .checkpoint import CheckpointError, check_output_dir, checkpoint_files, save_pretrained
 from .hub import PushError, preflight, push
 from .loading import ModelLoadError, load_model
 from .model_card import hub_id
@@ -404,6 +404,9 @@ def _keep(save, name: str) -> Path:
 
 def _push(args) -> None:
     print(f"pushed to {push(args.directory, args.repo, private=args.private)}")
+    folder = Path(args.directory)
+    kept = sorted(set(p.name for p in folder.iterdir()) - set(checkpoint_files(folder)))
+    _warn(kept and f"not uploaded, not part of the checkpoint: {', '.join(kept)}")
 
 
 def _warn(message: str | None) -> None:

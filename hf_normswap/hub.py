@@ -62,7 +62,9 @@ def preflight(repo_id: str, token: str | None = None) -> str:
 
 def push(folder: str | os.PathLike, repo_id: str, *, private: bool = False, token: str | None = None,
          commit_message: str | None = None) -> str:
-    """Create ``repo_id`` (if needed) and upload the checkpoint ``folder`` to it; returns the repo URL."""
+    """Create ``repo_id`` (if needed) and upload the checkpoint in ``folder`` to it; returns the repo URL. Only the
+    checkpoint's own files go (:func:`checkpoint.checkpoint_files`): a checkpoint saved into a Trainer's output_dir
+    has optimizer states and other things beside it that were never meant for a public repo."""
     folder = Path(folder)
     config = checkpoint.read_config(folder)
     if config is None:
@@ -78,6 +80,7 @@ def push(folder: str | os.PathLike, repo_id: str, *, private: bool = False, toke
     try:
         repo = api.create_repo(repo_id, private=private or None, exist_ok=True, repo_type="model")  # None: Hub default
         api.upload_folder(folder_path=folder, repo_id=repo.repo_id, repo_type="model",
+                          allow_patterns=checkpoint.checkpoint_files(folder),  # names of [\w.-] only: no glob
                           commit_message=commit_message or f"{method} checkpoint converted with hf-normswap")
     except HfHubHTTPError as error:
         status = getattr(getattr(error, "response", None), "status_code", None)

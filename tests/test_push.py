@@ -132,6 +132,26 @@ def test_private_needs_push_to_hub(tmp_path, capsys):
     assert "--private needs --push-to-hub" in _one_line_error(capsys)
 
 
+def test_push_uploads_the_checkpoint_alone_not_what_lies_beside_it(hub, tmp_path, capsys):
+    """A checkpoint saved into a Trainer's output_dir: its checkpoint-N folders, notes and the user's README stay
+    local, and the command says so."""
+    model = tiny_model("llama")
+    hf_normswap.convert(model, to="eln")
+    folder = tmp_path / "trainer-out"
+    (folder / "checkpoint-2").mkdir(parents=True)
+    (folder / "checkpoint-2" / "optimizer.pt").write_bytes(b"state")
+    (folder / "notes.txt").write_text("private")
+    (folder / "README.md").write_text("# my experiment\n")
+    model.save_pretrained(folder)
+    capsys.readouterr()
+    assert cli.main(["push", str(folder), "someone/trainer-out"]) == 0
+    uploaded = set(hub.files("someone/trainer-out"))
+    assert {"config.json", "model.safetensors", "modeling_normswap.py"} <= uploaded
+    assert not uploaded & {"README.md", "notes.txt", "checkpoint-2/optimizer.pt"}, uploaded
+    err = capsys.readouterr().err
+    assert err == "normswap: warning: not uploaded, not part of the checkpoint: README.md, checkpoint-2, notes.txt\n"
+
+
 def test_push_api_returns_repo_url(hub, checkpoint_dir):
     url = hf_normswap.hub.push(Path(checkpoint_dir), "org/api-push")
     assert url == f"{hub.url}/org/api-push"
