@@ -106,7 +106,7 @@ def test_switches_and_guards_select_the_fallback(monkeypatch):
     with torch.no_grad():
         with kernels.fallback():
             module(_input())
-        assert not kernels.fast_path_enabled() or calls == []
+        assert calls == []  # inside fallback(): the plain formula
         module(_input(shape=(4, 8, C)))  # small: eager is faster than a compiled call
         module.double()(_input(torch.float64))  # float64 stays on the exact reference path
         module.float().to("meta")(_input().to("meta"))  # meta tensors: shapes only
