@@ -163,11 +163,11 @@ def find_consumers(model: nn.Module, norm_names: list[str], inputs: dict | None 
     for leaf in _pytree.tree_leaves(output):
         if isinstance(leaf, torch.Tensor) and id(leaf) in tracked:
             problems.setdefault(tracked[id(leaf)][0], "its output is also an output of the model (a hidden state)")
-    return {n: sorted(consumers[n]) for n in norm_names}, _layer_problems(model, modules, norm_names, consumers,
-                                                                        linear_sources, problems)
+    return {n: sorted(consumers[n]) for n in norm_names}, _layer_problems(modules, norm_names, consumers, linear_sources,
+                                                                        problems)
 
 
-def _layer_problems(model, modules, norm_names, consumers, linear_sources, problems) -> dict:
+def _layer_problems(modules, norm_names, consumers, linear_sources, problems) -> dict:
     owners: dict[int, int] = defaultdict(int)
     for module in modules.values():
         for param in module.parameters(recurse=False):

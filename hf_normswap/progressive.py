@@ -97,11 +97,6 @@ def _sensitivity_buckets(path: str, names: list[str], group: int) -> list[list[s
     return [ranked[i:i + group] for i in range(0, len(ranked), group)]
 
 
-def schedule_length(stages: list[Stage]) -> int:
-    """The first step at which every norm is fully converted."""
-    return max((s.start + max(s.ramp, 0) for s in stages), default=0)
-
-
 class ProgressiveSwap:
     """Forward hooks blending each converted module with a frozen copy of its original norm (see module doc)."""
 

@@ -195,7 +195,7 @@ def assign_roles(model: nn.Module, norms: list[NormInfo]) -> None:
         if norm.name not in first_call:
             norm.role = "other"  # never ran on this input
         elif block is None:
-            norm.role = _outside_role(norm.name, order, first_call)
+            norm.role = _outside_role(norm.name, first_call)
         elif norm.name in residual:
             norm.role = "post_norm"
         elif consumer[norm.name] is None:
@@ -204,7 +204,7 @@ def assign_roles(model: nn.Module, norms: list[NormInfo]) -> None:
             norm.role = _consumer_role(consumer[norm.name], modules[consumer[norm.name]]) or "other"
 
 
-def _outside_role(name: str, order: list[str], first_call: dict[str, int]) -> str:
+def _outside_role(name: str, first_call: dict[str, int]) -> str:
     """A norm outside the blocks is an embedding norm if its stack's blocks run after it, else a final norm."""
     parts = name.split(".")
     for depth in range(len(parts) - 1, -1, -1):

@@ -58,7 +58,7 @@ def block_calibration(sequences: int, steps: int, rows: int, weights_lr: float) 
 # block's weights too
 NORMS_ONLY = block_calibration(16, 40, 4, 0)
 BLOCKWISE = block_calibration(16, 40, 4, 1e-4)
-BLOCKWISE_60X1 = block_calibration(16, 60, 1, 1e-4)  # the block strategy's default since
+BLOCKWISE_60X1 = block_calibration(16, 60, 1, 1e-4)  # the block strategy's default steps and rows
 BLOCKWISE_240X1 = block_calibration(64, 240, 1, 1e-4)  # four times the steps, over 64 sequences: the SmolLM2 configs
 
 METHODS: dict[str, list[str]] = {
