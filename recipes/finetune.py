@@ -28,6 +28,7 @@ import argparse
 import copy
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -197,6 +198,10 @@ def check_config(config: dict) -> None:
             raise ValidationError("progressive conversion works with trainable: norms or all, not lora")
         check_output_dir(config["save_dir"] or Path(config["output_dir"]) / "final", overwrite=True)
         check_calibration_cache(config)
+        if os.environ.get("ACCELERATE_USE_FSDP") == "true" or os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE") == "3":
+            raise ValidationError("sharded weights (FSDP, DeepSpeed ZeRO-3) are not supported: the final evaluation "
+                                  "and save run on one process with the whole model; launch with DDP "
+                                  "(recipes/accelerate_configs/multi_gpu.yaml) or one process")
     except (ValidationError, CheckpointError) as error:
         fail(str(error))
 

@@ -198,6 +198,20 @@ def test_a_resumed_run_refuses_a_cached_calibration_the_config_does_not_describe
     recipe.load_config([*base, "method=dyt", "resume=false"])
 
 
+@pytest.mark.parametrize("env", [{"ACCELERATE_USE_FSDP": "true"},
+                                 {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "3"}])
+def test_sharded_weights_are_refused_before_anything_loads(env, monkeypatch, capsys):
+    """The final evaluation and save run on the main process alone: with FSDP or ZeRO-3 they would wait forever for
+    the other ranks' shards."""
+    recipe = import_file("recipes/finetune.py")
+    recipe.load_config([])
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(SystemExit) as error:
+        recipe.load_config([])
+    assert error.value.code == 2 and "FSDP, DeepSpeed ZeRO-3" in capsys.readouterr().err
+
+
 def test_block_dataset_packs_blocks_within_the_limits(tiny_setup):
     from transformers import AutoTokenizer
 
