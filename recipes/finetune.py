@@ -332,7 +332,9 @@ def load_models(config: dict, state):
         return student, original, tokenizer
     original, tokenizer = load_model(config["model"])
     with state.main_process_first():
-        if config["resume"] and read_config(cache) is not None:  # check_calibration_cache: it matches the config
+        # the main process reuses the cache on a resume (check_calibration_cache: it matches the config); the others
+        # come after it and load what it has just written
+        if read_config(cache) is not None and (config["resume"] or not state.is_main_process):
             student = hf_normswap.load(cache)
             print(f"[finetune] calibrated model from {cache}", flush=True)
         else:

@@ -195,7 +195,13 @@ def test_a_resumed_run_refuses_a_cached_calibration_the_config_does_not_describe
         assert error.value.code == 2
         message = capsys.readouterr().err
         assert named in message and "resume=false" in message and message.count("\n") == 1, message
-    recipe.load_config([*base, "method=dyt", "resume=false"])
+    from accelerate import PartialState
+
+    state = PartialState(cpu=True)
+    resumed, _, _ = recipe.load_models(recipe.load_config(base), state)  # the cache, as calibrated
+    assert resumed.config.normswap["method"] == "eln" and "calibrated model from" in capsys.readouterr().out
+    anew, _, _ = recipe.load_models(recipe.load_config([*base, "method=dyt", "resume=false"]), state)
+    assert anew.config.normswap["method"] == "dyt" and "converted" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("env", [{"ACCELERATE_USE_FSDP": "true"},
