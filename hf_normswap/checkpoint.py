@@ -95,19 +95,27 @@ def recover_interrupted(path: str | os.PathLike) -> None:
         shutil.rmtree(leftover, ignore_errors=True)
 
 
+def _is_own_file(path: Path, also_own: set[str] = frozenset()) -> bool:
+    """A plain file with a name that a save writes (or one of ``also_own``)."""
+    return path.is_file() and not path.is_symlink() and bool(OWN_FILES.fullmatch(path.name) or path.name in also_own)
+
+
+def _users_readme(directory: Path) -> bool:
+    """``directory`` holds a README.md that is not this package's card: the user's, never replaced or pushed."""
+    card = directory / "README.md"
+    return card.is_file() and not model_card.is_own_card(card)
+
+
 def checkpoint_files(directory: Path) -> list[str]:
     """The files of a saved checkpoint in ``directory`` (sorted): what a push uploads. Anything beside them (a
     Trainer's checkpoint-N folders, notes, a README.md that is not this package's card) is the user's."""
-    own = [p.name for p in directory.iterdir() if p.is_file() and not p.is_symlink() and OWN_FILES.fullmatch(p.name)]
-    if "README.md" in own and not model_card.is_own_card((directory / "README.md").read_text(errors="replace")):
-        own.remove("README.md")
-    return sorted(own)
+    user = {"README.md"} if _users_readme(directory) else set()
+    return sorted(p.name for p in directory.iterdir() if _is_own_file(p) and p.name not in user)
 
 
 def _foreign_entries(directory: Path, also_own: set[str] = frozenset()) -> list[str]:
     """Entries of a checkpoint directory that a save would not write (sorted), besides ``also_own``."""
-    return sorted(p.name for p in directory.iterdir()
-                  if not (p.is_file() and not p.is_symlink() and (OWN_FILES.fullmatch(p.name) or p.name in also_own)))
+    return sorted(p.name for p in directory.iterdir() if not _is_own_file(p, also_own))
 
 
 def _replaceable(directory: Path, also_own: set[str] = frozenset()) -> str | None:
@@ -164,8 +172,7 @@ def _merge(target: Path, staging: Path) -> None:
     """Write the checkpoint's files into a directory that holds other things (a Trainer's output_dir with its
     checkpoint-N folders), file by file like transformers' own save; stale weight shards of an earlier save go. A
     README.md that is not a card of this package stays: it is the user's."""
-    card = target / "README.md"
-    if card.is_file() and not model_card.is_own_card(card.read_text(errors="replace")):
+    if _users_readme(target):
         (staging / "README.md").unlink()
     written = {p.name for p in staging.iterdir()}
     for stale in target.iterdir():

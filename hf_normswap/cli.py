@@ -405,8 +405,9 @@ def _keep(save, name: str) -> Path:
 def _push(args) -> None:
     print(f"pushed to {push(args.directory, args.repo, private=args.private)}")
     folder = Path(args.directory)
-    kept = sorted(set(p.name for p in folder.iterdir()) - set(checkpoint_files(folder)))
-    _warn(kept and f"not uploaded, not part of the checkpoint: {', '.join(kept)}")
+    kept = sorted({p.name for p in folder.iterdir()} - set(checkpoint_files(folder)))
+    if kept:
+        _warn(f"not uploaded, not part of the checkpoint: {', '.join(kept)}")
 
 
 def _warn(message: str | None) -> None:

@@ -11,8 +11,7 @@ from collections import Counter
 from pathlib import Path
 
 import yaml
-from huggingface_hub import ModelCard, ModelCardData
-from huggingface_hub.repocard import REGEX_YAML_BLOCK
+from huggingface_hub import ModelCard, ModelCardData, metadata_load
 
 from .packaged import PACKAGED
 
@@ -112,14 +111,13 @@ def _evaluation_section(evaluation) -> str | None:
     return "\n".join(lines)
 
 
-def is_own_card(text: str) -> bool:
+def is_own_card(path: Path) -> bool:
     """Whether a README.md is a card this package wrote (its metadata tags name the package), not the user's."""
-    block = REGEX_YAML_BLOCK.search(text)  # the metadata block, as huggingface_hub finds it
     try:
-        metadata = yaml.safe_load(block.group(2)) if block else None
-    except yaml.YAMLError:  # malformed metadata: not a card we wrote
+        metadata = metadata_load(path) or {}
+    except (yaml.YAMLError, ValueError):  # malformed metadata or text: not a card we wrote
         return False
-    return isinstance(metadata, dict) and TAG in (metadata.get("tags") or [])
+    return TAG in (metadata.get("tags") or [])
 
 
 def render(config: dict) -> str:
