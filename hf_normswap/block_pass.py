@@ -9,6 +9,12 @@ the blocks (an embedding LayerNorm before, the final norm after) are handled bef
 fed straight by the last block is tuned the same way toward the original final norm's output on the original
 trajectory.
 
+Each block is on the compute device (``CalibrationConfig.device``, by default where the model is) only for its own
+stage, then goes back; the hidden states passed from stage to stage live in an :class:`ActivationCache` (CPU memory,
+files past ``cache_memory_mb``). A model in CPU memory is so calibrated on a GPU that holds one block, as
+llm-compressor's sequential pipeline does; ``reconstruct.py`` gives the memory formula. The forward passes of the
+whole model (the first block's inputs, norms outside the blocks) run where the model is.
+
 Models whose norms do not sit in one stack of blocks (encoder-decoder: two stacks) fall back to :func:`one_shot`:
 every norm fitted on activations of the original model, captured in one pass.
 """
@@ -18,12 +24,14 @@ from __future__ import annotations
 import functools
 import inspect
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from .activation_cache import ActivationCache, CachedTensors
 from .capture import StopForward, capturing, first_call_inputs
 from .discovery import NormInfo
 from .model_inputs import first_tensor, forward_without_cache
@@ -36,6 +44,7 @@ from .roles import block_of
 
 @dataclass
 class BlockPlan:
+    stack_name: str
     stack: nn.ModuleList
     pre: list[NormInfo]
     blocks: list[list[NormInfo]]  # per block, in forward order
@@ -110,16 +119,44 @@ def block_plan(model: nn.Module, selected: list[NormInfo], batch: dict) -> Block
             return None
         blocks[index_of[id(block)]].append(info)
     key = lambda i: first_seen[i.name]  # noqa: E731
-    return BlockPlan(stack=stack, pre=sorted(pre, key=key), blocks=blocks, post=sorted(post, key=key))
+    return BlockPlan(stack_name=stack_name, stack=stack, pre=sorted(pre, key=key), blocks=blocks,
+                     post=sorted(post, key=key))
 
 
-def _block_inputs(model, stack, batches) -> list[tuple]:
-    """(hidden, other args, kwargs) of the first block for each batch; each forward stops at that block."""
-    cached = []
+def _block_inputs(model, stack, batches, cache: ActivationCache) -> tuple[CachedTensors, list[tuple]]:
+    """The first block's hidden states for each batch, held by ``cache``, and its other inputs (mask, position
+    embeddings: ``(args, kwargs)``) on the compute device; each forward stops at that block."""
+    hidden, others = cache.store(()), []
     for batch in batches:
         args, kwargs = first_call_inputs(stack[0], lambda: forward_without_cache(model, batch))
-        cached.append((args[0], args[1:], kwargs) if args else (kwargs.pop("hidden_states"), (), kwargs))
-    return cached
+        first, args, kwargs = (args[0], args[1:], kwargs) if args else (kwargs.pop("hidden_states"), (), kwargs)
+        hidden.append(first)
+        others.append(_to_device((args, kwargs), cache.device))
+    return hidden, others
+
+
+def _to_device(value, device: torch.device):
+    """``value`` (a tensor, or tuples / lists / dicts of them) on ``device``."""
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, (tuple, list)):
+        return type(value)(_to_device(v, device) for v in value)
+    if isinstance(value, dict):
+        return {k: _to_device(v, device) for k, v in value.items()}
+    return value
+
+
+@contextmanager
+def _on_device(model: nn.Module, name: str, device: torch.device):
+    """The submodule ``name`` on ``device`` for the duration, then back where it was. Looked up again at the end:
+    a converted final norm is a new module at the same name."""
+    tensors = [*model.get_submodule(name).parameters(), *model.get_submodule(name).buffers()]
+    home = tensors[0].device if tensors else device
+    model.get_submodule(name).to(device)
+    try:
+        yield
+    finally:
+        model.get_submodule(name).to(home)
 
 
 def _call_block(block, hidden, args, kwargs):
@@ -147,15 +184,16 @@ def _capture_pass(modules, stop_after, batches, run, config):
         return capture.samples
 
 
-def sequential(model, plan: BlockPlan, batches, fit, replace, config) -> list[dict]:
-    """Convert in forward order; returns the block-tuning record (empty without ``block_steps``)."""
+def sequential(model, plan: BlockPlan, batches, fit, replace, config) -> tuple[list[dict], dict]:
+    """Convert in forward order; returns the block-tuning record (empty without ``block_steps``) and what the
+    activation cache held at its peak. Each block is on the compute device (``config.device``) only for its own
+    stage; the hidden states between stages are held by an :class:`ActivationCache`."""
+    home = next(plan.stack.parameters()).device
+    device = torch.device(config.device) if config.device else home
+    limit = None if config.cache_memory_mb is None else int(config.cache_memory_mb * 2**20)
     total = len(plan.pre) + sum(len(b) for b in plan.blocks) + len(plan.post)
     tuning = []
-    cached = _block_inputs(model, plan.stack, batches)
-    # the original model's trajectory, which block tuning steers each converted block back onto, on the sequences
-    # tuning reads
-    tuned_batches = _leading_batches(batches, tuned_rows(config))
-    reference = [c[0] for c in cached[:tuned_batches]] if config.block_steps else None
+    masks = [batch["attention_mask"].to(device) for batch in batches]
 
     def convert_one(info, run):
         source = model.get_submodule(info.name)
@@ -163,38 +201,67 @@ def sequential(model, plan: BlockPlan, batches, fit, replace, config) -> list[di
         replace(model, info.name, fit(info, source, samples[info.name]))
         bar.update()
 
-    with tqdm(total=total, desc="calibration: norms", disable=not config.progress, leave=False) as bar:
+    def through(block, inputs, others):  # the block's outputs on every batch, into the cache as they come
+        return cache.store(_call_block(block, inputs[k], *others[k]) for k in range(len(inputs)))
+
+    with ActivationCache(limit, device) as cache, \
+            tqdm(total=total, desc="calibration: norms", disable=not config.progress, leave=False) as bar:
+        hidden, others = _block_inputs(model, plan.stack, batches, cache)
+        # the original model's trajectory, which block tuning steers each converted block back onto, on the
+        # sequences tuning reads
+        reference = None
+        if config.block_steps:
+            reference = cache.store(hidden[k] for k in range(_leading_batches(batches, tuned_rows(config))))
         for info in plan.pre:  # e.g. BERT's embedding LayerNorm: runs before the first block
             convert_one(info, lambda k: forward_without_cache(model, batches[k]))
         if plan.pre:  # the blocks' inputs changed with the converted norms before them
-            cached = _block_inputs(model, plan.stack, batches)
-        hidden = [c[0] for c in cached]
+            hidden.release()
+            hidden, others = _block_inputs(model, plan.stack, batches, cache)
         for index, (block, infos) in enumerate(zip(plan.stack, plan.blocks)):
-            if reference is not None:  # the original block, before its norms are replaced
-                reference = [_call_block(block, r, cached[k][1], cached[k][2]) for k, r in enumerate(reference)]
-            for info in infos:
-                convert_one(info, lambda k: _call_block(block, hidden[k], cached[k][1], cached[k][2]))
-            if reference is not None and infos:
-                modules = [model.get_submodule(info.name) for info in infos]
-                record, hidden = tune_block(block, modules, _block_runner(block, cached), hidden, reference,
-                                            batches, config)  # the block's outputs come from its last error pass
-                tuning.append(dict(block=index, **record))
-                bar.set_postfix(block_error=f"{tuning[-1]['error_after']:.3g}")
-            else:
-                hidden = [_call_block(block, hidden[k], cached[k][1], cached[k][2]) for k in range(len(batches))]
+            with _on_device(model, f"{plan.stack_name}.{index}", device):
+                if reference is not None:  # the original block, before its norms are replaced
+                    reference = _replaced(reference, through(block, reference, others))
+                for info in infos:
+                    convert_one(info, lambda k: _call_block(block, hidden[k], *others[k]))
+                if reference is not None and infos:
+                    modules = [model.get_submodule(info.name) for info in infos]
+                    # the block's outputs come from its last error pass
+                    runner = _block_runner(block, others, [len(mask) for mask in masks])
+                    record, outputs = tune_block(block, modules, runner, hidden, reference, masks, config, cache)
+                    tuning.append(dict(block=index, **record))
+                    bar.set_postfix(block_error=f"{tuning[-1]['error_after']:.3g}")
+                else:
+                    outputs = through(block, hidden, others)
+                hidden = _replaced(hidden, outputs)
         for info in plan.post:  # final norm: its input is the last block's output when nothing sits in between
-            source = model.get_submodule(info.name)
-            direct = _post_input_is_stack_output(model, source, batches[0], hidden[0])
-            # what the original norm makes of the original trajectory
-            target = [source(r) for r in reference] if direct and reference is not None else None
-            convert_one(info, (lambda k: source(hidden[k])) if direct else
-                        (lambda k: forward_without_cache(model, batches[k])))
-            if target is not None:  # tuned like one more block: it too inherits the error of everything before it
-                module = model.get_submodule(info.name)
-                record, _ = tune_block(module, [module], lambda x, k, rows: module(x), hidden, target, batches,
-                                       config)
-                tuning.append(dict(block=info.name, **record))
-    return tuning
+            if _post_input_is_stack_output(model, model.get_submodule(info.name), batches[0], hidden[0]):
+                with _on_device(model, info.name, device):
+                    _convert_post_norm(model, info, hidden, reference, masks, convert_one, tuning, config, cache)
+            else:
+                convert_one(info, lambda k: forward_without_cache(model, batches[k]))
+        return tuning, cache.summary()
+
+
+def _convert_post_norm(model, info, hidden, reference, masks, convert_one, tuning, config, cache) -> None:
+    """A final norm fed straight by the last block, converted on that block's outputs and, with block tuning, tuned
+    like one more block: it too inherits the error of everything before it."""
+    source = model.get_submodule(info.name)
+    # what the original norm makes of the original trajectory
+    target = None if reference is None else cache.store(source(r) for r in reference)
+    convert_one(info, lambda k: source(hidden[k]))
+    if target is not None:
+        module = model.get_submodule(info.name)
+        record, outputs = tune_block(module, [module], lambda x, k, rows: module(x), hidden, target, masks, config,
+                                     cache)
+        tuning.append(dict(block=info.name, **record))
+        outputs.release()
+        target.release()
+
+
+def _replaced(old: CachedTensors, new: CachedTensors) -> CachedTensors:
+    """``new``, once ``old``'s memory and files are freed."""
+    old.release()
+    return new
 
 
 def _rows(value, rows: slice, batch_size: int):
@@ -216,12 +283,12 @@ def _relative_error(out: torch.Tensor, target: torch.Tensor, mask: torch.Tensor 
     return per_token.mean()
 
 
-def _block_runner(block, cached):
-    """``run(x, k, rows)``: the block on hidden states ``x`` of those rows of batch ``k``, its other inputs cut to
-    the same rows."""
+def _block_runner(block, others, sizes: list[int]):
+    """``run(x, k, rows)``: the block on hidden states ``x`` of those rows of batch ``k`` (``sizes[k]`` sequences),
+    its other inputs (``others[k]``, see :func:`_block_inputs`) cut to the same rows."""
     def run(x, k, rows):
-        size = cached[k][0].shape[0]
-        return _call_block(block, x, _rows(cached[k][1], rows, size), _rows(cached[k][2], rows, size))
+        args, kwargs = others[k]
+        return _call_block(block, x, _rows(args, rows, sizes[k]), _rows(kwargs, rows, sizes[k]))
 
     return run
 
@@ -236,29 +303,31 @@ def tuned_rows(config) -> int:
     return max(config.block_steps * config.block_rows, GUARD_ROWS)
 
 
-def tune_block(block, modules, run, hidden, reference, batches, config) -> tuple[dict, list[torch.Tensor]]:
+def tune_block(block, modules, run, hidden, reference, masks, config,
+               cache: ActivationCache) -> tuple[dict, CachedTensors]:
     """Adam on one block's new modules: fed the converted model's hidden states, the block (``run``, see
     :func:`_block_runner`) should reproduce the original block's output on the original's hidden states. Fitting
     each norm's own output leaves the error a block inherits to grow over 30 blocks; matching the block output
-    makes each block compensate for it. ``reference`` may stop after the batches holding the first
-    :func:`tuned_rows` sequences. Returns the error record (before and after, on the first :data:`GUARD_ROWS`
-    sequences) and the block's outputs with the parameters it keeps, for every sequence (the next block's inputs).
-    Tuning that leaves the guard's sequences worse is undone; checking on a subset instead of every row saves most
-    of a pass over the data per block."""
+    makes each block compensate for it. ``hidden``, ``reference`` and ``masks`` hold one tensor per batch;
+    ``reference`` may stop after the batches holding the first :func:`tuned_rows` sequences. Returns the error record
+    (before and after, on the first :data:`GUARD_ROWS` sequences) and the block's outputs with the parameters it
+    keeps, for every sequence (the next block's inputs), held by ``cache``. Tuning that leaves the guard's sequences
+    worse is undone; checking on a subset instead of every row saves most of a pass over the data per block."""
     params = [p for m in modules for p in m.parameters(recurse=False)]
     groups = adam_groups(modules, config.block_lr)
     if config.block_weights_lr > 0:  # block-wise reconstruction
         weights = block_weights(block, modules)
         params += weights
         groups.append({"params": weights, "lr": config.block_weights_lr})
-    chunks = [(k, slice(s, s + config.block_rows)) for k, h in enumerate(hidden)
-              for s in range(0, h.shape[0], config.block_rows)]
-    steps = _leading_chunks(chunks, hidden, config.block_steps * config.block_rows)
-    guard = _leading_chunks(chunks, hidden, GUARD_ROWS)
+    sizes = [len(mask) for mask in masks]
+    chunks = [(k, slice(s, min(s + config.block_rows, size))) for k, size in enumerate(sizes)
+              for s in range(0, size, config.block_rows)]
+    steps = _leading_chunks(chunks, config.block_steps * config.block_rows)
+    guard = _leading_chunks(chunks, GUARD_ROWS)
 
     def error(k, rows, out=None):
         out = run(hidden[k][rows], k, rows) if out is None else out
-        return _relative_error(out, reference[k][rows], batches[k]["attention_mask"][rows])
+        return _relative_error(out, reference[k][rows], masks[k][rows])
 
     def guard_error(outputs=None):
         with torch.no_grad():
@@ -267,7 +336,7 @@ def tune_block(block, modules, run, hidden, reference, batches, config) -> tuple
 
     def all_outputs():  # whole batches at a time, not block_rows
         with torch.no_grad():
-            return [run(h, k, slice(None)) for k, h in enumerate(hidden)]
+            return cache.store(run(hidden[k], k, slice(None)) for k in range(len(hidden)))
 
     before = guard_error()
     start = [p.detach().clone() for p in params]
@@ -286,6 +355,7 @@ def tune_block(block, modules, run, hidden, reference, batches, config) -> tuple
         with torch.no_grad():
             for p, s in zip(params, start):
                 p.copy_(s)
+        outputs.release()
         after, outputs = before, all_outputs()
     return {"error_before": round(before, 6), "error_after": round(after, 6)}, outputs
 
@@ -301,9 +371,9 @@ def _leading(sizes: list[int], rows: int) -> int:
     return len(sizes)
 
 
-def _leading_chunks(chunks: list[tuple[int, slice]], hidden, rows: int) -> list[tuple[int, slice]]:
+def _leading_chunks(chunks: list[tuple[int, slice]], rows: int) -> list[tuple[int, slice]]:
     """The first chunks, in order, until they hold at least ``rows`` sequences."""
-    return chunks[:_leading([hidden[k][part].shape[0] for k, part in chunks], rows)]
+    return chunks[:_leading([part.stop - part.start for _, part in chunks], rows)]
 
 
 def _leading_batches(batches, rows: int) -> int:
@@ -315,4 +385,4 @@ def _post_input_is_stack_output(model, source, batch, hidden) -> bool:
     call = first_call_inputs(source, lambda: forward_without_cache(model, batch))
     seen = call[0][0] if call and call[0] else None
     return isinstance(seen, torch.Tensor) and seen.shape == hidden.shape and \
-        torch.allclose(seen.float(), hidden.float(), rtol=1e-4, atol=1e-4)
+        torch.allclose(seen.float(), hidden.to(seen.device).float(), rtol=1e-4, atol=1e-4)

@@ -115,6 +115,11 @@ class CalibrationConfig:
     max_iter: int = 100  # L-BFGS iterations of each least-squares fit
     seed: int = 0
     precision: str = "fp32"  # or "bf16" (autocast), or "auto": bf16 where a timed probe finds it faster (precision.py)
+    # the block pass (block_pass.sequential): where each block is computed, one at a time (None: where the model is;
+    # "cuda" with the model in CPU memory holds one block on the GPU), and how much CPU memory the hidden states
+    # cached between blocks may take before the rest goes to files in TMPDIR (None: no limit)
+    device: str | None = None
+    cache_memory_mb: float | None = None
     progress: bool = True
     plots: str | None = None
     tokenizer: Any = field(default=None, repr=False)
@@ -133,6 +138,10 @@ class CalibrationConfig:
             if getattr(out, key) is None:
                 setattr(out, key, getattr(preset, key))
         check_precision(out.precision)
+        check_device(out.device)
+        if out.cache_memory_mb is not None and not out.cache_memory_mb >= 0:
+            raise ValueError(f"calibration cache_memory_mb must be 0 or more (0: every cached hidden state on disk), "
+                             f"not {out.cache_memory_mb}")
         return out
 
     @property
@@ -146,6 +155,20 @@ class CalibrationConfig:
             out.update(init=self.preset.init, fit=list(self.preset.fit))
         out["data"] = self.data if isinstance(self.data, str) else f"tensor{tuple(_ids(self.data).shape)}"
         return out
+
+
+def check_device(device: str | None) -> None:
+    """A device the block pass can compute on, or ``ValueError`` naming the fix."""
+    if device is None:
+        return
+    try:
+        kind = torch.device(device).type
+    except (RuntimeError, TypeError):
+        raise ValueError(f"calibration device {device!r} is not a torch device: name one such as cpu, cuda or cuda:1")
+    backend = getattr(torch, kind, None)
+    if kind != "cpu" and not (hasattr(backend, "is_available") and backend.is_available()):
+        raise ValueError(f"calibration device {device!r}: this machine has no {kind} device; leave the device unset "
+                         f"to calibrate where the model is")
 
 
 def _ids(data) -> torch.Tensor:
@@ -316,7 +339,8 @@ def calibrate_and_replace(model: nn.Module, selected: list[NormInfo], config: Ca
                                                                             probe_params), device=device,
                                  repetitions=2)
     probe_seconds = time.perf_counter() - probe_start
-    with autocast(precision.bf16, device):  # every forward / backward pass of calibration; fits stay fp32
+    # every forward / backward pass of calibration, on the model's device and on the block pass's; fits stay fp32
+    with autocast(precision.bf16, device), autocast(precision.bf16, config.device or device):
         result = _calibrate(model, selected, config, batches, fingerprint, build, replace)
     result.summary.update(precision=vars(precision), precision_probe_seconds=round(probe_seconds, 1))
     return result
@@ -330,12 +354,12 @@ def _calibrate(model, selected, config, batches, fingerprint, build, replace) ->
     rows = end_to_end.tuning_rows(batches, config.tune_blocks) if config.tune_steps else []
     teacher = end_to_end.teacher_outputs(model, rows) if rows else None
     plan = block_pass.block_plan(model, selected, batches[0])
-    block_tuning = []
+    block_tuning, cache = [], None
     with torch.no_grad():
         if plan is None:
             block_pass.one_shot(model, selected, batches, fitter, replace, config)
         else:
-            block_tuning = block_pass.sequential(model, plan, batches, fitter, replace, config)
+            block_tuning, cache = block_pass.sequential(model, plan, batches, fitter, replace, config)
     tuning = None
     if teacher is not None:
         modules = [model.get_submodule(info.name) for info in selected]
@@ -350,6 +374,8 @@ def _calibrate(model, selected, config, batches, fingerprint, build, replace) ->
                    peak_rss_mb=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1))
     if fingerprint is not None:
         summary.update(data=config.data, fingerprint=fingerprint)
+    if cache is not None:
+        summary["activation_cache"] = cache
     if block_tuning:
         summary["block_tuning"] = block_tuning
     if tuning is not None:

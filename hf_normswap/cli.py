@@ -73,6 +73,12 @@ def _calibration_args(parser: argparse.ArgumentParser) -> None:
                             f"12.6x after 60 over 16 x 512; default: {block.block_steps})")
     group.add_argument("--block-rows", type=int, metavar="N",
                        help=f"sequences per step of the block strategy's tuning (default: {block.block_rows})")
+    group.add_argument("--calib-device", metavar="DEVICE",
+                       help="where the block strategy computes, one block at a time, the rest of the model staying in "
+                            "CPU memory (e.g. cuda; default: where the model is)")
+    group.add_argument("--calib-cache-mb", type=float, metavar="MB",
+                       help="CPU memory for the hidden states cached between blocks; the rest goes to files in TMPDIR, "
+                            "removed after (default: no limit)")
     group.add_argument("--precision", choices=PRECISIONS, default=defaults.precision,
                        help="forward / backward passes of calibration in fp32, bf16 autocast, or auto: bf16 where a "
                             "timed probe finds it faster on this machine (default: %(default)s)")
@@ -80,17 +86,25 @@ def _calibration_args(parser: argparse.ArgumentParser) -> None:
 
 def _check_calibration_args(args) -> None:
     """Flag mistakes that need no model, so they fail before the (slow) load; numbers are checked even unused."""
-    from .calibrate import DEFAULT_STRATEGY
+    from .calibrate import DEFAULT_STRATEGY, check_device
 
     # the block strategy's own settings, with their least values
     block_flags = (("--block-weights-lr", args.block_weights_lr, 0), ("--block-rows", args.block_rows, 1),
                    ("--block-steps", args.block_steps, 1))
     for flag, value, minimum in (("--calib-blocks", args.calib_blocks, 1), ("--calib-len", args.calib_len, 1),
-                                 ("--max-tokens-per-norm", args.max_tokens_per_norm, 1), *block_flags):
+                                 ("--max-tokens-per-norm", args.max_tokens_per_norm, 1),
+                                 ("--calib-cache-mb", args.calib_cache_mb, 0), *block_flags):
         if value is not None:
             check_number(value, flag, minimum=minimum)
+    if args.calib_device is not None:
+        try:
+            check_device(args.calib_device)
+        except ValueError as error:
+            raise ConversionError(f"--calib-device: {error}") from None
     if not args.calib:
-        for flag, value, _ in (("--plots", args.plots, None), ("--strategy", args.strategy, None), *block_flags):
+        unused = (("--plots", args.plots), ("--strategy", args.strategy), ("--calib-device", args.calib_device),
+                  ("--calib-cache-mb", args.calib_cache_mb), *((flag, value) for flag, value, _ in block_flags))
+        for flag, value in unused:
             if value is not None:
                 raise ConversionError(f"{flag} needs --calib SPEC (e.g. --calib builtin)")
     for flag, value, _ in block_flags:
@@ -108,7 +122,8 @@ def _calibration(args, tokenizer):
     return CalibrationConfig(data=args.calib, num_blocks=args.calib_blocks, block_len=args.calib_len,
                              strategy=args.strategy or DEFAULT_STRATEGY, max_tokens_per_norm=args.max_tokens_per_norm,
                              plots=args.plots, precision=args.precision, block_weights_lr=args.block_weights_lr,
-                             block_rows=args.block_rows, block_steps=args.block_steps, tokenizer=tokenizer)
+                             block_rows=args.block_rows, block_steps=args.block_steps, device=args.calib_device,
+                             cache_memory_mb=args.calib_cache_mb, tokenizer=tokenizer)
 
 
 def _roles(text: str) -> list[str]:

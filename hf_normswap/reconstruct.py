@@ -7,16 +7,23 @@ per-token scale error that the block's linear layers can absorb. With ``Calibrat
 the block's other parameters (attention and MLP weights) join the same Adam steps at that rate, as in BRECQ's and
 EfficientQAT's block-wise stage: the whole model is never trained at once, only one block against cached targets.
 
-Memory, for ``N`` calibration sequences of ``L`` tokens, hidden size ``d``, one block of ``P`` parameters,
-``block_rows`` = ``r`` sequences a step and ``block_steps`` = ``s`` (fp32, bytes):
+Memory, for ``N`` calibration sequences of ``L`` tokens in batches of ``B``, hidden size ``d`` in ``b`` bytes (4 for
+fp32), one block of ``P`` parameters, ``block_rows`` = ``r`` sequences a step and ``block_steps`` = ``s``; ``R`` =
+min(N, max(s * r, 16)) sequences of the original trajectory that tuning reads (block_pass.tuned_rows):
 
-    cache    (N + min(N, max(s * r, 16))) * L * d * 4    converted hidden states of every sequence, original ones of
-                                                           the sequences tuning reads (CPU memory)
-    block    P * 4 * 4                  weights, Adam's two moments and their gradient
-    step     r * L * (activations of one block)   the autograd graph of one block on r sequences
+    cache    at most 2 * (N + R) * L * d * b    a block's converted inputs and outputs, the original's inputs
+                                                and outputs (activation_cache.py): CPU memory up to
+                                                ``cache_memory_mb``, files in TMPDIR past it, with one batch per
+                                                list (4 * B * L * d * b) kept from the last file read
+    device   P * 4 * 4                          the block's weights, Adam's two moments and their gradient
+             + r * L * (one block's activations)   the autograd graph of one step
+             + the block's other inputs         masks and position embeddings of every batch (Llama's RoPE:
+                                                2 * L * head_dim * 4 bytes a batch, shared by its rows)
 
-SmolLM2-135M (d = 576, P = 3.5M a block), N = 64, L = 512, r = 1, s = 60: 146 MB of cache, 57 MB for the block; only
-one block at a time needs the compute device, so the stage scales to models larger than it.
+SmolLM2-135M (d = 576, P = 3.5M a block, head_dim 64), N = 64, L = 512, s = 240, r = 1 (the recipe configs): a cache of
+at most 2 * 128 * 512 * 576 * 4 = 302 MB; on the device 57 MB for the block and its optimizer, 2 MB of position
+embeddings for 8 batches. Only the block in its stage is on the compute device (``CalibrationConfig.device``): the
+rest of the model stays where it was loaded, so the stage scales to models larger than that device.
 """
 
 from __future__ import annotations

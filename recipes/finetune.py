@@ -156,6 +156,7 @@ def known_settings() -> dict:
 
 def check_config(config: dict) -> None:
     """Every key known and every value in range, before anything is loaded: see :func:`known_settings`."""
+    from hf_normswap.calibrate import CalibrationConfig
     from hf_normswap.checkpoint import CheckpointError, check_output_dir
     from hf_normswap.modules import METHODS
     from hf_normswap.precision import PRECISIONS
@@ -194,6 +195,10 @@ def check_config(config: dict) -> None:
         at_least(config["max_minutes"], "max_minutes", 0, optional=True)
         at_least(config["head_chunk"], "head_chunk", 0)
         at_least(config["seed"], "seed", 0)
+        try:  # the strategy, precision, device and cache limit, before the model loads
+            CalibrationConfig(**{k: v for k, v in config["calibration"].items() if v is not None}).resolved()
+        except ValueError as error:
+            raise ValidationError(f"calibration: {error}") from None
         if config["progressive"]["enabled"] and config["trainable"] == "lora":
             raise ValidationError("progressive conversion works with trainable: norms or all, not lora")
         check_output_dir(config["save_dir"] or Path(config["output_dir"]) / "final", overwrite=True)
@@ -219,8 +224,9 @@ def check_calibration_cache(config: dict) -> None:
     recorded = {"method": cached["normswap"].get("method"), **cached["normswap"].get("calibration", {})}
     if isinstance(recorded.get("precision"), dict):  # recorded with its probe's timings
         recorded["precision"] = recorded["precision"].get("requested")
+    how_it_ran = ("progress", "plots", "device", "cache_memory_mb")  # not what it made
     asked = {"method": config["method"], **{k: v for k, v in config["calibration"].items()
-                                            if v is not None and k not in ("progress", "plots")}}  # not the result
+                                            if v is not None and k not in how_it_ran}}
     differ = [f"{key} {recorded.get(key)!r} (the config: {value!r})" for key, value in asked.items()
               if recorded.get(key) != value]
     if differ:

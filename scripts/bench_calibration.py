@@ -122,6 +122,9 @@ def main(argv=None) -> int:
                         help="> 0: block-wise reconstruction, the blocks' weights fitted at this rate; 0: the norms "
                              "alone (default: the strategy's)")
     parser.add_argument("--precision", default=CalibrationConfig.precision, choices=PRECISIONS)
+    parser.add_argument("--cache-memory-mb", type=float, default=None,
+                        help="the block pass's cached hidden states in CPU memory up to this, the rest on disk "
+                             "(default: no limit)")
     parser.add_argument("--exact-at", choices=sorted(POSITIONS), action="append", default=[],
                         help="also score with the original norms' outputs at these positions (repeatable)")
     parser.add_argument("--calib", default=WIKITEXT and str(Path(WIKITEXT) / "wiki.valid.tokens"),
@@ -144,7 +147,8 @@ def main(argv=None) -> int:
     original = copy.deepcopy(model)
     record = {"model": args.model, "to": args.to, "strategy": args.strategy,
               "block_steps": args.block_steps, "tune_steps": args.tune_steps, "block_rows": args.block_rows,
-              "block_weights_lr": args.block_weights_lr, "precision": args.precision, **machine(),
+              "block_weights_lr": args.block_weights_lr, "precision": args.precision,
+              "cache_memory_mb": args.cache_memory_mb, **machine(),
               "calib": args.calib, "calib_blocks": args.calib_blocks, "calib_len": args.calib_len}
     rss_before = rss_mb()
     if args.to != "none":
@@ -152,7 +156,7 @@ def main(argv=None) -> int:
                                    strategy=args.strategy, tune_steps=args.tune_steps, tune_blocks=args.tune_blocks,
                                    block_steps=args.block_steps, block_rows=args.block_rows,
                                    block_weights_lr=args.block_weights_lr, precision=args.precision,
-                                   tokenizer=tokenizer)
+                                   cache_memory_mb=args.cache_memory_mb, tokenizer=tokenizer)
         start, cpu_start = time.perf_counter(), time.process_time()
         report = convert(model, args.to, calibration=config)
         record["calibration_seconds"] = round(time.perf_counter() - start, 1)

@@ -11,6 +11,7 @@ import transformers
 from tiny_models import tiny_model
 
 from hf_normswap import convert
+from hf_normswap.activation_cache import ActivationCache
 from hf_normswap.calibrate import CalibrationConfig
 from hf_normswap.capture import NormSample, Reservoir, capturing
 from hf_normswap.fitting import analytic_input_scale, fit_module, saturating_init
@@ -308,9 +309,9 @@ def test_block_tuning_hands_on_the_outputs_of_the_parameters_it_keeps(lr):
     hidden = [3 * torch.randn(4, 5, 8), 3 * torch.randn(4, 5, 8)]
     with torch.no_grad():
         reference = [linear(target_norm(h)) for h in hidden]
-    batches = [{"attention_mask": torch.ones(4, 5)}] * 2
-    record, outputs = tune_block(block, [norm], lambda x, k, rows: linear(norm(x)), hidden, reference, batches,
-                                 _cfg(block_steps=6, block_rows=3, block_lr=lr, block_weights_lr=0))
+    masks = [torch.ones(4, 5)] * 2
+    record, outputs = tune_block(block, [norm], lambda x, k, rows: linear(norm(x)), hidden, reference, masks,
+                                 _cfg(block_steps=6, block_rows=3, block_lr=lr, block_weights_lr=0), ActivationCache())
     assert record["error_after"] <= record["error_before"]
     with torch.no_grad():
         for out, h in zip(outputs, hidden):
@@ -327,11 +328,11 @@ def test_block_tuning_checks_never_worse_on_the_first_guard_rows():
     norm = ELN(8, 8.0, amplitude=8 ** 0.5)
     hidden = [torch.randn(GUARD_ROWS, 5, 8), torch.randn(8, 5, 8)]
     reference = [torch.nn.RMSNorm(8)(hidden[0]).detach(), 100 * torch.randn(8, 5, 8)]
-    batches = [{"attention_mask": torch.ones(h.shape[:2])} for h in hidden]
+    masks = [torch.ones(h.shape[:2]) for h in hidden]
     with torch.no_grad():
         first = float(per_token_relative_error(norm(hidden[0]), reference[0]).mean())
-    record, outputs = tune_block(norm, [norm], lambda x, k, rows: norm(x), hidden, reference, batches,
-                                 _cfg(block_steps=0, block_rows=4, block_weights_lr=0))
+    record, outputs = tune_block(norm, [norm], lambda x, k, rows: norm(x), hidden, reference, masks,
+                                 _cfg(block_steps=0, block_rows=4, block_weights_lr=0), ActivationCache())
     assert record["error_before"] == pytest.approx(first, rel=1e-5) == record["error_after"]
     assert [o.shape[0] for o in outputs] == [GUARD_ROWS, 8]  # the next block still gets every sequence
 
@@ -349,6 +350,7 @@ def test_block_tuning_needs_the_original_outputs_of_the_sequences_it_reads_alone
     assert tuned_rows(config) == GUARD_ROWS and _leading_batches(batches, tuned_rows(config)) == 1
     assert _leading_batches(batches, tuned_rows(_cfg(block_steps=5, block_rows=4))) == 2
     reference = [torch.nn.RMSNorm(8)(hidden[0]).detach()]  # the first batch's alone
-    record, outputs = tune_block(norm, [norm], lambda x, k, rows: norm(x), hidden, reference, batches, config)
+    record, outputs = tune_block(norm, [norm], lambda x, k, rows: norm(x), hidden, reference,
+                                 [b["attention_mask"] for b in batches], config, ActivationCache())
     assert record["error_after"] < record["error_before"]
     assert [o.shape[0] for o in outputs] == [GUARD_ROWS, 8]
