@@ -72,6 +72,7 @@ def saturating_init(module: ElementwiseNorm, x: torch.Tensor, kind: str, input_s
     centred = x - x.mean(-1, keepdim=True) if kind == "layernorm" else x
     token_scale = centred.pow(2).mean(-1, keepdim=True).sqrt().clamp_min(1e-12)
     ceiling = knee * (centred / token_scale).pow(2).mean(0).sqrt().clamp_min(1e-3)
+    ceiling = ceiling.to(module.weight.device)  # the samples are on the CPU, the module where its block is computed
     with torch.no_grad():
         source_weight = module.weight.detach().double() / module.amplitude
         module.weight.copy_((source_weight * ceiling).to(module.weight.dtype))

@@ -90,6 +90,10 @@ def test_user_errors_are_one_line_and_nonzero(argv, message, llama_dir, capsys):
          "--block-steps needs the block strategy"),
         (["--calib", "builtin", "--block-steps", "0"], "--block-steps must be at least 1"),
         (["--eval", "builtin", "--eval-max-length", "0"], "--eval-max-length must be at least 1"),
+        (["--calib-device", "cpu"], "--calib-device needs --calib"),
+        (["--calib-cache-mb", "100"], "--calib-cache-mb needs --calib"),
+        (["--calib", "builtin", "--calib-cache-mb", "-1"], "--calib-cache-mb must be at least 0"),
+        (["--calib", "builtin", "--calib-device", "nonsense"], "--calib-device: calibration device 'nonsense' is not"),
     ],
 )
 def test_flag_mistakes_fail_before_the_model_loads(flags, message, capsys):
@@ -135,14 +139,16 @@ def test_help_is_plain_text(capsys):
 
 
 def test_block_tuning_flags_reach_the_calibration_config():
-    """--block-rows, --block-steps and --block-weights-lr are what calibration runs with, not only what the parser
+    """--block-rows, --block-steps, --block-weights-lr, --calib-device and --calib-cache-mb are what calibration runs with, not only what the parser
     accepts."""
     from hf_normswap.cli import _calibration, build_parser
 
     args = build_parser().parse_args(["convert", "m", "--to", "eln", "--calib", "builtin", "--block-rows", "1",
-                                      "--block-steps", "240", "--block-weights-lr", "1e-4"])
+                                      "--block-steps", "240", "--block-weights-lr", "1e-4", "--calib-device", "cpu",
+                                      "--calib-cache-mb", "512"])
     config = _calibration(args, tokenizer=object())
     assert (config.block_rows, config.block_steps, config.block_weights_lr) == (1, 240, 1e-4)
+    assert (config.device, config.cache_memory_mb) == ("cpu", 512)
     unset = _calibration(build_parser().parse_args(["convert", "m", "--to", "eln", "--calib", "builtin"]),
                          tokenizer=object())
     # the strategy's values, once resolved
