@@ -17,6 +17,7 @@ A strategy is a row of :data:`STRATEGIES`: how each replacement starts (the theo
 from __future__ import annotations
 
 import copy
+import logging
 import resource
 import time
 from dataclasses import asdict, dataclass, field, fields
@@ -32,6 +33,8 @@ from .discovery import NormInfo
 from .fitting import FitStats, analytic_input_scale, fit_module, saturating_init
 from .model_inputs import ends_in_hidden_states, forward_without_cache
 from .precision import autocast, check_precision, choose_precision, forward_backward
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -354,6 +357,9 @@ def _calibrate(model, selected, config, batches, fingerprint, build, replace) ->
     rows = end_to_end.tuning_rows(batches, config.tune_blocks) if config.tune_steps else []
     teacher = end_to_end.teacher_outputs(model, rows) if rows else None
     plan = block_pass.block_plan(model, selected, batches[0])
+    if plan is None and config.device:
+        logger.warning(f"calibration device {config.device} unused: this model's norms do not sit in one stack of "
+                       f"blocks, so they are fitted in one pass where the model is (move the model there instead)")
     block_tuning, cache = [], None
     with torch.no_grad():
         if plan is None:

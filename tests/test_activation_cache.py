@@ -102,6 +102,15 @@ def test_block_pass_runs_each_block_only_in_its_own_stage_on_the_compute_device(
     assert {p.device.type for p in model.parameters()} == {"cpu"}
 
 
+def test_a_device_for_a_model_fitted_in_one_pass_is_named_as_unused(caplog):
+    """Two stacks of blocks (T5) leave no block pass to place: the setting must not be dropped in silence."""
+    report = convert(tiny_model("t5"), "eln", calibration=CalibrationConfig(
+        data=torch.randint(0, 128, (4, 16)), batch_size=4, strategy="kl", tune_steps=0, progress=False, max_iter=5,
+        device="cpu"))
+    assert report.calibration["mode"] == "one-shot"
+    assert "calibration device cpu unused" in caplog.text
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_block_pass_on_cuda_leaves_the_model_on_the_cpu_and_matches_a_cpu_pass():
     results = []
