@@ -23,11 +23,13 @@ from __future__ import annotations
 
 import functools
 import inspect
+import itertools
 import math
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
+from accelerate.utils import send_to_device
 from torch import nn
 from tqdm.auto import tqdm
 
@@ -131,28 +133,18 @@ def _block_inputs(model, stack, batches, cache: ActivationCache) -> tuple[Cached
         args, kwargs = first_call_inputs(stack[0], lambda: forward_without_cache(model, batch))
         first, args, kwargs = (args[0], args[1:], kwargs) if args else (kwargs.pop("hidden_states"), (), kwargs)
         hidden.append(first)
-        others.append(_to_device((args, kwargs), cache.device))
+        others.append(send_to_device((args, kwargs), cache.device))
     return hidden, others
-
-
-def _to_device(value, device: torch.device):
-    """``value`` (a tensor, or tuples / lists / dicts of them) on ``device``."""
-    if isinstance(value, torch.Tensor):
-        return value.to(device)
-    if isinstance(value, (tuple, list)):
-        return type(value)(_to_device(v, device) for v in value)
-    if isinstance(value, dict):
-        return {k: _to_device(v, device) for k, v in value.items()}
-    return value
 
 
 @contextmanager
 def _on_device(model: nn.Module, name: str, device: torch.device):
     """The submodule ``name`` on ``device`` for the duration, then back where it was. Looked up again at the end:
     a converted final norm is a new module at the same name."""
-    tensors = [*model.get_submodule(name).parameters(), *model.get_submodule(name).buffers()]
-    home = tensors[0].device if tensors else device
-    model.get_submodule(name).to(device)
+    module = model.get_submodule(name)
+    first = next(itertools.chain(module.parameters(), module.buffers()), None)
+    home = device if first is None else first.device
+    module.to(device)
     try:
         yield
     finally:
