@@ -1,15 +1,34 @@
-"""hf-normswap: replace LayerNorm / RMSNorm in Hugging Face models with DyT or ELN (DyISRU)."""
+"""hf-normswap: replace LayerNorm / RMSNorm in Hugging Face models with DyT or ELN (DyISRU).
 
-__version__ = "0.1.0"
+The package follows the pipeline; each stage imports only the ones above it:
 
-from .convert import ConversionError, ConversionReport, convert, inspect, plan  # noqa: E402
-from .discovery import NormInfo, find_norms  # noqa: E402
-from .modules import ELN, DyISRU, DyT, ElementwiseNorm  # noqa: E402
-from .checkpoint import CheckpointError, load, save_pretrained  # noqa: E402
-from . import kernels  # noqa: E402,F401  (installs the fused DyT / ELN path)
+    modules, kernels                     the element-wise normalizers and their fused path
+    model_inputs, precision, validation, data      shared helpers
+    discovery/      find the norms and label their roles
+    checkpoint/     load originals; save, load and push converted checkpoints
+    calibration/    fit the new parameters to the model's activations
+    convert         the verb: plan, inspect, convert (and fold, for inference)
+    evaluation/     perplexity, sentence embeddings, per-norm sensitivity
+    training/       recovery against the original: distillation losses, progressive swap, the recipe's settings
+    cli             the ``normswap`` command
+
+Importing the package changes nothing outside it; ``convert`` and ``load`` install the fused DyT / ELN path
+(``hf_normswap.kernels``) the first time they run.
+"""
+
+from .version import __version__
+from .calibration.calibrate import CalibrationConfig
+from .checkpoint.save_load import CheckpointError, load, save_pretrained
+from .convert import ConversionError, ConversionReport, ConvertConfig, convert, inspect, plan
+from .discovery.norms import NormInfo, find_norms
+from .evaluation.perplexity import EvaluationError, evaluate
+from .modules import ELN, DyISRU, DyT, ElementwiseNorm
+from .validation import ValidationError
 
 __all__ = [
-    "ConversionError", "ConversionReport", "DyISRU", "DyT", "ELN", "ElementwiseNorm", "NormInfo",
-    "convert", "find_norms", "inspect", "plan",
-    "CheckpointError", "load", "save_pretrained",
+    "__version__",
+    "convert", "inspect", "plan", "load", "save_pretrained", "evaluate", "find_norms",
+    "ConvertConfig", "CalibrationConfig", "ConversionReport", "NormInfo",
+    "DyT", "ELN", "DyISRU", "ElementwiseNorm",
+    "ConversionError", "CheckpointError", "EvaluationError", "ValidationError",
 ]

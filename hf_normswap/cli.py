@@ -14,19 +14,20 @@ import tempfile
 from pathlib import Path
 
 from .convert import DEFAULT_ROLES, ConversionError, check_selection, convert, plan
-from .data import DataError, first_line, local_paths
-from .evaluate import EvaluationError, is_encoder
+from .data import DataError, local_paths
+from .evaluation.perplexity import EvaluationError, is_encoder
 from .fold import FoldError, fold
-from .checkpoint import CheckpointError, check_output_dir, checkpoint_files, save_pretrained
-from .hub import PushError, preflight, push
-from .loading import ModelLoadError, load_model
-from .model_card import hub_id
+from .checkpoint.save_load import CheckpointError, check_output_dir, checkpoint_files, save_pretrained
+from .checkpoint.hub import PushError, preflight, push
+from .checkpoint.loading import ModelLoadError, load_model
+from .checkpoint.model_card import hub_id
 from .modules import METHODS
-from .packaged import PackagedModelMissing
+from .checkpoint.packaged import PackagedModelMissing
 from .precision import PRECISIONS
-from .roles import ROLES
-from .sensitivity import exact
-from .validation import ValidationError, check_data_files, check_input_scale, check_number, check_output_file
+from .discovery.roles import ROLES
+from .evaluation.sensitivity import exact
+from .validation import (ValidationError, check_data_files, check_input_scale, check_number, check_output_file,
+                         first_line)
 
 USER_ERRORS = (ConversionError, ModelLoadError, PackagedModelMissing, DataError, EvaluationError, CheckpointError,
                PushError, FoldError, ValidationError)
@@ -45,7 +46,7 @@ def _selection_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _calibration_args(parser: argparse.ArgumentParser) -> None:
-    from .calibrate import DEFAULT_STRATEGY, STRATEGIES, CalibrationConfig, strategy_help
+    from .calibration.calibrate import DEFAULT_STRATEGY, STRATEGIES, CalibrationConfig, strategy_help
 
     defaults = CalibrationConfig()
     parser.epilog = strategy_help()  # one line per strategy, kept as written
@@ -86,7 +87,7 @@ def _calibration_args(parser: argparse.ArgumentParser) -> None:
 
 def _check_calibration_args(args) -> None:
     """Flag mistakes that need no model, so they fail before the (slow) load; numbers are checked even unused."""
-    from .calibrate import DEFAULT_STRATEGY, check_device
+    from .calibration.calibrate import DEFAULT_STRATEGY, check_device
 
     # the block strategy's own settings, with their least values
     block_flags = (("--block-weights-lr", args.block_weights_lr, 0), ("--block-rows", args.block_rows, 1),
@@ -115,7 +116,7 @@ def _check_calibration_args(args) -> None:
 def _calibration(args, tokenizer):
     if not args.calib:
         return None
-    from .calibrate import DEFAULT_STRATEGY, CalibrationConfig
+    from .calibration.calibrate import DEFAULT_STRATEGY, CalibrationConfig
 
     if tokenizer is None:
         raise ConversionError("--calib needs a model with a tokenizer")
@@ -196,7 +197,7 @@ def _evaluation_args(parser: argparse.ArgumentParser, prefix: str = "") -> None:
 
 
 def _sensitivity_parser(commands, model_help: str) -> None:
-    from .sensitivity import CALIB_BLOCKS, CALIB_LEN, EVAL_LEN, EVAL_WINDOWS, SENTENCES
+    from .evaluation.sensitivity import CALIB_BLOCKS, CALIB_LEN, EVAL_LEN, EVAL_WINDOWS, SENTENCES
 
     sens = commands.add_parser("sensitivity", help="damage of each norm converted alone, and the greedy curve")
     sens.add_argument("model", help=model_help)
@@ -241,7 +242,7 @@ def _budget(args) -> tuple[str, float] | None:
 
 
 def _measurer(args, model, tokenizer, texts, calibration, **slice_options):
-    from .sensitivity import Measurer, Reference
+    from .evaluation.sensitivity import Measurer, Reference
 
     if tokenizer is None:
         raise ConversionError(f"{args.model} has no tokenizer: the sensitivity map needs one to score text")
@@ -261,7 +262,7 @@ def _select_within_budget(args, model, tokenizer):
 
     from .data import load_texts
     from .model_inputs import ends_in_hidden_states
-    from .sensitivity import CALIB_BLOCKS, CALIB_LEN, measure_map, select_within_budget
+    from .evaluation.sensitivity import CALIB_BLOCKS, CALIB_LEN, measure_map, select_within_budget
 
     metric, limit = _budget(args)
     encoder = ends_in_hidden_states(model)
@@ -284,7 +285,7 @@ def _select_within_budget(args, model, tokenizer):
 
 def _sensitivity(args) -> None:
     from .data import load_texts
-    from .sensitivity import measure_map, plot
+    from .evaluation.sensitivity import measure_map, plot
 
     _check_calibration_args(args)
     for flag in ("windows", "window_len", "sentences"):
@@ -441,7 +442,7 @@ def _check_evaluation_args(args, prefix: str = "") -> None:
 
 
 def _run_evaluation(args, prefix: str, models, tokenizer, against, data: str, texts):
-    from .evaluate import evaluate
+    from .evaluation.perplexity import evaluate
 
     if tokenizer is None:
         raise EvaluationError(f"{args.model} has no tokenizer: perplexity needs one")
@@ -453,7 +454,7 @@ def _run_evaluation(args, prefix: str, models, tokenizer, against, data: str, te
 def _calibration_overlap(calib_spec, recorded, data: str, texts) -> str | None:
     """Warning text when the evaluation data overlaps the calibration data (given, or recorded in the model)."""
     from .data import load_texts
-    from .evaluate import overlap_warning
+    from .evaluation.perplexity import overlap_warning
 
     if calib_spec:
         return overlap_warning(calib_spec, load_texts(calib_spec, "calibration"), data, texts)
@@ -478,7 +479,7 @@ def _evaluate_conversion(args, model, original, tokenizer) -> None:
 
 def _embedding_evaluation(args, model, tokenizer, against, texts):
     """``eval`` of an encoder (no LM head): agreement of its sentence embeddings with the original's."""
-    from .embeddings import evaluate_embeddings
+    from .evaluation.embeddings import evaluate_embeddings
 
     if against is None:
         raise EvaluationError(f"{args.model} is an encoder ({type(model).__name__}): its embeddings are compared "

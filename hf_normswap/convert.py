@@ -14,12 +14,14 @@ from dataclasses import asdict, dataclass, field
 
 from torch import nn
 
-from . import __version__
-from .calibrate import as_config, calibrate_and_replace, fit_table
-from .discovery import NormInfo, find_norms, norm_parameters
+from . import kernels
+from .calibration.calibrate import CalibrationConfig, as_config, calibrate_and_replace, fit_table
+from .checkpoint.save_load import enable_save, read_config
+from .discovery.norms import NormInfo, find_norms, norm_parameters
+from .discovery.roles import ROLES, assign_roles
 from .modules import METHODS, ElementwiseNorm
-from .roles import ROLES, assign_roles
 from .validation import check_input_scale
+from .version import __version__
 
 DEFAULT_ROLES = tuple(r for r in ROLES if r not in ("qk_norm", "other"))
 
@@ -162,33 +164,81 @@ def replace_module(model: nn.Module, name: str, new: nn.Module) -> nn.Module:
     return old
 
 
-def convert(
-    model: nn.Module,
-    to: str = "eln",
-    calibration=None,
-    *,
-    roles: Iterable[str] = DEFAULT_ROLES,
-    include: str | None = None,
-    exclude: str | None = None,
-    per_channel: bool = False,
-    input_scale: float = 1.0,
-) -> ConversionReport:
+@dataclass
+class ConvertConfig:
+    """What :func:`convert` does: the method, which norms (by role and name pattern), and how the new parameters are
+    set (the analytic start for inputs of RMS ``input_scale``, or fitted by ``calibration``).
+
+    Checked when made, so a bad setting is one :class:`ConversionError` before any model is touched. A converted
+    model records it in ``config.json`` (``normswap.convert`` and ``normswap.calibration``);
+    :meth:`from_pretrained` reads it back.
+    """
+
+    method: str = "eln"
+    roles: tuple[str, ...] = DEFAULT_ROLES
+    include: str | None = None
+    exclude: str | None = None
+    per_channel: bool = False
+    input_scale: float = 1.0
+    calibration: CalibrationConfig | None = None
+
+    def __post_init__(self):
+        self.method = str(self.method).lower()
+        if self.method not in METHODS:
+            raise ConversionError(f"unknown method {self.method!r}: use --to eln or --to dyt")
+        self.roles = (self.roles,) if isinstance(self.roles, str) else tuple(self.roles)
+        check_selection(self.roles, self.include, self.exclude)
+        check_input_scale(self.input_scale, "input_scale")
+        if self.calibration is not None:
+            try:
+                self.calibration = as_config(self.calibration)
+            except ValueError as error:
+                raise ConversionError(str(error)) from None
+
+    def to_dict(self) -> dict:
+        """The selection and initialization, as ``config.json`` records them (calibration is recorded apart)."""
+        return {"method": self.method, "roles": list(self.roles), "include": self.include, "exclude": self.exclude,
+                "per_channel": self.per_channel, "input_scale": self.input_scale}
+
+    @classmethod
+    def from_block(cls, block: dict) -> "ConvertConfig":
+        """The config a ``normswap`` block records; token ids given as calibration data are recorded by shape only,
+        so such a config names ``data`` as that shape and needs the ids again to run."""
+        settings = dict(block.get("convert") or {"method": block["method"]})
+        calibration = block.get("calibration")
+        if calibration is not None:
+            calibration = CalibrationConfig.from_summary(calibration)
+        return cls(**settings, calibration=calibration)
+
+    @classmethod
+    def from_pretrained(cls, path) -> "ConvertConfig":
+        """The config a converted checkpoint directory was made with."""
+        config = read_config(path)
+        if config is None:
+            raise ConversionError(f"{path} is not a checkpoint converted by hf_normswap (no normswap block in its "
+                                  "config.json)")
+        return cls.from_block(config["normswap"])
+
+
+def convert(model: nn.Module, to: str | ConvertConfig = "eln", calibration=None, **settings) -> ConversionReport:
     """Replace the selected norms of ``model`` with DyT or ELN modules, in place.
 
-    Without ``calibration`` the shape parameters come from the theory for inputs of scale ``input_scale``. With
-    a :class:`~hf_normswap.calibrate.CalibrationConfig` (or token ids, shorthand for one with default options)
-    each module is per-channel and fitted to captured activations instead; see ``calibrate.py``.
+    ``to`` is a :class:`ConvertConfig`, or the method name with the config's other fields as keyword arguments
+    (``convert(model, "eln", calibration=..., roles=..., include=...)``). Without ``calibration`` the shape
+    parameters come from the theory for inputs of scale ``input_scale``. With a
+    :class:`~hf_normswap.calibration.calibrate.CalibrationConfig` (or token ids, shorthand for one with default
+    options) each module is per-channel and fitted to captured activations instead.
     Returns a :class:`ConversionReport`; the same summary is stored as ``model.config.normswap``.
     """
-    method = to.lower()
-    if method not in METHODS:
-        raise ConversionError(f"unknown method {to!r}: use --to eln or --to dyt")
-    check_input_scale(input_scale, "input_scale")
-    if calibration is not None:
-        try:
-            calibration = as_config(calibration)
-        except ValueError as error:
-            raise ConversionError(str(error)) from None
+    if isinstance(to, ConvertConfig):
+        if calibration is not None or settings:
+            raise ConversionError("give the settings in the ConvertConfig, not beside it")
+        config = to
+    else:
+        config = ConvertConfig(method=to, calibration=calibration, **settings)
+    kernels.install()  # the fused DyT / ELN path, for calibration and everything after
+    method, calibration, roles = config.method, config.calibration, config.roles
+    include, exclude, per_channel, input_scale = config.include, config.exclude, config.per_channel, config.input_scale
     norms, selected, skipped = plan(model, roles, include, exclude)
     report = ConversionReport(method=method, skipped=skipped, found=norms)
     fits = {}
@@ -228,8 +278,7 @@ def convert(
                 for c, b in zip(report.converted, (i.has_bias for i in selected))
             },
             "calibration": report.calibration,
+            "convert": config.to_dict(),
         }
-        from .checkpoint import enable_save
-
         enable_save(model)  # model.save_pretrained / push_to_hub now write the full checkpoint (remote code, card)
     return report

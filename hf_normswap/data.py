@@ -16,10 +16,14 @@ import hashlib
 from pathlib import Path
 
 import torch
+from huggingface_hub import constants, get_session
+
+from .validation import first_line
 
 BUILTIN = "builtin"
 BUILTIN_SPLITS = ("calibration", "evaluation")
 LOADERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}
+HUB_PROBE_TIMEOUT = 3.0  # seconds
 
 
 class DataError(ValueError):
@@ -38,11 +42,6 @@ def _builtin(split: str) -> list[str]:
         seen = {topics[k] for k in keys[0::2]}
         texts = [t for t in texts if t not in seen]
     return texts
-
-
-def first_line(error: BaseException) -> str:
-    """The first line of an exception's message, for one-line user errors."""
-    return (str(error).strip().splitlines() or [type(error).__name__])[0]
 
 
 def _text_column(dataset) -> str:
@@ -86,10 +85,6 @@ def _decode_problem(error: BaseException, files: list[Path], loader: str) -> str
 
 def _hub(spec: str, default_split: str) -> list[str]:
     import datasets
-
-    from huggingface_hub import constants
-
-    from .loading import hub_reachable  # loading imports this module
 
     name, config, split = (spec.split(":") + [None, None])[:3]
     # datasets' own switch (HF_HUB_OFFLINE or HF_DATASETS_OFFLINE): offline, it reads its cache without retries
@@ -161,3 +156,12 @@ def token_blocks(tokenizer, texts: list[str], num_blocks: int | None, block_len:
     if count == 0:
         raise DataError(f"the text gives {len(stream)} tokens, fewer than one block of {block_len}")
     return stream[: count * block_len].view(count, block_len)
+
+
+def hub_reachable() -> bool:
+    """One quick request to the Hub endpoint, so an offline machine fails in seconds, not after a minute of retries."""
+    try:
+        get_session().head(constants.ENDPOINT, timeout=HUB_PROBE_TIMEOUT)
+    except Exception:  # any network failure: DNS, refused, timeout, proxy
+        return False
+    return True

@@ -216,12 +216,10 @@ def fused_forward(module: ElementwiseNorm, x: torch.Tensor, shape: torch.Tensor)
 
 
 def install() -> None:
-    """Route every DyT / ELN forward through :func:`fused_forward` (done when ``hf_normswap`` is imported)."""
+    """Route every DyT / ELN forward through :func:`fused_forward`. ``hf_normswap.convert`` and ``hf_normswap.load``
+    call it; importing the package does not. Call it yourself for modules built by hand (``DyT(...)``)."""
     from .modules import METHODS
 
     for cls in set(METHODS.values()):
         register(cls)
     ElementwiseNorm.fast_forward = fused_forward
-
-
-install()

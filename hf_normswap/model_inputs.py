@@ -71,3 +71,16 @@ def forward_without_cache(model: nn.Module, batch: dict):
     """``model(**batch)`` without a KV cache, which calibration never reuses."""
     kwargs = {"use_cache": False} if getattr(model.config, "use_cache", None) is not None else {}
     return model(**batch, **kwargs)
+
+
+class StopForward(Exception):
+    """Raised by a hook to end a forward pass early once everything needed is captured."""
+
+
+def mean_pool(hidden: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+    """``(batch, dim)``: the attention-mask-weighted mean over positions of ``(batch, seq, dim)`` hidden states."""
+    hidden = hidden.float()
+    if attention_mask is None:
+        return hidden.mean(1)
+    mask = attention_mask.unsqueeze(-1).to(hidden)
+    return (hidden * mask).sum(1) / mask.sum(1).clamp_min(1)

@@ -13,8 +13,8 @@ read as YAML). Steps, top to bottom:
    ``OUTPUT/calibrated`` so a resumed run does not calibrate again (it refuses a cache calibrated otherwise;
    ``resume=false`` calibrates anew);
 2. evaluate perplexity of the calibrated model against the original (main process);
-3. train with ``hf_normswap.distill.NormSwapTrainer``: cross-entropy plus optional distillation from the frozen
-   original (its logits and / or every block's output, ``hf_normswap.layerwise``; a sentence encoder trains on the
+3. train with ``hf_normswap.training.distill.NormSwapTrainer``: cross-entropy plus optional distillation from the frozen
+   original (its logits and / or every block's output, ``hf_normswap.training.layerwise``; a sentence encoder trains on the
    blocks' outputs alone), norm-only / full / LoRA training, optional progressive conversion, ``train_tokens`` in
    total over every launch (it sets ``max_steps``); resumes from the last checkpoint, so a long run can be done in
    chunks;
@@ -47,11 +47,11 @@ DEFAULTS = {
     "max_train_tokens": None,    # cap on training text (tokens)
     "train_tokens": None,        # tokens to train on in total, all processes and launches: sets training.max_steps
     "eval_blocks": 8,            # blocks of eval_data for the Trainer's periodic eval_loss / eval_perplexity
-    "final_eval": {"max_tokens": 8192, "max_length": 512},  # hf_normswap.evaluate, before and after training
+    "final_eval": {"max_tokens": 8192, "max_length": 512},  # hf_normswap.evaluation.perplexity, before and after training
     "trainable": "norms",        # norms | all | lora
     "lora": {"r": 16, "alpha": 32, "dropout": 0.0, "target_modules": "all-linear"},
     # loss = (1 - weight) * CE + weight * (logit KL + hidden * layer-wise loss + embedding * (1 - cosine of the
-    # mean-pooled last hidden states, a sentence encoder's embedding)); hf_normswap.distill, .layerwise
+    # mean-pooled last hidden states, a sentence encoder's embedding)); hf_normswap.training.distill, .layerwise
     "distill": {"weight": 0.5, "temperature": 1.0, "logits": True, "hidden": 0.0, "sink_weight": 0.0,
                 "embedding": 0.0},
     "precision": "auto",         # auto | fp32 | bf16 (autocast, fp32 master weights): auto times both on this machine
@@ -91,7 +91,7 @@ def fail(message: str):
 
 
 def load_config(argv=None) -> dict:
-    from hf_normswap.data import first_line
+    from hf_normswap.validation import first_line
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", help="YAML file (recipes/configs/*.yaml)")
@@ -135,9 +135,9 @@ def known_settings() -> dict:
 
     from transformers import TrainingArguments
 
-    from hf_normswap.calibrate import CalibrationConfig
-    from hf_normswap.distill import apply_lora
-    from hf_normswap.evaluate import evaluate
+    from hf_normswap.calibration.calibrate import CalibrationConfig
+    from hf_normswap.training.distill import apply_lora
+    from hf_normswap.evaluation.perplexity import evaluate
 
     def leaves(names):
         return dict.fromkeys(names)
@@ -156,8 +156,8 @@ def known_settings() -> dict:
 
 def check_config(config: dict) -> None:
     """Every key known and every value in range, before anything is loaded: see :func:`known_settings`."""
-    from hf_normswap.calibrate import CalibrationConfig
-    from hf_normswap.checkpoint import CheckpointError, check_output_dir
+    from hf_normswap.calibration.calibrate import CalibrationConfig
+    from hf_normswap.checkpoint.save_load import CheckpointError, check_output_dir
     from hf_normswap.modules import METHODS
     from hf_normswap.precision import PRECISIONS
     from hf_normswap.validation import ValidationError, check_keys, check_number
@@ -214,7 +214,7 @@ def check_config(config: dict) -> None:
 def check_calibration_cache(config: dict) -> None:
     """A resumed run reuses ``OUTPUT/calibrated`` only if it was calibrated as the config asks: another method or
     other calibration settings in the same output_dir would otherwise train a start the config does not describe."""
-    from hf_normswap.checkpoint import read_config
+    from hf_normswap.checkpoint.save_load import read_config
     from hf_normswap.validation import ValidationError
 
     cache = Path(config["output_dir"]) / "calibrated"
@@ -269,12 +269,12 @@ def block_dataset(tokenizer, spec: str, split: str, block_len: int, max_tokens: 
 
 def sentence_dataset(tokenizer, spec: str, max_len: int, max_tokens: int | None = None):
     """A sentence encoder's training rows: prose sentences with the tokenizer's special tokens, as the encoder is
-    used and evaluated (``hf_normswap.embeddings``), padded per batch by the Trainer's collator. Packed blocks would
+    used and evaluated (``hf_normswap.evaluation.embeddings``), padded per batch by the Trainer's collator. Packed blocks would
     train it on inputs it never sees: no [CLS] / [SEP], no padding."""
     import datasets
 
     from hf_normswap.data import DataError, load_texts
-    from hf_normswap.embeddings import sentences
+    from hf_normswap.evaluation.embeddings import sentences
 
     try:
         found = sentences(load_texts(spec, "calibration"), tokenizer, max_tokens, max_sentences=None)
@@ -308,7 +308,7 @@ def block_perplexity(model, dataset, batch_size: int = 4) -> float:
 
 def converted_checkpoint(config: dict) -> dict | None:
     """config.json of ``model`` when it is a checkpoint converted by hf_normswap (no calibration then), else None."""
-    from hf_normswap.checkpoint import read_config
+    from hf_normswap.checkpoint.save_load import read_config
 
     return read_config(config["model"]) if Path(config["model"]).is_dir() else None
 
@@ -327,9 +327,9 @@ def original_spec(config: dict) -> str:
 def load_models(config: dict, state):
     """(student, original, tokenizer). The main process calibrates and caches; the others load its result."""
     import hf_normswap
-    from hf_normswap.calibrate import CalibrationConfig
-    from hf_normswap.checkpoint import read_config
-    from hf_normswap.loading import load_model
+    from hf_normswap.calibration.calibrate import CalibrationConfig
+    from hf_normswap.checkpoint.save_load import read_config
+    from hf_normswap.checkpoint.loading import load_model
 
     cache = Path(config["output_dir"]) / "calibrated"
     if converted_checkpoint(config) is not None:
@@ -381,8 +381,8 @@ def trainable_dense(model):
 
 def final_evaluation(model, original, tokenizer, config: dict, name: str):
     from hf_normswap.data import load_texts
-    from hf_normswap.evaluate import evaluate
-    from hf_normswap.embeddings import evaluate_embeddings
+    from hf_normswap.evaluation.perplexity import evaluate
+    from hf_normswap.evaluation.embeddings import evaluate_embeddings
     from hf_normswap.model_inputs import ends_in_hidden_states
 
     texts = load_texts(config["eval_data"], "evaluation")
@@ -397,7 +397,7 @@ def training_precision(config: dict, student, original, train_set, tokenizer, st
     batch of training rows) in both on the main process, and every process takes its answer."""
     from accelerate.utils import broadcast_object_list
 
-    from hf_normswap.distill import training_step_precision
+    from hf_normswap.training.distill import training_step_precision
 
     choice = [None]
     if state.is_main_process or config["precision"] != "auto":
@@ -487,10 +487,10 @@ def main(argv=None) -> int:
     from transformers.trainer_utils import get_last_checkpoint
 
     import hf_normswap
-    from hf_normswap.distill import (NormSwapTrainer, WallClockStop, apply_lora, disable_dropout, freeze_embeddings,
+    from hf_normswap.training.distill import (NormSwapTrainer, WallClockStop, apply_lora, disable_dropout, freeze_embeddings,
                                      merge_lora, set_trainable, without_autocast_wrapper)
     from hf_normswap.model_inputs import ends_in_hidden_states
-    from hf_normswap.progressive import ProgressiveSwap, ProgressiveSwapCallback, schedule
+    from hf_normswap.training.progressive import ProgressiveSwap, ProgressiveSwapCallback, schedule
 
     # On a machine without GPU, `accelerate launch --multi_gpu --num_processes N` starts N CPU processes; they
     # join with gloo only when the state is created with cpu=True (accelerate's --cpu starts a single process).
@@ -625,7 +625,7 @@ def main(argv=None) -> int:
             f"{trainer.state.global_step} steps ({tokens:,} tokens, {wall / 60:.1f} min); saved {save_dir} "
             f"(reloads identically: {identical}); curve {curve}")
         if config["push_to_hub"]:
-            from hf_normswap.hub import push
+            from hf_normswap.checkpoint.hub import push
 
             log(f"pushed to {push(save_dir, config['push_to_hub'])}")
     state.wait_for_everyone()

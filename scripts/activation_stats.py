@@ -16,8 +16,8 @@ import argparse
 import torch
 
 from hf_normswap.data import load_texts, token_blocks
-from hf_normswap.discovery import find_norms
-from hf_normswap.loading import load_model
+from hf_normswap.discovery.norms import find_norms
+from hf_normswap.checkpoint.loading import load_model
 
 
 def main() -> None:

@@ -1,7 +1,7 @@
 """Calibration benchmark for BENCHMARKS.md: one (model, method, strategy) per process, so peak memory is its own.
 
 SmolLM2 (causal LM): WikiText-2 test perplexity of the original and the calibrated model over the same
-non-overlapping windows (``hf_normswap.evaluate.evaluate``, lm-eval conventions), plus KL(original || converted)
+non-overlapping windows (``hf_normswap.evaluation.perplexity.evaluate``, lm-eval conventions), plus KL(original || converted)
 and top-1 agreement, after calibrating on WikiText-2 *validation* text. MiniLM (sentence encoder): mean cosine
 similarity of mean-pooled sentence embeddings of the converted model to the original's, on WikiText-2 test lines.
 Appends one JSON line per run to ``--out``.
@@ -32,9 +32,9 @@ from pathlib import Path
 import torch
 
 from hf_normswap import convert
-from hf_normswap.calibrate import DEFAULT_STRATEGY, STRATEGIES, CalibrationConfig
+from hf_normswap.calibration.calibrate import DEFAULT_STRATEGY, STRATEGIES, CalibrationConfig
 from hf_normswap.data import load_texts
-from hf_normswap.loading import load_model
+from hf_normswap.checkpoint.loading import load_model
 from hf_normswap.precision import PRECISIONS
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -97,7 +97,7 @@ def score(models: dict, original, tokenizer, texts: list[str], args) -> dict[str
     if "minilm" in args.model:
         sims = sentence_similarity(original, models, tokenizer, texts, args.sentences)
         return {name: {"mean_cosine_similarity": sim, "sentences": args.sentences} for name, sim in sims.items()}
-    from hf_normswap.evaluate import evaluate
+    from hf_normswap.evaluation.perplexity import evaluate
 
     result = evaluate(models, tokenizer, texts, against=original, max_length=args.eval_len,
                       max_tokens=args.max_eval_tokens, batch_size=4, progress=False)

@@ -66,18 +66,18 @@ METHODS: dict[str, list[str]] = {
     "config": [],
     # the baseline: calibration of the norms alone, then KL to the original's logits, all weights
     "logits": [*NORMS_ONLY, LOGITS_ONLY],
-    # every block's output toward the original's (hf_normswap.layerwise), sink masked, no logit term
+    # every block's output toward the original's (hf_normswap.training.layerwise), sink masked, no logit term
     "layerwise": [*NORMS_ONLY, "distill.logits=false", "distill.hidden=1.0"],
     # both: the layer-wise term weighted to about the logit KL's size at the calibrated start (KL ~3 nats, mean
     # relative block error ~0.3 on SmolLM2)
     "layerwise+logits": [*NORMS_ONLY, "distill.hidden=10.0"],
-    # norms handed over from the original block by block (hf_normswap.progressive): 3 stages of 10 blocks, then
+    # norms handed over from the original block by block (hf_normswap.training.progressive): 3 stages of 10 blocks, then
     # the final norm, one every 2 steps, each ramped over 2 steps: all converted after 8 steps (8,192 tokens at
     # 2 x 512)
     "progressive": [*NORMS_ONLY, LOGITS_ONLY, "progressive.enabled=true", "progressive.group=10",
                     "progressive.every=2", "progressive.ramp=2"],
     # block-wise reconstruction during calibration: each block's linear weights fitted beside its norms to the
-    # original block's output (hf_normswap.reconstruct), then logit distillation
+    # original block's output (hf_normswap.calibration.reconstruct), then logit distillation
     "blockwise": [*BLOCKWISE, LOGITS_ONLY],
     # both gains at once: the block-wise start, then the layer-wise term beside the logit KL
     "blockwise+layerwise": [*BLOCKWISE, "distill.hidden=10.0"],
@@ -116,7 +116,7 @@ DECAYING = ("linear", "cosine", "cosine_with_restarts", "polynomial", "cosine_wi
 
 def point(summary: dict, key: str) -> dict:
     """The numbers of one of the recipe's evaluations (``calibrated`` or ``finetuned``): ratio / KL / top-1 /
-    perplexities, or for a sentence encoder (``hf_normswap.embeddings``) cosine / neighbours / rank correlation."""
+    perplexities, or for a sentence encoder (``hf_normswap.evaluation.embeddings``) cosine / neighbours / rank correlation."""
     evaluation = summary[key]
     results = evaluation["results"]
     embedding = results.get("converted", {})

@@ -12,7 +12,7 @@ slows all candidates alike and the ratios stay meaningful. Sections:
 * calibration: ``convert(..., calibration=...)`` time and peak RSS against plain forward passes over the same data,
   each measured in a fresh process;
 * head: the distillation loss alone (CE + KL over the vocabulary, forward + backward) for tokens x C hidden states
-  through a V x C head: from full logits against chunked (``hf_normswap.head_loss``); time interleaved in one
+  through a V x C head: from full logits against chunked (``hf_normswap.training.head_loss``); time interleaved in one
   process, peak RSS above the inputs in a fresh process each;
 * train: one optimizer step of the converted model (all weights train), batch x seq tokens, as the recipe takes it
   (``NormSwapTrainer``: distillation from the original, chunked head loss, the precision ``auto`` picks by its probe)
@@ -46,8 +46,10 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hf_normswap import convert, kernels  # noqa: E402
-from hf_normswap.discovery import find_norms  # noqa: E402
+from hf_normswap.discovery.norms import find_norms  # noqa: E402
 from hf_normswap.modules import DyT, ELN  # noqa: E402
+
+kernels.install()  # modules built by hand here: route them through the fused path (--eager runs turn it off)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -140,7 +142,7 @@ def gpt2_model():
 
 
 def smollm2_model():
-    from hf_normswap.loading import load_model
+    from hf_normswap.checkpoint.loading import load_model
 
     model, _ = load_model("offline:smollm2", with_tokenizer=False)
     return model, model.config.vocab_size
@@ -151,7 +153,7 @@ def model_variants(original, method: str, calibrate: bool, vocab: int, seq: int)
     per-channel start, no tuning steps) on 2 random blocks, seconds, so activations stay in the range a calibrated
     model has; the analytic conversion overflows on SmolLM2 (perplexity ~1e170), and timing it times
     non-finite arithmetic instead of the model."""
-    from hf_normswap.calibrate import CalibrationConfig
+    from hf_normswap.calibration.calibrate import CalibrationConfig
     from hf_normswap.fold import fold
 
     converted = copy.deepcopy(original)
@@ -324,7 +326,7 @@ def calibration_job(args) -> dict:
     loaded model."""
     import gc
 
-    from hf_normswap.calibrate import CalibrationConfig
+    from hf_normswap.calibration.calibrate import CalibrationConfig
 
     original, vocab = {"smollm2": smollm2_model, "gpt2": gpt2_model}[args.models[0]]()
     original.config.use_cache = False
@@ -391,8 +393,8 @@ def head_inputs(args):
 
 def head_steps(hidden, weight, teacher_hidden, teacher_weight, labels) -> dict:
     """Forward + backward of 0.5 CE + 0.5 KD: from full logits (the recipe's former loss), and chunked."""
-    from hf_normswap.distill import distillation_loss
-    from hf_normswap.head_loss import head_loss
+    from hf_normswap.training.distill import distillation_loss
+    from hf_normswap.training.head_loss import head_loss
 
     def full():
         logits = hidden @ weight.T
@@ -477,7 +479,7 @@ def train_steps(variants, student, teacher, inputs, directory: str, precision: s
     memory takes the parent's choice)."""
     from transformers import Trainer, TrainingArguments
 
-    from hf_normswap.distill import NormSwapTrainer, freeze_embeddings, head_chunk_for, training_loss
+    from hf_normswap.training.distill import NormSwapTrainer, freeze_embeddings, head_chunk_for, training_loss
     from hf_normswap.precision import choose_precision
 
     optimizer = torch.optim.AdamW(student.parameters(), lr=1e-5)

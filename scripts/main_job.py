@@ -31,10 +31,10 @@ from pathlib import Path
 import torch
 
 from hf_normswap import convert, load
-from hf_normswap.calibrate import DEFAULT_STRATEGY, CalibrationConfig
+from hf_normswap.calibration.calibrate import DEFAULT_STRATEGY, CalibrationConfig
 from hf_normswap.data import load_texts
-from hf_normswap.evaluate import evaluate, overlap_warning
-from hf_normswap.loading import load_model
+from hf_normswap.evaluation.perplexity import evaluate, overlap_warning
+from hf_normswap.checkpoint.loading import load_model
 
 MODEL = "offline:smollm2"
 METHODS = ("eln", "dyt")
@@ -110,7 +110,7 @@ def main(argv=None) -> int:
               flush=True)
         converted[method] = model
 
-    from hf_normswap.checkpoint import save_pretrained
+    from hf_normswap.checkpoint.save_load import save_pretrained
 
     out = Path(args.out)
     saved = {method: save_pretrained(model, out / f"smollm2-{method}", tokenizer=tokenizer, overwrite=True)

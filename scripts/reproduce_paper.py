@@ -2,7 +2,7 @@
 
 C = 100 values drawn from N(0, 2^2); the largest one is raised by 5*S for S = 1..9 and LayerNorm (no affine) is
 applied to each of the nine vectors. The outliers' (input, output) points, mirrored to (-x, -y), are fitted by DyT
-and ELN with the amplitude fixed at sqrt(C-1), through ``hf_normswap.fitting.fit_curve`` (the same L-BFGS
+and ELN with the amplitude fixed at sqrt(C-1), through ``hf_normswap.calibration.fitting.fit_curve`` (the same L-BFGS
 least-squares routine that calibrates models). The paper reports alpha = 0.049, beta = 301.1 and a mean absolute
 residual of 0.33 (DyT) and < 0.01 (ELN) for its one random draw; we report the default seed and the spread over
 ``--seeds`` draws, since one draw of 100 normals moves the numbers by tens of percent.
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from hf_normswap.fitting import fit_curve
+from hf_normswap.calibration.fitting import fit_curve
 
 PAPER = {"alpha": 0.049, "beta": 301.1, "dyt_mean_abs_residual": 0.33, "eln_mean_abs_residual_below": 0.01}
 C, SIGMA, STEP, STEPS = 100, 2.0, 5.0, 9
@@ -148,7 +148,7 @@ def main(argv=None) -> int:
         print(f"{label:<24}{paper!s:>10}{main_run[key]:>12.4g}{summary[key]['mean']:>16.4g}{summary[key]['std']:>10.3g}")
     result = {"paper": PAPER, "setup": {"C": C, "sigma": SIGMA, "step": STEP, "S": list(range(1, STEPS + 1)),
                                         "amplitude": "sqrt(C-1)", "fit": "outliers and mirror images, L-BFGS "
-                                        "least squares (hf_normswap.fitting.fit_curve)"},
+                                        "least squares (hf_normswap.calibration.fitting.fit_curve)"},
               "seed_run": main_run, "over_seeds": {"seeds": args.seeds, **summary}}
     result["figures"] = figures(out, args.seed, main_run)
     (out / "results.json").write_text(json.dumps(result, indent=2))

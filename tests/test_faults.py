@@ -17,7 +17,8 @@ import pytest
 import torch
 
 import hf_normswap
-from hf_normswap import checkpoint, cli
+from hf_normswap import cli
+from hf_normswap.checkpoint import save_load
 from hf_normswap.validation import ValidationError
 from tiny_models import tiny_model
 
@@ -120,7 +121,7 @@ def test_trainer_save_model_leaves_sibling_checkpoints(tmp_path):
     model.save_pretrained(out)  # again: replaces its own files in place
     after = _tree(out)
     assert {k: v for k, v in after.items() if k in before} == before
-    assert checkpoint.read_config(out)["normswap"]["method"] == "eln"
+    assert save_load.read_config(out)["normswap"]["method"] == "eln"
     assert sorted(p.name for p in out.iterdir() if p.name.startswith(".")) == []
     model.save_pretrained(out / "worker", is_main_process=False)  # other ranks write nothing
     assert not (out / "worker").exists()
@@ -224,9 +225,9 @@ def test_save_killed_at_every_step_leaves_old_or_new_and_is_cleaned_up(tmp_path)
         status = _save_in_child(new, out, at, signum)
         completed = os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
         assert completed if at > steps else not completed, (at, status)  # killed at each step, the last one saves
-        checkpoint.check_output_dir(out, overwrite=True)  # what the next save into the same place runs first
+        save_load.check_output_dir(out, overwrite=True)  # what the next save into the same place runs first
         assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".ckpt")) == [], at
-        method = checkpoint.read_config(out)["normswap"]["method"]
+        method = save_load.read_config(out)["normswap"]["method"]
         assert _tree(out) == trees[method], (at, method)  # the whole old or the whole new checkpoint, byte for byte
         seen.add(method)
     assert seen == {"eln", "dyt"}
@@ -298,7 +299,7 @@ def test_tampered_block_fails_eval_too(converted, tmp_path, capsys):
 @pytest.mark.parametrize("name, message", [("model.layers.0.mlp", "is a LlamaMLP, not a LayerNorm or RMSNorm"),
                                            ("model.nothing", "has no module of that name")])
 def test_block_names_must_be_norms_of_the_architecture(name, message):
-    from hf_normswap.validation import check_block_against_model
+    from hf_normswap.checkpoint.config_checks import check_block_against_model
 
     block = {"converted": {name: {"normalized_shape": [32]}}}
     with pytest.raises(ValidationError, match=message):
@@ -374,7 +375,7 @@ def test_failed_save_keeps_the_converted_model_and_says_where(tmp_path, monkeypa
     code, line = _cli(["convert", tmp_path / "source", "--to", "eln", "--output", tmp_path / "out"], capsys)
     assert code == 2 and "No space left on device" in line
     kept = Path(line.split("kept in ")[1].split(":")[0])
-    assert checkpoint.read_config(kept)["normswap"]["method"] == "eln"
+    assert save_load.read_config(kept)["normswap"]["method"] == "eln"
     hf_normswap.load(kept)
     shutil.rmtree(kept.parent)
 
@@ -386,7 +387,7 @@ def test_failed_push_without_output_keeps_the_converted_model(tmp_path, monkeypa
     code, line = _cli(["convert", tmp_path / "source", "--to", "dyt", "--push-to-hub", "me/model"], capsys)
     assert code == 2 and "cannot reach the Hub" in line and "normswap push" in line
     kept = Path(line.split("kept in ")[1].split(": push it")[0])
-    assert checkpoint.read_config(kept)["normswap"]["method"] == "dyt"
+    assert save_load.read_config(kept)["normswap"]["method"] == "dyt"
     shutil.rmtree(kept.parent)
 
 
@@ -538,6 +539,6 @@ def test_leftovers_of_dead_saves_go_and_those_of_running_saves_stay(converted, t
     users = [".ckpt.old-backup", ".ckpt.partial-mine", f".ckpt.old-{dead_pid}-notes"]  # named alike, not a save's
     for name in users:
         (tmp_path / name).mkdir()
-    checkpoint.check_output_dir(out, overwrite=True)
+    save_load.check_output_dir(out, overwrite=True)
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([f".ckpt.partial-{live_pid}-0a1b2c3d", "ckpt", *users])
     assert _tree(out) == _tree(converted)  # the checkpoint an interrupted overwrite had moved aside is back

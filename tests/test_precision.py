@@ -87,7 +87,7 @@ def test_bf16_autocast_step_keeps_fp32_master_weights_and_gradients():
 
 def test_bf16_calibration_runs_its_passes_under_autocast_and_keeps_fp32_modules():
     from hf_normswap import convert
-    from hf_normswap.calibrate import CalibrationConfig
+    from hf_normswap.calibration.calibrate import CalibrationConfig
     from hf_normswap.modules import ElementwiseNorm
 
     ids = torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(1))
@@ -109,7 +109,7 @@ def test_bf16_calibration_runs_its_passes_under_autocast_and_keeps_fp32_modules(
 
 def test_auto_calibration_probes_the_model_and_records_both_timings(bf16_matmuls):
     from hf_normswap import convert
-    from hf_normswap.calibrate import CalibrationConfig
+    from hf_normswap.calibration.calibrate import CalibrationConfig
 
     ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(1))
     config = CalibrationConfig(data=ids, num_blocks=2, block_len=8, batch_size=2, strategy="block", block_steps=1,
@@ -137,7 +137,7 @@ def test_recipe_rejects_an_unknown_precision_before_any_work(capsys):
 ])
 def test_auto_probes_the_training_step_of_decoders_and_encoders(model_type, settings, bf16_matmuls):
     from hf_normswap import convert
-    from hf_normswap.distill import training_step_precision
+    from hf_normswap.training.distill import training_step_precision
 
     student, teacher = tiny_model(model_type), tiny_model(model_type)
     if model_type == "bert":  # the encoder alone, ending in hidden states as a sentence encoder does

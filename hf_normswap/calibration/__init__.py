@@ -1,0 +1,10 @@
+"""Calibration: fit the new modules' parameters to the model's own activations.
+
+- ``calibrate.py``: :class:`CalibrationConfig`, the strategies, and the driver ``calibrate_and_replace``.
+- ``capture.py``: sample each norm's inputs with forward hooks.
+- ``fitting.py``: the per-norm least-squares fit and the saturating start.
+- ``block_pass.py``: the sequential pass, one block at a time, tuning each block against the original's output.
+- ``reconstruct.py``: block-wise reconstruction (the block's own weights in the tuning) and its error measure.
+- ``end_to_end.py``: the final steps on the model's output (KL to the original's logits).
+- ``activation_cache.py``: the hidden states kept between blocks, in memory or spilled to disk.
+"""

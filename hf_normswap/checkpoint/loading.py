@@ -1,0 +1,120 @@
+"""Load a model (and its tokenizer when there is one) from a Hub id, a local directory, a .gguf file or a packaged name."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import transformers
+from huggingface_hub import constants
+from huggingface_hub.utils import HFValidationError, validate_repo_id
+from safetensors import SafetensorError
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer
+
+from .. import data
+from ..validation import ValidationError, first_line
+from . import save_load
+from .packaged import PREFIX, packaged_path
+
+
+
+
+class ModelLoadError(OSError):
+    """The model could not be found or read; the message names the spec and what to pass instead."""
+
+
+def _model_class(config):
+    for arch in getattr(config, "architectures", None) or []:
+        cls = getattr(transformers, arch, None)
+        if cls is not None:
+            return cls
+    return AutoModel
+
+
+def resolve(spec: str) -> tuple[str, dict]:
+    """(path or Hub id, extra ``from_pretrained`` kwargs) for a model spec."""
+    if spec.startswith(PREFIX):
+        spec = str(packaged_path(spec))
+    path = Path(spec)
+    if spec.endswith(".gguf"):
+        if not path.is_file():
+            raise ModelLoadError(f"model not found: no GGUF file at {spec}")
+        return str(path.parent), {"gguf_file": path.name}
+    return spec, {}
+
+
+# sizes a config must give as positive integers; a negative one would only fail deep inside torch
+SIZE_KEYS = ("hidden_size", "intermediate_size", "vocab_size", "num_hidden_layers", "num_attention_heads",
+             "num_key_value_heads", "head_dim", "n_embd", "n_layer", "n_head", "d_model", "max_position_embeddings")
+
+
+def _check_config_file(path: Path, spec: str) -> None:
+    """A local config.json must be a JSON object whose sizes are positive: one line instead of a traceback."""
+    if not path.is_file():
+        return
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError) as error:
+        raise ModelLoadError(f"{spec}: config.json is not readable JSON ({first_line(error)})") from None
+    if not isinstance(config, dict):
+        raise ModelLoadError(f"{spec}: config.json holds a JSON {type(config).__name__}, not an object")
+    for key in SIZE_KEYS:
+        value = config.get(key)
+        if value is not None and not (isinstance(value, int) and not isinstance(value, bool) and value > 0):
+            raise ModelLoadError(f"{spec}: config.json {key} is {value!r}; it must be a positive integer")
+
+
+def _looks_local(spec: str, location: str) -> bool:
+    """A path rather than a Hub id: it exists, starts like a path, or is no valid ``NAME`` / ``OWNER/NAME``."""
+    if spec.startswith((".", "/", "~")) or Path(location).exists():
+        return True
+    try:
+        validate_repo_id(spec)
+    except HFValidationError:
+        return True
+    return False
+
+
+def load_model(spec: str, dtype=None, with_tokenizer: bool = True):
+    """(model in eval mode, tokenizer or None). Raises ``ModelLoadError`` with a one-line reason."""
+    location, extra = resolve(spec)
+    cache_only = {}
+    if _looks_local(spec, location):
+        if not Path(location).exists():
+            raise ModelLoadError(f"model not found: no directory or file at {spec} (a Hub id is NAME or OWNER/NAME)")
+    elif not constants.HF_HUB_OFFLINE and not data.hub_reachable():
+        cache_only = {"local_files_only": True}  # cached models load at once; others fail at once, without retries
+    kwargs = dict(extra, **cache_only, dtype=dtype) if dtype is not None else dict(extra, **cache_only)
+    _check_config_file(Path(location) / "config.json", spec)
+    try:
+        if "gguf_file" in extra:
+            model = AutoModelForCausalLM.from_pretrained(location, **kwargs)
+        elif save_load.read_config(location) is not None:  # converted checkpoint: the package's own modules
+            model = save_load.load(location, **kwargs)
+        else:
+            config = AutoConfig.from_pretrained(location, **cache_only, trust_remote_code=False)  # refuse, never prompt
+            model = _model_class(config).from_pretrained(location, **kwargs)
+    except ValidationError as error:
+        raise ModelLoadError(f"{spec}: {error}") from None
+    except (SafetensorError, RuntimeError) as error:  # truncated weights, sizes that make no tensor
+        raise ModelLoadError(f"cannot load {spec}: {first_line(error)}; the files are damaged") from None
+    except (OSError, ValueError) as error:
+        if cache_only:
+            raise ModelLoadError(f"model not found: {spec} is not in the local cache and the Hub ({constants.ENDPOINT}) "
+                                 "cannot be reached; working offline, set HF_HUB_OFFLINE=1 to skip the Hub") from None
+        if constants.HF_HUB_OFFLINE and not _looks_local(spec, location):
+            raise ModelLoadError(f"model not found: {spec} is not in the local cache (HF_HUB_OFFLINE is set)") from None
+        raise ModelLoadError(f"model not found or unreadable: {spec} ({first_line(error)})") from None
+    tokenizer = None
+    if with_tokenizer:
+        logging.getLogger("transformers").disabled = True
+        try:
+            converted = {"config": save_load.base_config(location)} if save_load.read_config(location) else {}
+            tokenizer = AutoTokenizer.from_pretrained(location, **extra, **cache_only, **converted,
+                                                      trust_remote_code=False)
+        except (OSError, ValueError, TypeError):
+            tokenizer = None  # vision and audio models have processors instead
+        finally:
+            logging.getLogger("transformers").disabled = False
+    return model.eval(), tokenizer

@@ -1,0 +1,462 @@
+"""Save a converted model as an ordinary Hugging Face checkpoint that loads anywhere, and load it back.
+
+``save_pretrained(model, DIR)`` writes, atomically (a temporary directory next to DIR, renamed into place):
+safetensors weights, ``config.json`` with the ``normswap`` block, generation config, tokenizer, the generated
+``modeling_normswap.py`` (see ``remote_code.py``) named in ``config.auto_map``, and a model card. The saved
+``model_type`` is ``normswap_<original>``, so a stock ``from_pretrained`` without ``trust_remote_code`` stops with
+an error instead of quietly building the original architecture and dropping alpha / beta.
+
+``load(DIR)`` rebuilds the same model from the package's own modules, without running the checkpoint's code.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import re
+import shutil
+import types
+import uuid
+from contextlib import contextmanager
+from glob import escape as glob_escape
+from pathlib import Path
+
+import transformers
+from safetensors import SafetensorError, safe_open
+from torch import nn
+from transformers import CONFIG_MAPPING
+
+from .. import kernels
+from ..modules import METHODS, ElementwiseNorm
+from ..validation import first_line
+from ..version import __version__
+from . import config_checks, model_card, remote_code
+
+
+class CheckpointError(Exception):
+    """A user-facing problem saving or loading a checkpoint; the message says what to change."""
+
+
+class OutputExistsError(CheckpointError):
+    """The output directory exists and is not empty, and overwriting was not asked for."""
+
+
+# ----------------------------------------------------------------------------------------------- atomic output
+
+# The files a save writes: config, weights (one file or shards), remote code, card, tokenizer / processor. Only a
+# directory holding nothing else is replaced by an overwrite; anything else in it belongs to the user.
+OWN_FILES = re.compile(
+    r"config\.json|generation_config\.json|README\.md|" + re.escape(remote_code.FILE_NAME) + r"|"
+    r"model(-\d+-of-\d+)?\.safetensors(\.index\.json)?|"
+    r"(tokenizer|tokenizer_config|special_tokens_map|added_tokens|vocab|merges|chat_template|preprocessor_config|"
+    r"processor_config|spiece|sentencepiece\.bpe|normalizer)\.(json|txt|model|jinja)"
+)
+WEIGHT_FILES = re.compile(r"model(-\d+-of-\d+)?\.safetensors(\.index\.json)?")
+
+
+def _temporary_siblings(target: Path, kind: str) -> list[Path]:
+    """Leftovers of earlier saves into ``target`` whose process is gone: exactly the names a save gives them,
+    ``.NAME.KIND-PID-HEX8`` (or the earlier ``tempfile.mkdtemp`` form ``.NAME.KIND-XXXXXXXX``), so a folder of the
+    user's that merely starts like one is never touched."""
+    own = re.compile(rf"\.{re.escape(target.name)}\.{kind}-(?:(\d+)-[0-9a-f]{{8}}|[a-z0-9_]{{8}})")
+    found = []
+    for path in target.parent.glob(f".{glob_escape(target.name)}.{kind}-*"):
+        match = own.fullmatch(path.name)
+        if match is None:
+            continue
+        pid = match.group(1)
+        if pid and int(pid) != os.getpid() and _alive(int(pid)):
+            continue  # another save into the same place is running
+        found.append(path)
+    return sorted(found, key=lambda p: p.stat().st_mtime)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)  # signal 0: only asks whether the process exists
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        pass
+    return True
+
+
+def recover_interrupted(path: str | os.PathLike) -> None:
+    """Finish what an interrupted save into ``path`` left: put the previous checkpoint back if the overwrite
+    stopped between its two renames, and remove staging and superseded copies (they are the package's own)."""
+    target = Path(path).expanduser().absolute()
+    if not target.parent.is_dir():
+        return
+    old = _temporary_siblings(target, "old")
+    if old and not (target.exists() or target.is_symlink()):
+        newest = old[-1]
+        legacy = newest / "old"  # an earlier layout: the previous checkpoint one level down
+        os.rename(legacy if legacy.is_dir() and not (newest / "config.json").exists() else newest, target)
+    for leftover in old + _temporary_siblings(target, "partial"):
+        shutil.rmtree(leftover, ignore_errors=True)
+
+
+def _is_own_file(path: Path, also_own: set[str] = frozenset()) -> bool:
+    """A plain file with a name that a save writes (or one of ``also_own``)."""
+    return path.is_file() and not path.is_symlink() and bool(OWN_FILES.fullmatch(path.name) or path.name in also_own)
+
+
+def _users_readme(directory: Path) -> bool:
+    """``directory`` holds a README.md that is not this package's card: the user's, never replaced or pushed."""
+    card = directory / "README.md"
+    return card.is_file() and not model_card.is_own_card(card)
+
+
+def checkpoint_files(directory: Path) -> list[str]:
+    """The files of a saved checkpoint in ``directory`` (sorted): what a push uploads. Anything beside them (a
+    Trainer's checkpoint-N folders, notes, a README.md that is not this package's card) is the user's."""
+    user = {"README.md"} if _users_readme(directory) else set()
+    return sorted(p.name for p in directory.iterdir() if _is_own_file(p) and p.name not in user)
+
+
+def _foreign_entries(directory: Path, also_own: set[str] = frozenset()) -> list[str]:
+    """Entries of a checkpoint directory that a save would not write (sorted), besides ``also_own``."""
+    return sorted(p.name for p in directory.iterdir() if not _is_own_file(p, also_own))
+
+
+def _replaceable(directory: Path, also_own: set[str] = frozenset()) -> str | None:
+    """Why an overwrite may not replace ``directory``, or None when it holds a checkpoint's own files only."""
+    if read_config(directory) is None:
+        return "it is not empty and not a checkpoint saved by hf_normswap"
+    foreign = _foreign_entries(directory, also_own)
+    if foreign:
+        return f"it holds more than a checkpoint ({', '.join(foreign[:3])}{', ...' if len(foreign) > 3 else ''})"
+    return None
+
+
+def check_output_dir(path: str | os.PathLike, overwrite: bool = False, into_existing: bool = False) -> Path:
+    """Refuse, before any work is done, an output that exists as a file, or where nothing can be written, or that
+    is a non-empty directory (without ``overwrite``) or holds anything but a checkpoint's own files (with it;
+    ``into_existing`` allows that, see :func:`atomic_directory`). An interrupted save into the same place is
+    cleaned up first (see :func:`recover_interrupted`)."""
+    path = Path(path).expanduser()
+    recover_interrupted(path)
+    if path.exists() or path.is_symlink():
+        if not path.is_dir():
+            raise OutputExistsError(f"output {path} exists and is not a directory; choose another --output")
+        if any(path.iterdir()) and not into_existing:
+            if not overwrite:
+                raise OutputExistsError(f"output directory {path} is not empty; pass --overwrite (overwrite=True) "
+                                        "to replace the checkpoint in it")
+            refused = _replaceable(path)
+            if refused:
+                raise OutputExistsError(f"output directory {path}: {refused}; overwriting replaces only a "
+                                        "checkpoint's own files: choose a new or empty directory")
+    ancestor = path.absolute()
+    while not ancestor.exists():
+        ancestor = ancestor.parent
+    writable_in = ancestor if ancestor != path.absolute() else ancestor.parent
+    if not os.access(writable_in, os.W_OK | os.X_OK):
+        raise OutputExistsError(f"output {path}: cannot write in {writable_in} (permission denied); choose another --output")
+    return path
+
+
+def _replace(target: Path, staging: Path) -> None:
+    """Put ``staging`` at ``target`` (an existing checkpoint) so that at every moment one of the two sits under the
+    name, or the old one waits in ``.NAME.old-*`` for :func:`recover_interrupted` to put it back."""
+    previous = target.parent / f".{target.name}.old-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    os.rename(target, previous)
+    try:
+        os.rename(staging, target)
+    except BaseException:
+        os.rename(previous, target)
+        raise
+    shutil.rmtree(previous, ignore_errors=True)
+
+
+def _merge(target: Path, staging: Path) -> None:
+    """Write the checkpoint's files into a directory that holds other things (a Trainer's output_dir with its
+    checkpoint-N folders), file by file like transformers' own save; stale weight shards of an earlier save go. A
+    README.md that is not a card of this package stays: it is the user's."""
+    if _users_readme(target):
+        (staging / "README.md").unlink()
+    written = {p.name for p in staging.iterdir()}
+    for stale in target.iterdir():
+        if WEIGHT_FILES.fullmatch(stale.name) and stale.name not in written and stale.is_file():
+            stale.unlink()
+    for name in sorted(written, key=lambda n: n == "config.json"):  # config last: it marks the checkpoint complete
+        os.replace(staging / name, target / name)
+    staging.rmdir()
+
+
+@contextmanager
+def atomic_directory(path: str | os.PathLike, overwrite: bool = False, into_existing: bool = False):
+    """Yield a temporary directory beside ``path``; on success it becomes ``path``, on any error it is removed.
+
+    ``path`` absent or empty: renamed into place. ``path`` a checkpoint (``overwrite``): replaced by two renames
+    (see :func:`_replace`). ``into_existing``: a directory holding other things keeps them and gets the files (see
+    :func:`_merge`). An interrupted save leaves ``path`` as it was, or the new checkpoint; what it leaves beside
+    it, the next save into the same place cleans up.
+    """
+    target = check_output_dir(path, overwrite, into_existing).absolute()
+    created = []
+    for parent in reversed(target.parents):
+        if not parent.exists():
+            parent.mkdir()
+            created.append(parent)
+    staging = target.parent / f".{target.name}.partial-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    staging.mkdir()
+    try:
+        yield staging
+        umask = os.umask(0)
+        os.umask(umask)
+        for written in staging.rglob("*"):  # some writers (safetensors) create files private (0600)
+            if written.is_file():
+                written.chmod(0o666 & ~umask)
+        if target.exists() and any(target.iterdir()):
+            refused = _replaceable(target, {p.name for p in staging.iterdir()})
+            if not refused:
+                _replace(target, staging)
+            elif into_existing:
+                _merge(target, staging)
+            else:  # it was filled while we worked
+                raise OutputExistsError(f"output directory {target} changed during the save: {refused}")
+            return
+        if target.exists():
+            target.rmdir()
+        os.rename(staging, target)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        for parent in reversed(created):
+            try:
+                parent.rmdir()
+            except OSError:
+                break
+        raise
+
+
+# ---------------------------------------------------------------------------------------------------- saving
+
+
+def _base(model: nn.Module, block: dict) -> dict:
+    """The original architecture: recorded by an earlier save, else read from the (unconverted-class) model."""
+    if block.get("base"):
+        return dict(config_checks.check_base(block["base"]))
+    config = model.config
+    if type(model).__name__.startswith("NormSwap") or config.model_type.startswith(remote_code.MODEL_TYPE_PREFIX):
+        raise CheckpointError("the model's normswap block does not record its original architecture")
+    return {"architecture": type(model).__name__, "config_class": type(config).__name__,
+            "model_type": config.model_type}
+
+
+def _method_of(module: nn.Module) -> str:
+    for key, cls in METHODS.items():
+        if isinstance(module, cls):
+            return key
+    raise CheckpointError(f"{type(module).__name__} is not a DyT or ELN module")
+
+
+def _saved_block(model: nn.Module, block: dict, base: dict, base_model: str | None, evaluation) -> dict:
+    """The config's normswap block plus what a reload needs: shapes, per-module method, original architecture."""
+    saved = json.loads(json.dumps(block))  # deep copy; also proves it is JSON-serializable
+    for name, entry in saved["converted"].items():
+        try:
+            module = model.get_submodule(name)
+        except AttributeError:
+            raise CheckpointError(f"converted norm {name} recorded in config.normswap is not in the model") from None
+        if not isinstance(module, ElementwiseNorm):
+            raise CheckpointError(f"{name} is recorded as converted but is a {type(module).__name__}")
+        entry.update(normalized_shape=list(module.normalized_shape), per_channel=module.per_channel,
+                     bias=module.bias is not None, amplitude=module.amplitude)
+        if _method_of(module) != saved["method"]:
+            entry["method"] = _method_of(module)
+    saved["base"] = base
+    saved["package"] = {"name": "hf-normswap", "version": __version__}
+    if base_model is not None:
+        saved["base_model"] = base_model
+    if evaluation is not None:
+        saved["evaluation"] = evaluation
+    return saved
+
+
+def gguf_quantizer(model: nn.Module, purpose: str):
+    """The GGUF quantizer a model loaded from GGUF still carries, or None.
+
+    transformers dequantizes GGUF weights into ordinary ``nn.Linear`` modules unless GGML kernels are available, but
+    keeps the (inference-only, non-serializable) quantizer; only when weights stayed packed is the model unusable
+    for ``purpose`` ("saved", "trained").
+    """
+    quantizer = getattr(model, "hf_quantizer", None)
+    if quantizer is None or type(quantizer).__name__ != "GgufHfQuantizer":
+        return None
+    if getattr(quantizer, "packed_modules", None):
+        raise CheckpointError(f"the model holds packed GGUF weights and cannot be {purpose}; load it with "
+                              "quantization_config=GgufConfig(dequantize=True)")
+    return quantizer
+
+
+@contextmanager
+def _dense(model: nn.Module):
+    """Save a model loaded from GGUF as the dense tensors it holds: hide its GGUF quantizer while saving."""
+    quantizer = gguf_quantizer(model, "saved")
+    if quantizer is None:
+        yield
+        return
+    model.hf_quantizer = None
+    try:
+        yield
+    finally:
+        model.hf_quantizer = quantizer
+
+
+def _rewrite_config(directory: Path, base: dict, block: dict) -> dict:
+    path = directory / "config.json"
+    config = json.loads(path.read_text())
+    if (config.get("quantization_config") or {}).get("quant_method") == "gguf":
+        del config["quantization_config"]  # the weights were saved dequantized (see _dense)
+    config_name, model_name = remote_code.class_names(base["architecture"])
+    config["model_type"] = remote_code.MODEL_TYPE_PREFIX + base["model_type"]
+    config["architectures"] = [model_name]
+    config["auto_map"] = {"AutoConfig": f"{remote_code.MODULE_NAME}.{config_name}"}
+    for auto in remote_code.auto_classes(base["architecture"], base["model_type"]):
+        config["auto_map"][auto] = f"{remote_code.MODULE_NAME}.{model_name}"
+    config["normswap"] = block
+    path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    return config
+
+
+def save_pretrained(
+    model: nn.Module,
+    save_directory: str | os.PathLike,
+    *,
+    tokenizer=None,
+    overwrite: bool = False,
+    into_existing: bool = False,
+    base_model: str | None = None,
+    evaluation: dict | None = None,
+    **kwargs,
+) -> Path:
+    """Write a converted model as a checkpoint loadable with or without hf_normswap; returns the directory.
+
+    ``tokenizer`` (or processor) is saved alongside. ``base_model`` is the Hub id of the original model for the
+    card (defaults to the one the model was loaded from, when that is a Hub id). ``evaluation`` is an optional
+    ``{"dataset": str, "metrics": {"perplexity": {"original": x, "converted": y}, ...}}`` shown in the card.
+    ``overwrite`` replaces a checkpoint already at ``save_directory`` (never a directory holding anything else);
+    ``into_existing`` writes the files into a directory that holds other things, as transformers does.
+    Other keyword arguments go to transformers' ``save_pretrained`` (e.g. ``max_shard_size``).
+    """
+    block = getattr(getattr(model, "config", None), "normswap", None)
+    if not block:
+        raise CheckpointError("the model has no normswap block in its config: convert it with hf_normswap.convert first")
+    check_output_dir(save_directory, overwrite, into_existing)
+    base = _base(model, block)
+    if base_model is None:
+        base_model = block.get("base_model") or model_card.hub_id(getattr(model.config, "_name_or_path", None))
+    saved_block = _saved_block(model, block, base, base_model, evaluation)
+    modeling = remote_code.render(base["architecture"], base["config_class"], base["model_type"])
+    remote_code.check_remote_modules(modeling)
+    kwargs.pop("push_to_hub", None)
+    with atomic_directory(save_directory, overwrite, into_existing) as staging:
+        with _dense(model):
+            transformers.PreTrainedModel.save_pretrained(model, staging, save_original_format=False, **kwargs)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(staging)
+        config = _rewrite_config(staging, base, saved_block)
+        (staging / remote_code.FILE_NAME).write_text(modeling)
+        (staging / "README.md").write_text(model_card.render(config))
+    return Path(save_directory)
+
+
+def enable_save(model: nn.Module) -> None:
+    """Make ``model.save_pretrained(DIR)`` (and so ``model.push_to_hub``) write the full checkpoint (instance only)."""
+    if not isinstance(model, transformers.PreTrainedModel):
+        return
+
+    def save(self, save_directory, *args, is_main_process: bool = True, **kwargs):
+        if not is_main_process:  # the Trainer calls every rank; one writes
+            return Path(save_directory)
+        # transformers' own save_pretrained writes into existing directories (a Trainer's output_dir): so does this,
+        # replacing a checkpoint already there and leaving everything else (checkpoint-N folders) alone
+        kwargs.setdefault("overwrite", True)
+        kwargs.setdefault("into_existing", True)
+        return save_pretrained(self, save_directory, **kwargs)
+
+    model.save_pretrained = types.MethodType(save, model)
+
+
+# --------------------------------------------------------------------------------------------------- loading
+
+
+def read_config(path: str | os.PathLike) -> dict | None:
+    """config.json of a checkpoint directory saved by hf_normswap, or None when it is not one."""
+    config_file = Path(path) / "config.json"
+    if not config_file.is_file():
+        return None
+    try:
+        config = json.loads(config_file.read_text())
+    except (OSError, ValueError):
+        return None
+    return config if isinstance(config, dict) and "normswap" in config else None  # the block is checked on load
+
+
+@functools.cache
+def normswap_class(architecture: str) -> type:
+    """Subclass of the transformers class ``architecture`` that rebuilds the recorded norms with the package's modules."""
+    base = config_checks.transformers_class(architecture, transformers.PreTrainedModel, "normswap.base.architecture")
+
+    def __init__(self, config, *args, **kwargs):
+        base.__init__(self, config, *args, **kwargs)
+        config_checks.check_block_against_model(self, config.normswap)
+        remote_code.rebuild_norms(self, config.normswap)
+
+    return type(f"NormSwap{architecture}", (base,), {"__init__": __init__, "__module__": __name__})
+
+
+def base_config(path: str | os.PathLike):
+    """The checkpoint's config as the original architecture's config class (no remote code), normswap block kept.
+
+    Pass it as ``config=`` to ``AutoTokenizer.from_pretrained`` / ``AutoProcessor.from_pretrained``: without it they
+    look the config up themselves and stop at the remote-code question for the ``normswap_*`` model type.
+    """
+    config_dict = read_config(path)
+    if config_dict is None:
+        raise CheckpointError(f"{path} is not a checkpoint saved by hf_normswap (no config.json with a normswap block)")
+    base = config_checks.check_block(config_dict["normswap"])["base"]
+    config_dict = dict(config_dict, model_type=base["model_type"], architectures=[base["architecture"]])
+    config_dict.pop("auto_map", None)
+    return CONFIG_MAPPING[base["model_type"]].from_dict(config_dict)
+
+
+def weight_shapes(path: str | os.PathLike) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every tensor in a checkpoint's safetensors files, read from their headers only."""
+    directory = Path(path)
+    index = directory / "model.safetensors.index.json"
+    try:
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() \
+            else ["model.safetensors"]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
+        raise CheckpointError(f"{index}: not a readable weight index ({first_line(error)})") from None
+    shapes = {}
+    for name in files:
+        file = directory / name
+        if not file.is_file():
+            raise CheckpointError(f"{directory} has no weights file {name}: the checkpoint is incomplete")
+        try:
+            with safe_open(file, framework="pt") as handle:
+                for key in handle.keys():
+                    shapes[key] = tuple(handle.get_slice(key).get_shape())
+        except (SafetensorError, OSError, ValueError) as error:
+            raise CheckpointError(f"{file}: not a readable safetensors file ({first_line(error)}); it is truncated "
+                                  "or corrupt: save or download it again") from None
+    return shapes
+
+
+def load(path: str | os.PathLike, **kwargs) -> nn.Module:
+    """Load a checkpoint saved by :func:`save_pretrained` with the package's modules (no remote code), in eval mode.
+
+    The normswap block is checked against the weights and the architecture first, so a damaged or tampered block
+    is one error instead of a model with uninitialized or ignored parameters.
+    Keyword arguments go to ``from_pretrained`` (``dtype=``, ``device_map=`` ...).
+    """
+    config = base_config(path)
+    config_checks.check_block_against_weights(config.normswap, weight_shapes(path))
+    model = normswap_class(config.normswap["base"]["architecture"]).from_pretrained(path, config=config, **kwargs)
+    enable_save(model)
+    kernels.install()
+    return model.eval()

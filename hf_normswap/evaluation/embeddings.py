@@ -1,0 +1,153 @@
+"""How closely a converted encoder (a model without a language-model head, such as MiniLM) keeps its original's
+sentence embeddings: the counterpart of perplexity for models that do not predict tokens.
+
+Embeddings are the attention-mask-weighted mean of the last hidden states (sentence-transformers' pooling for
+MiniLM). Three numbers, each 1.0 for a perfect copy of the original:
+
+- embedding cosine: mean over sentences of the cosine between the model's embedding and the original's;
+- nearest-neighbour agreement: fraction of sentences whose most similar other sentence is the same for both models
+  (what a retrieval user sees);
+- similarity rank correlation: Spearman correlation, over all sentence pairs, of the model's pair cosines with the
+  original's: an STS-style score with the original's similarities standing in for human ratings.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..model_inputs import mean_pool
+from .perplexity import REFERENCE, EvaluationError, _fmt
+
+MIN_WORDS, MAX_WORDS = 5, 64
+MAX_SENTENCES = 2000  # the pair statistics grow with the square: 2 million pairs at most
+DEFAULT_MAX_LENGTH = 256  # sentence-transformers' max_seq_length for all-MiniLM-L6-v2
+METRICS = (  # (label, Embedding attribute)
+    ("embedding cosine to original (mean)", "cosine"),
+    ("nearest-neighbour agreement", "neighbours"),
+    ("similarity rank correlation (Spearman, all pairs)", "spearman"),
+)
+
+
+def sentences(texts: list[str], tokenizer, max_tokens: int | None = None,
+              max_sentences: int | None = MAX_SENTENCES) -> list[str]:
+    """Prose sentences of MIN_WORDS to MAX_WORDS words from the texts (wrapped lines joined), the first
+    ``max_sentences`` of them (None: all), up to ``max_tokens``."""
+    found, total = [], 0
+    for text in texts:
+        for paragraph in re.split(r"\n\s*\n", text):
+            for sentence in re.split(r"(?<=[.!?])\s+", " ".join(paragraph.split())):
+                if MIN_WORDS <= len(sentence.split()) <= MAX_WORDS and sentence[0].isalpha():
+                    total += len(tokenizer(sentence, add_special_tokens=False)["input_ids"])
+                    if max_tokens is not None and total > max_tokens:
+                        return found
+                    found.append(sentence)
+                    if len(found) == max_sentences:
+                        return found
+    return found
+
+
+@torch.no_grad()
+def mean_pooled(model: nn.Module, encoded: dict) -> torch.Tensor:
+    """One embedding per row of a tokenized batch: the attention-mask-weighted mean of the last hidden states."""
+    return mean_pool(model(**encoded, output_hidden_states=True).hidden_states[-1], encoded["attention_mask"])
+
+
+def _embed(model: nn.Module, batches: list[dict]) -> torch.Tensor:
+    return torch.cat([mean_pooled(model, encoded) for encoded in batches])
+
+
+@dataclass
+class _Similarities:
+    embeddings: torch.Tensor  # unit length, one row per sentence
+    pairs: torch.Tensor  # cosine of every pair of distinct sentences
+    neighbour: torch.Tensor  # index of each sentence's most similar other sentence
+
+
+def _similarities(embeddings: torch.Tensor) -> _Similarities:
+    embeddings = F.normalize(embeddings, dim=-1)
+    matrix = embeddings @ embeddings.T
+    i, j = torch.triu_indices(len(matrix), len(matrix), offset=1)
+    pairs = matrix[i, j]
+    matrix.fill_diagonal_(-2.0)  # a sentence is not its own neighbour
+    return _Similarities(embeddings, pairs, matrix.argmax(-1))
+
+
+def _ranks(values: torch.Tensor) -> torch.Tensor:
+    return values.argsort().argsort().double()  # ties are measure-zero for float cosines
+
+
+def _spearman(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float(torch.corrcoef(torch.stack([_ranks(a), _ranks(b)]))[0, 1])
+
+
+@dataclass
+class Embedding:
+    """Agreement of one model's sentence embeddings with the original's."""
+
+    cosine: float
+    neighbours: float
+    spearman: float
+
+    def to_dict(self) -> dict:
+        return {"cosine": self.cosine, "nearest_neighbour_agreement": self.neighbours, "spearman": self.spearman}
+
+
+@dataclass
+class EmbeddingEvaluation:
+    """Embedding agreement of each model with the reference, on the same sentences."""
+
+    results: dict[str, Embedding]
+    data: str | None = None
+    fingerprint: str | None = None
+    sentences: int = 0
+    tokens: int = 0
+
+    def describe(self) -> str:
+        data = f"{self.data} " if self.data else ""
+        return (f"{data}({self.sentences} sentences, {self.tokens} tokens, mean-pooled embeddings; "
+                f"fingerprint {self.fingerprint or '-'})")
+
+    def table(self) -> str:
+        """Markdown table as for language models: metrics as rows, the original and each model as columns."""
+        names = list(self.results)
+        lines = ["| " + " | ".join(["metric", REFERENCE, *names]) + " |", "|" + "---|" * (len(names) + 2)]
+        for label, attr in METRICS:
+            lines.append("| " + " | ".join([label, _fmt(1.0)] + [_fmt(getattr(self.results[n], attr)) for n in names])
+                         + " |")
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict:
+        return {"data": self.data, "fingerprint": self.fingerprint, "sentences": self.sentences,
+                "tokens": self.tokens, "reference": REFERENCE,
+                "results": {name: r.to_dict() for name, r in self.results.items()}}
+
+
+def evaluate_embeddings(model: nn.Module, against: nn.Module, tokenizer, texts: list[str], *,
+                        max_tokens: int | None = None, max_length: int | None = None, batch_size: int = 32,
+                        data: str | None = None) -> EmbeddingEvaluation:
+    """Embedding cosine, nearest-neighbour agreement and similarity rank correlation of ``model`` to ``against``."""
+    from ..data import fingerprint
+
+    found = sentences(texts, tokenizer, max_tokens)
+    if len(found) < 3:
+        raise EvaluationError(f"the evaluation text gives {len(found)} prose sentences of {MIN_WORDS}-{MAX_WORDS} "
+                              "words; embedding agreement needs at least 3")
+    padding = tokenizer.pad_token is not None
+    batch_size = batch_size if padding else 1  # nothing to pad with: one sentence a pass
+    batches = [tokenizer(found[i:i + batch_size], padding=padding, truncation=True,
+                         max_length=max_length or DEFAULT_MAX_LENGTH, return_tensors="pt")
+               for i in range(0, len(found), batch_size)]
+    reference = _similarities(_embed(against.eval(), batches))
+    converted = _similarities(_embed(model.eval(), batches))
+    result = Embedding(
+        cosine=float((reference.embeddings * converted.embeddings).sum(-1).mean()),
+        neighbours=float((reference.neighbour == converted.neighbour).double().mean()),
+        spearman=_spearman(reference.pairs, converted.pairs),
+    )
+    tokens = sum(int(b["attention_mask"].sum()) for b in batches)
+    return EmbeddingEvaluation({"converted": result}, data, fingerprint(texts), len(found), tokens)

@@ -1,0 +1,476 @@
+"""Perplexity with lm-evaluation-harness conventions, and agreement of a converted model with its original.
+
+Conventions, matched to lm-eval's ``loglikelihood_rolling`` (``get_rolling_token_windows`` + ``make_disjoint_window``
+with ``context_len=1``, its default for perplexity tasks):
+
+- every document is scored on its own; its tokens (no special tokens added) follow one prefix token, the tokenizer's
+  BOS or else EOS, so the first token is predicted too;
+- windows are ``max_length`` long and do not overlap: each token is scored exactly once; the first window predicts
+  the first ``max_length`` tokens, each later one the next ``max_length`` (the last window is right-aligned to the
+  end of the document, keeping a full context, and scores only its new tokens);
+- ``stride=S`` scores only the last ``S`` tokens of each later window (lm-eval's ``context_len = max_length - S + 1``,
+  the Hugging Face "strided perplexity"): more context per token, ``max_length / S`` times the compute;
+- ``max_length`` defaults as lm-eval's: the config's ``n_positions`` / ``max_position_embeddings`` / ``n_ctx``,
+  then the tokenizer's ``model_max_length``, then 2048;
+- token perplexity ``exp(NLL / tokens)``, word perplexity ``exp(NLL / words)`` with ``words = len(re.split(r"\\s+",
+  text))`` per document, byte perplexity ``exp(NLL / bytes)`` and bits per byte ``NLL / (bytes * ln 2)`` with UTF-8
+  bytes. NLL is summed in nats over all scored tokens of all documents.
+
+With a reference (``against=``) every model sees the same windows in the same pass; ``KL(reference || model)`` of the
+next-token distributions is averaged over scored tokens (nats/token), and top-1 agreement is the fraction of scored
+positions where both argmaxes agree.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+DEFAULT_MAX_LENGTH = 2048  # lm-eval's default when neither config nor tokenizer gives one
+TOKENIZER_INFINITY = 1000000000000000019884624838656
+REFERENCE = "original"
+LOGIT_CHUNK = 1024  # positions per log-softmax chunk: bounds the extra memory to chunk x vocab floats
+
+
+class EvaluationError(ValueError):
+    """The evaluation request cannot be run; the message says what to change."""
+
+
+@dataclass
+class Document:
+    """One scored text: its tokens (no special tokens) and the word / byte counts of the same text."""
+
+    tokens: list[int]
+    words: int
+    bytes: int
+
+
+def count_words(text: str) -> int:
+    """lm-eval's word count (``len(re.split(r"\\s+", text))``)."""
+    return len(re.split(r"\s+", text))
+
+
+def count_bytes(text: str) -> int:
+    return len(text.encode("utf-8"))
+
+
+def _exp(x: float) -> float:
+    """``exp`` that returns inf instead of raising: broken conversions reach perplexities beyond 1e308."""
+    try:
+        return math.exp(x)
+    except OverflowError:
+        return math.inf
+
+
+def documents(tokenizer, texts: Iterable[str], max_tokens: int | None = None) -> list[Document]:
+    """Tokenize texts into :class:`Document` s, stopping at ``max_tokens`` tokens in all.
+
+    A document cut by the budget counts the words and bytes of the text its kept tokens cover.
+    """
+    fast = bool(getattr(tokenizer, "is_fast", False))
+    docs: list[Document] = []
+    total = 0
+    logger = logging.getLogger("transformers.tokenization_utils_base")
+    level = logger.level
+    logger.setLevel(logging.ERROR)  # "sequence longer than the model's maximum" is expected: we window it
+    try:
+        for text in texts:
+            if max_tokens is not None and total >= max_tokens:
+                break
+            encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=fast)
+            ids = list(encoding["input_ids"])
+            if not ids:
+                continue
+            if max_tokens is not None and total + len(ids) > max_tokens:
+                ids = ids[: max_tokens - total]
+                text = text[: encoding["offset_mapping"][len(ids) - 1][1]] if fast else tokenizer.decode(ids)
+            docs.append(Document(ids, count_words(text), count_bytes(text)))
+            total += len(ids)
+    finally:
+        logger.setLevel(level)
+    return docs
+
+
+def rolling_windows(n_tokens: int, max_length: int, stride: int | None = None) -> list[tuple[int, int, int]]:
+    """``(start, length, scored)`` windows over the sequence ``[prefix] + tokens`` (``n_tokens`` tokens).
+
+    The window feeds ``seq[start : start + length]``, predicts ``seq[start + 1 : start + length + 1]``, and counts its
+    last ``scored`` predictions. Same windows as lm-eval's ``get_rolling_token_windows`` + ``make_disjoint_window``
+    with ``context_len = max_length - stride + 1``.
+    """
+    stride = stride or max_length
+    if not 1 <= stride <= max_length:
+        raise EvaluationError(f"stride {stride} must be between 1 and the window length {max_length}")
+    if n_tokens <= 0:
+        return []
+    first = min(max_length, n_tokens)
+    windows = [(0, first, first)]
+    predicted = first
+    while predicted < n_tokens:
+        scored = min(n_tokens - predicted, stride)
+        end = predicted + scored
+        windows.append((end - max_length, max_length, scored))
+        predicted = end
+    return windows
+
+
+def default_max_length(model: nn.Module, tokenizer=None) -> int:
+    """Context length the way lm-eval resolves it for ``--model hf``."""
+    config = getattr(model, "config", None)
+    config = getattr(config, "text_config", None) or config
+    for attr in ("n_positions", "max_position_embeddings", "n_ctx"):
+        value = getattr(config, attr, None)
+        if value is not None:
+            return int(value)
+    length = getattr(tokenizer, "model_max_length", None)
+    if length is not None and length != TOKENIZER_INFINITY:
+        return int(length)
+    return DEFAULT_MAX_LENGTH
+
+
+def _prefix_token(model: nn.Module, tokenizer) -> int:
+    for source in (tokenizer, getattr(model, "config", None)):
+        for attr in ("bos_token_id", "eos_token_id"):
+            value = getattr(source, attr, None)
+            if isinstance(value, list):
+                value = value[0] if value else None
+            if value is not None:
+                return int(value)
+    raise EvaluationError("the tokenizer has neither a BOS nor an EOS token to start documents with")
+
+
+def is_causal_lm(model: nn.Module) -> bool:
+    can_generate = getattr(model, "can_generate", None)
+    looks_causal = any(k in type(model).__name__ for k in ("CausalLM", "LMHead"))
+    return looks_causal or (callable(can_generate) and can_generate())
+
+
+def is_encoder(model: nn.Module) -> bool:
+    """A model that encodes text but predicts no next token (BERT, MiniLM): scored by its embeddings instead."""
+    return not getattr(getattr(model, "config", None), "is_encoder_decoder", False) and not is_causal_lm(model)
+
+
+def _check_causal(name: str, model: nn.Module) -> None:
+    config = getattr(model, "config", None)
+    if getattr(config, "is_encoder_decoder", False):
+        raise EvaluationError(f"{name}: perplexity needs a decoder-only causal language model, not encoder-decoder")
+    if not is_causal_lm(model):
+        raise EvaluationError(f"{name}: {type(model).__name__} is not a causal language model; perplexity needs one")
+
+
+@dataclass
+class Perplexity:
+    """Summed negative log-likelihood (nats) and the counts it is normalised by."""
+
+    nll: float
+    tokens: int
+    words: int
+    bytes: int
+
+    @property
+    def token_perplexity(self) -> float:
+        return _exp(self.nll / self.tokens)
+
+    @property
+    def word_perplexity(self) -> float:
+        return _exp(self.nll / self.words)
+
+    @property
+    def byte_perplexity(self) -> float:
+        return _exp(self.nll / self.bytes)
+
+    @property
+    def bits_per_byte(self) -> float:
+        return self.nll / (self.bytes * math.log(2))
+
+    def to_dict(self) -> dict:
+        return {
+            "nll": self.nll, "tokens": self.tokens, "words": self.words, "bytes": self.bytes,
+            "token_perplexity": self.token_perplexity, "word_perplexity": self.word_perplexity,
+            "byte_perplexity": self.byte_perplexity, "bits_per_byte": self.bits_per_byte,
+        }
+
+
+METRICS = (  # (label, Perplexity attribute)
+    ("token perplexity", "token_perplexity"),
+    ("word perplexity", "word_perplexity"),
+    ("byte perplexity", "byte_perplexity"),
+    ("bits per byte", "bits_per_byte"),
+)
+KL_LABEL = "KL(original ‖ converted), nats/token"  # not "||": a Markdown table cell
+TOP1_LABEL = "top-1 agreement"
+
+
+def _fmt(value) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.4g}" if abs(value) < 1e6 else f"{value:.3e}"
+    return str(value)
+
+
+@dataclass
+class Evaluation:
+    """Perplexities of one or more models on the same windows; with a reference, KL and top-1 agreement too."""
+
+    results: dict[str, Perplexity]
+    reference: str | None = None
+    kl: dict[str, float] = field(default_factory=dict)
+    top1: dict[str, float] = field(default_factory=dict)
+    data: str | None = None
+    fingerprint: str | None = None
+    max_length: int = 0
+    stride: int | None = None
+    documents: int = 0
+
+    @property
+    def tokens(self) -> int:
+        return next(iter(self.results.values())).tokens
+
+    def candidates(self) -> list[str]:
+        return [name for name in self.results if name != self.reference]
+
+    def ratio(self, name: str) -> float | None:
+        """Token perplexity of ``name`` over the reference's (1.0 = no loss)."""
+        if self.reference is None:
+            return None
+        return self.results[name].token_perplexity / self.results[self.reference].token_perplexity
+
+    def describe(self) -> str:
+        stride = f", stride {self.stride}" if self.stride else ", non-overlapping windows"
+        data = f"{self.data} " if self.data else ""
+        return (f"{data}({self.tokens} tokens in {self.documents} documents; window {self.max_length}{stride}; "
+                f"fingerprint {self.fingerprint or '-'})")
+
+    def table(self) -> str:
+        """Markdown table: metrics as rows; reference, each model and its ratio to the reference as columns."""
+        names = list(self.results)
+        header = ["metric"]
+        for name in names:
+            header.append(name)
+            if self.reference is not None and name != self.reference:
+                header.append("ratio" if len(names) == 2 else f"{name} / {self.reference}")
+        rows = []
+        for label, attr in METRICS:
+            row = [label]
+            for name in names:
+                value = getattr(self.results[name], attr)
+                row.append(_fmt(value))
+                if self.reference is not None and name != self.reference:
+                    row.append(_fmt(value / getattr(self.results[self.reference], attr)))
+            rows.append(row)
+        if self.reference is not None:
+            for label, values in ((KL_LABEL.replace("converted", "model"), self.kl), (TOP1_LABEL, self.top1)):
+                row = [label]
+                for name in names:
+                    row.append(_fmt(values.get(name)))
+                    if name != self.reference:
+                        row.append("")
+                rows.append(row)
+        lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+        lines += ["| " + " | ".join(row) + " |" for row in rows]
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict:
+        return {
+            "data": self.data, "fingerprint": self.fingerprint, "documents": self.documents, "tokens": self.tokens,
+            "max_length": self.max_length, "stride": self.stride, "reference": self.reference,
+            "results": {name: r.to_dict() for name, r in self.results.items()},
+            # against a reference only: without one there is nothing to agree with
+            "kl": self.kl if self.reference else {}, "top1_agreement": self.top1 if self.reference else {},
+            "ratio": {name: self.ratio(name) for name in self.candidates()} if self.reference else {},
+        }
+
+    def card(self, converted: str) -> dict:
+        """The ``config.normswap["evaluation"]`` block for one converted model (read by ``model_card``)."""
+        if self.reference is None:
+            raise EvaluationError("a model-card evaluation needs the original as reference")
+        original, model = self.results[self.reference], self.results[converted]
+        metrics = {label: {"original": getattr(original, attr), "converted": getattr(model, attr)}
+                   for label, attr in METRICS}
+        metrics[KL_LABEL] = {"original": "-", "converted": self.kl[converted]}
+        metrics[TOP1_LABEL] = {"original": "-", "converted": self.top1[converted]}
+        return {
+            "dataset": f"{self.data or 'text'}, lm-eval rolling windows of {self.max_length} tokens"
+                       + (f", stride {self.stride}" if self.stride else ", non-overlapping"),
+            "data": self.data, "fingerprint": self.fingerprint, "tokens": self.tokens,
+            "max_length": self.max_length, "stride": self.stride, "metrics": metrics,
+            "table": self._pair(converted).table(),
+        }
+
+    def _pair(self, converted: str) -> Evaluation:
+        keep = {self.reference: self.results[self.reference], "converted": self.results[converted]}
+        return Evaluation(keep, self.reference, {"converted": self.kl[converted]},
+                          {"converted": self.top1[converted]}, self.data, self.fingerprint, self.max_length,
+                          self.stride, self.documents)
+
+
+def _device(model: nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
+class _Scorer:
+    """Accumulates NLL per model and, against the reference, KL and top-1 matches, over scored positions."""
+
+    def __init__(self, names: list[str], reference: str | None):
+        self.names, self.reference = names, reference
+        self.nll = {n: 0.0 for n in names}
+        self.kl = {n: 0.0 for n in names if n != reference}
+        self.match = {n: 0 for n in names if n != reference}
+
+    def add(self, logits: dict[str, torch.Tensor], targets: torch.Tensor) -> None:
+        """``logits[name]``: (positions, vocab) for the scored positions; ``targets``: (positions,)."""
+        for start in range(0, len(targets), LOGIT_CHUNK):
+            part = slice(start, start + LOGIT_CHUNK)
+            target = targets[part]
+            logp = {n: torch.log_softmax(logits[n][part].float(), dim=-1) for n in self.names}
+            for n in self.names:
+                self.nll[n] -= logp[n].gather(-1, target[:, None].to(logp[n].device)).double().sum().item()
+            if self.reference is None:
+                continue
+            ref = logp[self.reference]
+            ref_p, ref_top = ref.exp(), ref.argmax(-1)
+            for n in self.kl:
+                other = logp[n].to(ref.device)
+                self.kl[n] += (ref_p * (ref - other)).sum(-1).double().sum().item()
+                self.match[n] += int((other.argmax(-1) == ref_top).sum())
+
+
+@torch.no_grad()
+def evaluate(
+    model: nn.Module | Mapping[str, nn.Module],
+    tokenizer=None,
+    texts: Iterable[str] | None = None,
+    *,
+    against: nn.Module | None = None,
+    docs: list[Document] | None = None,
+    max_length: int | None = None,
+    stride: int | None = None,
+    max_tokens: int | None = None,
+    batch_size: int = 1,
+    prefix_token: int | None = None,
+    data: str | None = None,
+    progress: bool = True,
+) -> Evaluation:
+    """Perplexity of ``model`` (or of each model in a ``{name: model}`` mapping) over ``texts`` or ``docs``.
+
+    ``against``: the original model; the result then holds it under ``"original"`` with KL and top-1 agreement of
+    every other model to it, all computed on the same windows in one pass. ``max_tokens`` caps the tokens scored
+    (for CPU use); ``data`` is the spec recorded with the result.
+    """
+    from tqdm.auto import tqdm
+
+    from ..data import fingerprint as content_fingerprint
+
+    models = dict(model) if isinstance(model, Mapping) else {"model" if against is None else "converted": model}
+    if against is not None:
+        if REFERENCE in models:
+            raise EvaluationError(f"the name {REFERENCE!r} is reserved for the reference model")
+        models = {REFERENCE: against, **models}
+    if not models:
+        raise EvaluationError("no model to evaluate")
+    for name, m in models.items():
+        _check_causal(name, m)
+        m.eval()
+    vocab_sizes = {name: m.get_output_embeddings().weight.shape[0] for name, m in models.items()
+                   if getattr(m, "get_output_embeddings", None) and m.get_output_embeddings() is not None}
+    if len(set(vocab_sizes.values())) > 1:
+        raise EvaluationError(f"the models have different vocabularies ({vocab_sizes}): compare a converted model "
+                              "only with the original it came from")
+    first = next(iter(models.values()))
+    fingerprint = None
+    if docs is None:
+        if tokenizer is None or texts is None:
+            raise EvaluationError("pass texts with a tokenizer, or pre-tokenized docs")
+        texts = list(texts)
+        fingerprint = content_fingerprint(texts)
+        docs = documents(tokenizer, texts, max_tokens)
+    elif max_tokens is not None:
+        raise EvaluationError("max_tokens applies to texts; cut pre-tokenized docs yourself")
+    if not docs:
+        raise EvaluationError("the evaluation text gives no tokens")
+    max_length = max_length or default_max_length(first, tokenizer)
+    if max_length < 1:
+        raise EvaluationError(f"window length must be positive, got {max_length}")
+    prefix = _prefix_token(first, tokenizer) if prefix_token is None else prefix_token
+
+    # All windows of all documents, grouped by length so batches need no padding (padding would change nothing in
+    # exact arithmetic but does in floating point, and some models mishandle it).
+    windows = [(d, *w) for d, doc in enumerate(docs) for w in rolling_windows(len(doc.tokens), max_length, stride)]
+    windows.sort(key=lambda w: -w[2])
+    sequences = [torch.tensor([prefix] + doc.tokens, dtype=torch.long) for doc in docs]
+    names = list(models)
+    scorer = _Scorer(names, REFERENCE if against is not None else None)
+    total = sum(w[3] for w in windows)
+    bar = tqdm(total=total, unit="tok", desc="perplexity", disable=not progress, dynamic_ncols=True)
+    i = 0
+    while i < len(windows):
+        length = windows[i][2]
+        batch = [windows[i]]
+        while len(batch) < batch_size and i + len(batch) < len(windows) and windows[i + len(batch)][2] == length:
+            batch.append(windows[i + len(batch)])
+        i += len(batch)
+        inputs = torch.stack([sequences[d][s : s + n] for d, s, n, _ in batch])
+        targets = torch.cat([sequences[d][s + n - k + 1 : s + n + 1] for d, s, n, k in batch])
+        logits = {}
+        for name, m in models.items():
+            out = m(input_ids=inputs.to(_device(m)), use_cache=False).logits
+            rows = [out[b, n - k:] for b, (_, _, n, k) in enumerate(batch)]
+            logits[name] = rows[0] if len(rows) == 1 else torch.cat(rows)  # a view when it can: logits are big
+            del out
+        scorer.add(logits, targets)
+        bar.update(sum(k for *_, k in batch))
+    bar.close()
+
+    tokens = sum(len(d.tokens) for d in docs)
+    words, nbytes = sum(d.words for d in docs), sum(d.bytes for d in docs)
+    assert total == tokens, "rolling windows must score every token exactly once"
+    return Evaluation(
+        results={n: Perplexity(scorer.nll[n], tokens, words, nbytes) for n in names},
+        reference=scorer.reference,
+        kl={n: v / tokens for n, v in scorer.kl.items()},
+        top1={n: v / tokens for n, v in scorer.match.items()},
+        data=data, fingerprint=fingerprint, max_length=max_length, stride=stride, documents=len(docs),
+    )
+
+
+def overlap_warning(calib_spec: str | None, calib_texts: list[str] | None,
+                    eval_spec: str | None, eval_texts: list[str] | None,
+                    calib_fingerprint: str | None = None) -> str | None:
+    """One line saying how calibration and evaluation data overlap, or None when they are disjoint.
+
+    Compares the resolved specs (``builtin`` means ``builtin:calibration`` for calibration and ``builtin:evaluation``
+    for evaluation) and the documents' content hashes, so the same file under two names is caught too.
+    ``calib_fingerprint`` (``data.fingerprint`` of the calibration texts, as a checkpoint may record it) stands in
+    for calibration texts that are not at hand.
+    """
+    import hashlib
+
+    from ..data import BUILTIN
+    from ..data import fingerprint as content_fingerprint
+
+    def resolved(spec, default):
+        spec = spec or BUILTIN
+        return f"{BUILTIN}:{default}" if spec == BUILTIN else spec
+
+    a, b = resolved(calib_spec, "calibration"), resolved(eval_spec, "evaluation")
+    if calib_fingerprint and eval_texts is not None and calib_fingerprint == content_fingerprint(eval_texts):
+        return (f"evaluation data {b} has the same content (fingerprint {calib_fingerprint}) as the calibration "
+                f"data: the evaluation is not on held-out text")
+    if a == b:
+        return (f"calibration and evaluation both use {a}: the evaluation is not on held-out text "
+                f"(use builtin:evaluation, a test split, or a different file for evaluation)")
+    if calib_texts is None or eval_texts is None:
+        return None
+    digest = lambda t: hashlib.sha256(t.strip().encode()).hexdigest()  # noqa: E731
+    shared = {digest(t) for t in calib_texts if t.strip()} & {digest(t) for t in eval_texts if t.strip()}
+    if shared:
+        return (f"calibration data {a} and evaluation data {b} share {len(shared)} of {len(eval_texts)} evaluation "
+                f"documents: the evaluation is not on held-out text")
+    return None

@@ -1,0 +1,117 @@
+"""scripts/bench_recovery.py: the curve's plot, shared calibrated starts, refusal of bad input (no training)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from file_modules import import_file
+
+bench = import_file("scripts/bench_recovery.py")
+recipe = import_file("recipes/finetune.py")
+
+
+def test_plot_draws_every_series_from_the_json_lines(tmp_path):
+    curve = tmp_path / "curve.jsonl"
+    rows = [{"norm": norm, "method": method, "budget": t, "tokens": t, "ratio": 20.0 / (1 + t / 1000),
+             "kl": 3.0 / (1 + t / 1000), "top1": 0.2 + t / 1e5}
+            for norm in ("eln", "dyt") for method in ("logits", "layerwise+logits") for t in (0, 2048, 5120)]
+    curve.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    path = bench.plot(curve, tmp_path / "curve.png")
+    assert path.stat().st_size > 10_000
+
+
+def test_an_encoders_curve_is_its_embedding_agreement(tmp_path):
+    """A sentence encoder's summary (hf_normswap.evaluation.embeddings) gives cosine / neighbours / rank correlation points,
+    plotted on their own axes."""
+    evaluation = {"data": "test.txt", "sentences": 266, "tokens": 8000, "reference": "original",
+                  "results": {"converted": {"cosine": 0.96, "nearest_neighbour_agreement": 0.7, "spearman": 0.97}}}
+    row = bench.point({"finetuned": evaluation}, "finetuned")
+    assert row == {"cosine": 0.96, "neighbours": 0.7, "spearman": 0.97, "eval_sentences": 266, "eval_tokens": 8000}
+    assert bench.describe(row) == "cosine 0.96, neighbours 0.7, spearman 0.97"
+    curve = tmp_path / "curve.jsonl"
+    rows = [{"norm": norm, "method": "config", "budget": t, "tokens": t, "cosine": 0.85 + t / 1e6,
+             "neighbours": 0.5 + t / 1e6, "spearman": 0.9 + t / 1e6} for norm in ("eln", "dyt") for t in (0, 77000)]
+    curve.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    assert bench.plot(curve, tmp_path / "curve.png").stat().st_size > 10_000
+
+
+def test_methods_with_the_same_calibration_share_the_calibrated_start(tmp_path):
+    args = argparse.Namespace(set=["calibration.strategy=fast"])
+    runs = tmp_path / "runs"
+    (runs / "eln-logits" / "calibrated").mkdir(parents=True)
+    (runs / "eln-logits" / "calibrated" / "config.json").write_text("{}")
+    bench.share_calibration(args, "eln", "layerwise", runs / "eln-layerwise")
+    assert (runs / "eln-layerwise" / "calibrated").resolve() == (runs / "eln-logits" / "calibrated").resolve()
+    bench.share_calibration(args, "eln", "blockwise", runs / "eln-blockwise")  # its own calibration
+    assert not (runs / "eln-blockwise" / "calibrated").exists()
+    bench.share_calibration(args, "dyt", "layerwise", runs / "dyt-layerwise")  # another norm
+    assert not (runs / "dyt-layerwise" / "calibrated").exists()
+
+
+def test_a_run_per_budget_has_its_own_directory_and_shares_the_calibrated_start(tmp_path):
+    args = argparse.Namespace(set=[], out=str(tmp_path), run_per_budget=True)
+    first, second = (bench.run_directory(args, "eln", "config", b) for b in (77000, 308000))
+    assert first.name == "eln-config-77000" and second.name == "eln-config-308000"
+    (first / "calibrated").mkdir(parents=True)
+    (first / "calibrated" / "config.json").write_text("{}")
+    bench.share_calibration(args, "eln", "config", second)
+    assert (second / "calibrated").resolve() == (first / "calibrated").resolve()
+    bench.share_calibration(args, "eln", "blockwise", bench.run_directory(args, "eln", "blockwise", 77000))
+    assert not (tmp_path / "runs" / "eln-blockwise-77000" / "calibrated").exists()  # its own calibration
+    chunks = argparse.Namespace(out=str(tmp_path), run_per_budget=False)
+    assert bench.run_directory(chunks, "eln", "config", 77000).name == "eln-config"
+
+
+def test_a_decaying_schedule_over_several_budgets_needs_a_run_per_budget(tmp_path, capsys):
+    """Extending a cosine run changes its length and so the rate of the steps already taken: refused at once."""
+    data = tmp_path / "text.txt"
+    data.write_text("text")
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main(["--train-data", str(data), "--eval-data", str(data), "--schedule", "cosine",
+                    "--budgets", "0", "1000", "2000", "--out", str(tmp_path / "out")])
+    assert exit_info.value.code == 2 and "--run-per-budget" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_command_line_wins_over_the_methods_own_setting(tmp_path):
+    """--set distill.hidden=30 measures the configs' method with that one setting changed, not silently without it."""
+    args = argparse.Namespace(set=["distill.hidden=30", "calibration.block_steps=120"], train_data="train.txt",
+                              eval_data="test.txt", threads=1, schedule="constant_with_warmup")
+    overrides = bench.recipe_overrides(args, "eln", "blockwise-60x1+layerwise", 1024, tmp_path / "run")
+    config = recipe.load_config(["--config", str(bench.ROOT / "recipes/configs/smollm2-eln.yaml"), *overrides])
+    assert config["distill"]["hidden"] == 30 and config["calibration"]["block_steps"] == 120
+    assert "calibration.block_steps=120" in bench.calibration_settings(args, "blockwise-60x1+layerwise")
+
+
+def test_missing_data_is_refused_before_any_run(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main(["--train-data", str(tmp_path / "absent.txt"), "--eval-data", str(tmp_path / "absent.txt"),
+                    "--out", str(tmp_path / "out")])
+    assert exit_info.value.code == 2 and "--train-data" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def resolved(method: str, config: str = "recipes/configs/smollm2-eln.yaml") -> dict:
+    args = argparse.Namespace(set=[], train_data="train.txt", eval_data="test.txt", threads=1,
+                              schedule="constant_with_warmup")
+    overrides = bench.recipe_overrides(args, "eln", method, 1024, bench.ROOT / "out" / "unused")
+    return recipe.load_config(["--config", str(bench.ROOT / config), *overrides])
+
+
+@pytest.mark.parametrize("config", ["recipes/configs/smollm2-eln.yaml", "recipes/configs/smollm2-dyt.yaml"])
+def test_each_method_keeps_its_calibration_whatever_the_config_says(config):
+    """A named method measures the calibration its curve was measured with, so a change of the configs' calibration
+    does not silently change an earlier curve's method; the configs' own recovery is blockwise-240x1+layerwise."""
+    keys = ("strategy", "num_blocks", "block_steps", "block_rows", "block_weights_lr")
+    for method in bench.METHODS:
+        if method != "config":
+            pinned = bench.calibration_settings(argparse.Namespace(set=[]), method)
+            assert {f"calibration.{key}" for key in keys} <= {item.split("=")[0] for item in pinned}, method
+    assert resolved("logits", config)["calibration"]["block_steps"] == 40
+    assert resolved("blockwise-60x1", config)["calibration"]["num_blocks"] == 16
+    configs = resolved("config", config)
+    assert {k: configs[k] for k in ("calibration", "distill")} == \
+        {k: resolved("blockwise-240x1+layerwise", config)[k] for k in ("calibration", "distill")}
