@@ -6,9 +6,12 @@ A checkpoint's ``config.json`` is checked in ``checkpoint/config_checks.py``.
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import math
 import os
+import types
+import typing
 from numbers import Real
 from pathlib import Path
 
@@ -76,20 +79,69 @@ def check_data_files(paths, flag: str) -> None:
         raise ValidationError(f"{flag} {', '.join(map(str, paths))}: no text (the files are empty)")
 
 
-# ------------------------------------------------------------------------------------------- nested settings
+# ------------------------------------------------------------------------------------------- typed settings
 
 
-def check_keys(settings: dict, known: dict, prefix: str = "") -> None:
-    """Every key of ``settings`` is in ``known`` (key -> nested ``known`` dict, or None for a leaf); an unknown
-    key is refused with the nearest known one suggested, so a typo cannot be ignored silently."""
+def _matches(value, hint) -> bool:
+    """``value`` is of the annotated type ``hint`` (the forms settings use: plain classes, ``X | None``, ``Literal``,
+    ``list[X]`` / ``tuple[X, ...]``, ``dict`` and ``Any``); an int stands for a float."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if hint is typing.Any:
+        return True
+    if hint is type(None):
+        return value is None
+    if origin in (typing.Union, types.UnionType):
+        return any(_matches(value, arg) for arg in args)
+    if origin is typing.Literal:
+        return value in args
+    if origin in (list, tuple):
+        return isinstance(value, (list, tuple)) and all(_matches(v, args[0]) for v in value)
+    if origin is dict or hint is dict:
+        return isinstance(value, dict)
+    if hint is float:
+        return isinstance(value, Real) and not isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, hint)
+
+
+def _type_name(hint) -> str:
+    if typing.get_origin(hint) is typing.Literal:
+        return "one of " + ", ".join(map(repr, typing.get_args(hint)))
+    return str(hint).replace("typing.", "") if not isinstance(hint, type) else hint.__name__
+
+
+def check_known(key, known, prefix: str = "") -> None:
+    """An unknown setting is refused with the nearest known one suggested, so a typo cannot be ignored silently."""
+    if key not in known:
+        close = difflib.get_close_matches(str(key), [str(k) for k in known], n=1)
+        hint = f"did you mean {prefix}{close[0]}?" if close else f"known: {', '.join(sorted(map(str, known)))}"
+        raise ValidationError(f"unknown setting {prefix}{key}: {hint}")
+
+
+def settings_from_mapping(cls, settings: dict, prefix: str = "", start=None):
+    """A ``cls`` dataclass from a mapping such as a YAML section: every key must be a field (an unknown one is refused
+    with the nearest field suggested), every value of its field's annotated type, and nested dataclass fields are
+    read the same way from nested mappings. ``start``: the instance whose values the mapping updates (default: the
+    class's defaults). ``__post_init__`` then checks ranges; its ValueError becomes a ValidationError."""
+    if not isinstance(settings, dict):
+        raise ValidationError(f"setting {prefix.rstrip('.') or 'config'} must be a mapping, got {shown(settings)}")
+    hints = typing.get_type_hints(cls)
+    known = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    values = {}
     for key, value in settings.items():
         name = f"{prefix}{key}"
-        if key not in known:
-            close = difflib.get_close_matches(str(key), [str(k) for k in known], n=1)
-            hint = f"did you mean {prefix}{close[0]}?" if close else f"known: {', '.join(sorted(map(str, known)))}"
-            raise ValidationError(f"unknown setting {name}: {hint}")
-        if isinstance(known[key], dict):
-            if not isinstance(value, dict):
-                raise ValidationError(f"setting {name} must be a mapping of {', '.join(sorted(known[key]))}, "
-                                      f"got {shown(value)}")
-            check_keys(value, known[key], name + ".")
+        check_known(key, known, prefix)
+        hint = hints[key]
+        if dataclasses.is_dataclass(hint):
+            nested_start = getattr(start, key) if start is not None else known[key].default_factory()
+            value = settings_from_mapping(hint, value, name + ".", start=nested_start)
+        elif not _matches(value, hint):
+            raise ValidationError(f"setting {name} must be {_type_name(hint)}, got {shown(value)}")
+        values[key] = value
+    try:
+        return dataclasses.replace(start, **values) if start is not None else cls(**values)
+    except ValidationError:
+        raise
+    except ValueError as error:
+        raise ValidationError(f"{prefix}{error}" if prefix else str(error)) from None

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
 import math
 import os
@@ -34,54 +35,8 @@ import time
 from pathlib import Path
 
 import torch
-import yaml
-
-DEFAULTS = {
-    "model": "offline:smollm2",  # original to convert, or an already converted checkpoint
-    "original": None,            # the original when `model` is already converted (teacher and reference)
-    "method": "eln",
-    "calibration": {"data": "builtin", "strategy": None, "num_blocks": 16, "block_len": 512},
-    "train_data": "builtin:calibration",
-    "eval_data": "builtin:evaluation",
-    "block_len": 256,            # training sequence length (packed, no padding; a sentence encoder: its longest)
-    "max_train_tokens": None,    # cap on training text (tokens)
-    "train_tokens": None,        # tokens to train on in total, all processes and launches: sets training.max_steps
-    "eval_blocks": 8,            # blocks of eval_data for the Trainer's periodic eval_loss / eval_perplexity
-    "final_eval": {"max_tokens": 8192, "max_length": 512},  # hf_normswap.evaluation.perplexity, before and after training
-    "trainable": "norms",        # norms | all | lora
-    "lora": {"r": 16, "alpha": 32, "dropout": 0.0, "target_modules": "all-linear"},
-    # loss = (1 - weight) * CE + weight * (logit KL + hidden * layer-wise loss + embedding * (1 - cosine of the
-    # mean-pooled last hidden states, a sentence encoder's embedding)); hf_normswap.training.distill, .layerwise
-    "distill": {"weight": 0.5, "temperature": 1.0, "logits": True, "hidden": 0.0, "sink_weight": 0.0,
-                "embedding": 0.0},
-    "precision": "auto",         # auto | fp32 | bf16 (autocast, fp32 master weights): auto times both on this machine
-    "head_chunk": 256,           # distillation: tokens per chunk through the output head (0: full B x T x V logits)
-    "freeze_embeddings": False,  # keep the input embeddings and the (tied) output head fixed
-    "lr": {"base": 1.0e-4, "shape": None, "gamma": None},  # log alpha (log beta: 2x), gamma / bias; default: base
-    "progressive": {"enabled": False, "order": "depth", "every": 20, "ramp": None, "start": 0, "group": 1,
-                    "role_order": None},  # order: depth | reverse_depth | role | PATH.json (`normswap sensitivity`)
-    "max_minutes": None,         # wall-clock budget for this launch; stops with a checkpoint
-    "resume": True,              # continue from the last checkpoint and summary in output_dir (false: a new run)
-    "output_dir": "out/finetune",
-    "save_dir": None,            # default: OUTPUT/final
-    "push_to_hub": None,         # Hub repo id
-    "threads": None,             # torch threads per process (CPU)
-    "seed": 0,
-    "training": {"max_steps": 100, "per_device_train_batch_size": 4, "gradient_accumulation_steps": 1,
-                 "lr_scheduler_type": "cosine", "warmup_steps": 10, "weight_decay": 0.0, "max_grad_norm": 1.0,
-                 "logging_steps": 5, "eval_strategy": "steps", "eval_steps": 25, "save_strategy": "steps",
-                 "save_steps": 25, "save_total_limit": 2, "report_to": "none"},
-}
-
 
 # ------------------------------------------------------------------------------------------------ configuration
-
-
-def merge(base: dict, update: dict) -> dict:
-    out = copy.deepcopy(base)
-    for key, value in (update or {}).items():
-        out[key] = merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
-    return out
 
 
 def fail(message: str):
@@ -90,118 +45,20 @@ def fail(message: str):
     raise SystemExit(2)
 
 
-def load_config(argv=None) -> dict:
-    from hf_normswap.validation import first_line
+def load_config(argv=None):
+    """The settings (``hf_normswap.training.config.RecipeConfig``) of the YAML file and the overrides, every key,
+    type and range checked, then what they name on disk, before anything is loaded."""
+    from hf_normswap.checkpoint.save_load import CheckpointError, check_output_dir
+    from hf_normswap.training.config import read_recipe_config
+    from hf_normswap.validation import ValidationError
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", help="YAML file (recipes/configs/*.yaml)")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="e.g. training.max_steps=20 method=dyt")
     args = parser.parse_args(argv)
-    config = copy.deepcopy(DEFAULTS)
-    if args.config:
-        try:
-            loaded = yaml.safe_load(Path(args.config).read_text()) or {}
-        except (OSError, yaml.YAMLError) as error:
-            fail(f"--config {args.config}: {first_line(error)}")
-        if not isinstance(loaded, dict):
-            fail(f"--config {args.config}: expected a mapping of settings, got a {type(loaded).__name__}")
-        config = merge(config, loaded)
-    for item in args.overrides:
-        key, sep, value = item.partition("=")
-        if not sep:
-            fail(f"override {item!r} is not KEY=VALUE")
-        *path, last = key.lstrip("-").split(".")
-        section = config
-        for part in path:
-            section = section.setdefault(part, {})
-            if not isinstance(section, dict):
-                fail(f"override {item!r}: {part} is not a section")
-        try:
-            section[last] = yaml.safe_load(value)
-        except yaml.YAMLError as error:
-            fail(f"override {item!r}: {first_line(error)}")
-    check_config(config)
-    for key, value in config["training"].items():  # YAML 1.1 reads an unquoted `no` as false
-        if key.endswith("_strategy") and value is False:
-            config["training"][key] = "no"
-    return config
-
-
-def known_settings() -> dict:
-    """Every setting the recipe reads, as nested dicts (leaves None): DEFAULTS, plus what the sections are passed
-    to accepts (TrainingArguments' fields, CalibrationConfig's, apply_lora's and evaluate's keyword arguments)."""
-    import dataclasses
-    import inspect
-
-    from transformers import TrainingArguments
-
-    from hf_normswap.calibration.calibrate import CalibrationConfig
-    from hf_normswap.training.distill import apply_lora
-    from hf_normswap.evaluation.perplexity import evaluate
-
-    def leaves(names):
-        return dict.fromkeys(names)
-
-    known = {k: leaves(v) if isinstance(v, dict) else None for k, v in DEFAULTS.items()}
-    known["training"] = leaves(f.name for f in dataclasses.fields(TrainingArguments) if f.init)
-    known["calibration"] = leaves(f.name for f in dataclasses.fields(CalibrationConfig) if f.name != "tokenizer")
-    known["lora"] = leaves(inspect.signature(apply_lora).parameters)
-    known["lora"].pop("model", None)
-    known["final_eval"] = leaves(p.name for p in inspect.signature(evaluate).parameters.values()
-                                 if p.kind is p.KEYWORD_ONLY and p.name not in ("against", "docs", "data", "progress"))
-    for owned in ("output_dir", "seed", "learning_rate"):  # set from the recipe's own settings
-        known["training"].pop(owned, None)
-    return known
-
-
-def check_config(config: dict) -> None:
-    """Every key known and every value in range, before anything is loaded: see :func:`known_settings`."""
-    from hf_normswap.calibration.calibrate import CalibrationConfig
-    from hf_normswap.checkpoint.save_load import CheckpointError, check_output_dir
-    from hf_normswap.modules import METHODS
-    from hf_normswap.precision import PRECISIONS
-    from hf_normswap.validation import ValidationError, check_keys, check_number
-
-    def at_least(value, name, minimum, optional=False):
-        if not (optional and value is None):
-            check_number(value, name, minimum=minimum)
-            if minimum >= 1 and value != int(value):
-                raise ValidationError(f"{name} must be a whole number, got {value!r}")
-
     try:
-        check_keys(config, known_settings())
-        if config["method"] not in METHODS:
-            raise ValidationError(f"method {config['method']!r} is unknown: choose from {', '.join(METHODS)}")
-        if config["trainable"] not in ("norms", "all", "lora"):
-            raise ValidationError(f"trainable {config['trainable']!r} is unknown: choose norms, all or lora")
-        if config["precision"] not in PRECISIONS:
-            raise ValidationError(f"precision {config['precision']!r} is unknown: choose auto, fp32 or bf16")
-        for name in ("model", "train_data", "eval_data", "output_dir"):
-            if not isinstance(config[name], str) or not config[name]:
-                raise ValidationError(f"{name} must be a non-empty string, got {config[name]!r}")
-        for name, value in (("block_len", config["block_len"]), ("eval_blocks", config["eval_blocks"]),
-                            ("calibration.num_blocks", config["calibration"].get("num_blocks")),
-                            ("calibration.block_len", config["calibration"].get("block_len")),
-                            ("lora.r", config["lora"].get("r"))):
-            at_least(value, name, 1)
-        for name, value in (("max_train_tokens", config["max_train_tokens"]), ("threads", config["threads"]),
-                            *((f"final_eval.{k}", v) for k, v in config["final_eval"].items())):
-            at_least(value, name, 1, optional=True)
-        at_least(config["distill"]["weight"], "distill.weight", 0)
-        at_least(config["distill"]["temperature"], "distill.temperature", 1e-6)
-        at_least(config["lr"]["base"], "lr.base", 0)
-        for name in ("shape", "gamma"):
-            at_least(config["lr"][name], f"lr.{name}", 0, optional=True)
-        at_least(config["max_minutes"], "max_minutes", 0, optional=True)
-        at_least(config["head_chunk"], "head_chunk", 0)
-        at_least(config["seed"], "seed", 0)
-        try:  # the strategy, precision, device and cache limit, before the model loads
-            CalibrationConfig(**{k: v for k, v in config["calibration"].items() if v is not None}).resolved()
-        except ValueError as error:
-            raise ValidationError(f"calibration: {error}") from None
-        if config["progressive"]["enabled"] and config["trainable"] == "lora":
-            raise ValidationError("progressive conversion works with trainable: norms or all, not lora")
-        check_output_dir(config["save_dir"] or Path(config["output_dir"]) / "final", overwrite=True)
+        config = read_recipe_config(args.config, args.overrides)
+        check_output_dir(config.save_path, overwrite=True)
         check_calibration_cache(config)
         if os.environ.get("ACCELERATE_USE_FSDP") == "true" or os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE") == "3":
             raise ValidationError("sharded weights (FSDP, DeepSpeed ZeRO-3) are not supported: the final evaluation "
@@ -209,26 +66,28 @@ def check_config(config: dict) -> None:
                                   "(recipes/accelerate_configs/multi_gpu.yaml) or one process")
     except (ValidationError, CheckpointError) as error:
         fail(str(error))
+    return config
 
 
-def check_calibration_cache(config: dict) -> None:
-    """A resumed run reuses ``OUTPUT/calibrated`` only if it was calibrated as the config asks: another method or
-    other calibration settings in the same output_dir would otherwise train a start the config does not describe."""
+def check_calibration_cache(config) -> None:
+    """A resumed run reuses ``OUTPUT/calibrated`` only if it was converted as the config asks: another method or
+    other calibration settings in the same output_dir would otherwise train a start the config does not describe.
+    The cached model's own record (``ConvertConfig.from_pretrained``) is compared with the config."""
     from hf_normswap.checkpoint.save_load import read_config
+    from hf_normswap.convert import ConvertConfig
     from hf_normswap.validation import ValidationError
 
-    cache = Path(config["output_dir"]) / "calibrated"
-    cached = read_config(cache) if config["resume"] and converted_checkpoint(config) is None else None
-    if cached is None:
+    cache = Path(config.output_dir) / "calibrated"
+    if not (config.resume and converted_checkpoint(config) is None and read_config(cache)):
         return
-    recorded = {"method": cached["normswap"].get("method"), **cached["normswap"].get("calibration", {})}
-    if isinstance(recorded.get("precision"), dict):  # recorded with its probe's timings
-        recorded["precision"] = recorded["precision"].get("requested")
-    how_it_ran = ("progress", "plots", "device", "cache_memory_mb")  # not what it made
-    asked = {"method": config["method"], **{k: v for k, v in config["calibration"].items()
-                                            if v is not None and k not in how_it_ran}}
-    differ = [f"{key} {recorded.get(key)!r} (the config: {value!r})" for key, value in asked.items()
-              if recorded.get(key) != value]
+    made = ConvertConfig.from_pretrained(cache)
+    how_it_ran = ("progress", "plots", "device", "cache_memory_mb", "tokenizer")  # not what it made
+    names = [f.name for f in dataclasses.fields(config.calibration) if f.name not in how_it_ran]
+    asked = {"method": config.method, **{name: getattr(config.calibration, name) for name in names}}
+    recorded = {"method": made.method, **{name: getattr(made.calibration, name) for name in names}}
+    filled_in = (None, "auto")  # left to the strategy: recorded as the strategy resolved them
+    differ = [f"{key} {recorded[key]!r} (the config: {value!r})" for key, value in asked.items()
+              if value not in filled_in and recorded[key] != value]
     if differ:
         raise ValidationError(f"{cache} was calibrated with {', '.join(differ)}: name another output_dir, or set "
                               "resume=false to calibrate again")
@@ -237,14 +96,14 @@ def check_calibration_cache(config: dict) -> None:
 # --------------------------------------------------------------------------------------------------------- data
 
 
-def check_data(config: dict) -> None:
+def check_data(config) -> None:
     """Read every text source before any model loads, so a missing file or an unreachable Hub dataset stops the
     run at once with one line naming the key that overrides it."""
     from hf_normswap.data import DataError, load_texts
 
-    sources = [("train_data", config["train_data"], "calibration"), ("eval_data", config["eval_data"], "evaluation")]
+    sources = [("train_data", config.train_data, "calibration"), ("eval_data", config.eval_data, "evaluation")]
     if converted_checkpoint(config) is None:  # a converted checkpoint is calibrated already
-        sources.insert(0, ("calibration.data", config["calibration"]["data"], "calibration"))
+        sources.insert(0, ("calibration.data", config.calibration.data, "calibration"))
     for key, spec, split in sources:
         try:
             load_texts(spec, split)
@@ -306,50 +165,48 @@ def block_perplexity(model, dataset, batch_size: int = 4) -> float:
 # -------------------------------------------------------------------------------------------------------- models
 
 
-def converted_checkpoint(config: dict) -> dict | None:
+def converted_checkpoint(config) -> dict | None:
     """config.json of ``model`` when it is a checkpoint converted by hf_normswap (no calibration then), else None."""
     from hf_normswap.checkpoint.save_load import read_config
 
-    return read_config(config["model"]) if Path(config["model"]).is_dir() else None
+    return read_config(config.model) if Path(config.model).is_dir() else None
 
 
-def original_spec(config: dict) -> str:
+def original_spec(config) -> str:
     """The original the converted model is trained toward (teacher and reference)."""
     converted = converted_checkpoint(config)
     if converted is None:
-        return config["model"]
-    spec = config["original"] or converted["normswap"].get("base_model")
+        return config.model
+    spec = config.original or converted["normswap"].get("base_model")
     if not spec:
         raise SystemExit("finetune: the checkpoint does not name its original; set original: in the config")
     return spec
 
 
-def load_models(config: dict, state):
+def load_models(config, state):
     """(student, original, tokenizer). The main process calibrates and caches; the others load its result."""
     import hf_normswap
-    from hf_normswap.calibration.calibrate import CalibrationConfig
     from hf_normswap.checkpoint.save_load import read_config
     from hf_normswap.checkpoint.loading import load_model
 
-    cache = Path(config["output_dir"]) / "calibrated"
+    cache = Path(config.output_dir) / "calibrated"
     if converted_checkpoint(config) is not None:
-        student, tokenizer = load_model(config["model"])
+        student, tokenizer = load_model(config.model)
         original, _ = load_model(original_spec(config), with_tokenizer=False)
         return student, original, tokenizer
-    original, tokenizer = load_model(config["model"])
+    original, tokenizer = load_model(config.model)
     with state.main_process_first():
         # the main process reuses the cache on a resume (check_calibration_cache: it matches the config); the others
         # come after it and load what it has just written
-        if read_config(cache) is not None and (config["resume"] or not state.is_main_process):
+        if read_config(cache) is not None and (config.resume or not state.is_main_process):
             student = hf_normswap.load(cache)
             print(f"[finetune] calibrated model from {cache}", flush=True)
         else:
             student = copy.deepcopy(original)
-            calib = {k: v for k, v in config["calibration"].items() if v is not None}
             start = time.time()
-            report = hf_normswap.convert(student, to=config["method"],
-                                         calibration=CalibrationConfig(tokenizer=tokenizer, **calib))
-            print(f"[finetune] converted {len(report.converted)} norms to {config['method'].upper()} with "
+            report = hf_normswap.convert(student, to=config.method,
+                                         calibration=dataclasses.replace(config.calibration, tokenizer=tokenizer))
+            print(f"[finetune] converted {len(report.converted)} norms to {config.method.upper()} with "
                   f"calibration in {time.time() - start:.0f}s", flush=True)
             if state.is_main_process:
                 hf_normswap.save_pretrained(student, cache, tokenizer=tokenizer, overwrite=True)
@@ -379,20 +236,20 @@ def trainable_dense(model):
     return model
 
 
-def final_evaluation(model, original, tokenizer, config: dict, name: str):
+def final_evaluation(model, original, tokenizer, config, name: str):
     from hf_normswap.data import load_texts
     from hf_normswap.evaluation.perplexity import evaluate
     from hf_normswap.evaluation.embeddings import evaluate_embeddings
     from hf_normswap.model_inputs import ends_in_hidden_states
 
-    texts = load_texts(config["eval_data"], "evaluation")
+    texts = load_texts(config.eval_data, "evaluation")
     if ends_in_hidden_states(original):  # the embedding its users consume: cosine, neighbours and rank correlation
-        return evaluate_embeddings(model, original, tokenizer, texts, data=config["eval_data"], **config["final_eval"])
-    return evaluate({name: model}, tokenizer, texts, against=original, data=config["eval_data"], progress=False,
-                    **config["final_eval"])
+        return evaluate_embeddings(model, original, tokenizer, texts, data=config.eval_data, **config.final_eval.arguments())
+    return evaluate({name: model}, tokenizer, texts, against=original, data=config.eval_data, progress=False,
+                    **config.final_eval.arguments())
 
 
-def training_precision(config: dict, student, original, train_set, tokenizer, state):
+def training_precision(config, student, original, train_set, tokenizer, state):
     """fp32 or bf16 autocast (``precision``); ``auto`` times the recipe's own step (forward, loss, backward; one
     batch of training rows) in both on the main process, and every process takes its answer."""
     from accelerate.utils import broadcast_object_list
@@ -400,16 +257,16 @@ def training_precision(config: dict, student, original, train_set, tokenizer, st
     from hf_normswap.training.distill import training_step_precision
 
     choice = [None]
-    if state.is_main_process or config["precision"] != "auto":
-        distill = config["distill"]
-        rows = train_set[:config["training"]["per_device_train_batch_size"]]["input_ids"]
+    if state.is_main_process or config.precision != "auto":
+        distill = config.distill
+        rows = train_set[:config.training["per_device_train_batch_size"]]["input_ids"]
         batch = tokenizer.pad({"input_ids": rows}, return_tensors="pt")  # sentences differ in length
-        choice = [training_step_precision(config["precision"], student, original, dict(batch), device=state.device,
-                                          head_chunk=config["head_chunk"], distill_weight=distill["weight"],
-                                          temperature=distill["temperature"], logits=distill["logits"],
-                                          hidden_weight=distill["hidden"], sink_weight=distill["sink_weight"],
-                                          embedding_weight=distill["embedding"])]
-    if state.num_processes > 1 and config["precision"] == "auto":
+        choice = [training_step_precision(config.precision, student, original, dict(batch), device=state.device,
+                                          head_chunk=config.head_chunk, distill_weight=distill.weight,
+                                          temperature=distill.temperature, logits=distill.logits,
+                                          hidden_weight=distill.hidden, sink_weight=distill.sink_weight,
+                                          embedding_weight=distill.embedding)]
+    if state.num_processes > 1 and config.precision == "auto":
         choice = broadcast_object_list(choice)
     return choice[0]
 
@@ -480,8 +337,8 @@ def reloads_identically(model, directory: Path, tokenizer) -> bool:
 def main(argv=None) -> int:
     config = load_config(argv)
     check_data(config)
-    if config["threads"]:
-        torch.set_num_threads(int(config["threads"]))
+    if config.threads:
+        torch.set_num_threads(int(config.threads))
     from accelerate import PartialState
     from transformers import TrainingArguments, set_seed
     from transformers.trainer_utils import get_last_checkpoint
@@ -494,15 +351,15 @@ def main(argv=None) -> int:
 
     # On a machine without GPU, `accelerate launch --multi_gpu --num_processes N` starts N CPU processes; they
     # join with gloo only when the state is created with cpu=True (accelerate's --cpu starts a single process).
-    cpu = bool(config["training"].get("use_cpu")) or not torch.cuda.is_available()
-    config["training"]["use_cpu"] = cpu
+    cpu = bool(config.training.get("use_cpu")) or not torch.cuda.is_available()
+    config.training["use_cpu"] = cpu
     state = PartialState(cpu=cpu)
-    set_seed(config["seed"])
-    out = Path(config["output_dir"])
-    save_dir = Path(config["save_dir"] or out / "final")
+    set_seed(config.seed)
+    out = Path(config.output_dir)
+    save_dir = config.save_path
     summary_path = out / "summary.json"
-    summary = json.loads(summary_path.read_text()) if summary_path.exists() and config["resume"] else {}
-    summary["config"] = config
+    summary = json.loads(summary_path.read_text()) if summary_path.exists() and config.resume else {}
+    summary["config"] = config.to_dict()
     log = (lambda *a: print("[finetune]", *a, flush=True)) if state.is_main_process else (lambda *a: None)
 
     # 1. models
@@ -524,64 +381,64 @@ def main(argv=None) -> int:
 
     # 3. train
     encoder = ends_in_hidden_states(original)
-    distill = config["distill"]
-    hidden_terms = distill["hidden"] or distill["embedding"]
-    if encoder and not (distill["weight"] == 1 and not distill["logits"] and hidden_terms):
+    distill = config.distill
+    hidden_terms = distill.hidden or distill.embedding
+    if encoder and not (distill.weight == 1 and not distill.logits and hidden_terms):
         fail("a sentence encoder has no logits: train it on hidden states alone, distill.weight=1 "
              "distill.logits=false and distill.hidden or distill.embedding > 0 (recipes/configs/minilm-eln.yaml)")
     if encoder:  # trained on hidden states alone; evaluated by embedding cosine after training
-        train_set = sentence_dataset(tokenizer, config["train_data"], config["block_len"], config["max_train_tokens"])
+        train_set = sentence_dataset(tokenizer, config.train_data, config.block_len, config.max_train_tokens)
         eval_set = None
     else:
-        train_set = block_dataset(tokenizer, config["train_data"], "calibration", config["block_len"],
-                                  config["max_train_tokens"])
-        eval_set = block_dataset(tokenizer, config["eval_data"], "evaluation", config["block_len"],
-                                 max_blocks=config["eval_blocks"])
-    if config["train_tokens"] is not None:  # takes precedence over max_steps
-        training = config["training"]
+        train_set = block_dataset(tokenizer, config.train_data, "calibration", config.block_len,
+                                  config.max_train_tokens)
+        eval_set = block_dataset(tokenizer, config.eval_data, "evaluation", config.block_len,
+                                 max_blocks=config.eval_blocks)
+    if config.train_tokens is not None:  # takes precedence over max_steps
+        training = config.training
         per_step = (tokens_per_row(train_set) * training["per_device_train_batch_size"]
                     * training.get("gradient_accumulation_steps", 1) * state.num_processes)
-        training["max_steps"] = max(1, math.ceil(int(config["train_tokens"]) / per_step))
-    progressive = config["progressive"]
+        training["max_steps"] = max(1, math.ceil(int(config.train_tokens) / per_step))
+    progressive = config.progressive
     swap = None
-    if progressive["enabled"]:
-        stages = schedule({name: entry["role"] for name, entry in converted.items()}, start=progressive["start"],
-                          every=progressive["every"], ramp=progressive["ramp"], order=progressive["order"],
-                          role_order=progressive["role_order"], group=progressive["group"])
+    if progressive.enabled:
+        stages = schedule({name: entry["role"] for name, entry in converted.items()}, start=progressive.start,
+                          every=progressive.every, ramp=progressive.ramp, order=progressive.order,
+                          role_order=progressive.role_order, group=progressive.group)
         swap = ProgressiveSwap(student, {n: original.get_submodule(n) for n in converted}, stages)
-        log(f"progressive: {len(stages)} stages by {progressive['order']}, every {progressive['every']} steps")
+        log(f"progressive: {len(stages)} stages by {progressive.order}, every {progressive.every} steps")
     dropout = disable_dropout(student)  # before LoRA, whose own dropout is the lora config's
     if dropout:
         log(f"dropout off in {dropout} places of the student: it is fitted to the original's exact outputs")
-    if config["trainable"] == "lora":
-        student = apply_lora(student, **config["lora"])
+    if config.trainable == "lora":
+        student = apply_lora(student, **dataclasses.asdict(config.lora))
         trainable = sum(p.numel() for p in student.parameters() if p.requires_grad)
     else:
-        trainable = set_trainable(student, config["trainable"])
-    if config["freeze_embeddings"]:
+        trainable = set_trainable(student, config.trainable)
+    if config.freeze_embeddings:
         trainable = freeze_embeddings(student)
-    rows = f"sentences (at most {config['block_len']} tokens)" if encoder else f"blocks of {config['block_len']} tokens"
-    log(f"training {trainable:,} parameters ({config['trainable']}) on {len(train_set)} {rows}")
+    rows = f"sentences (at most {config.block_len} tokens)" if encoder else f"blocks of {config.block_len} tokens"
+    log(f"training {trainable:,} parameters ({config.trainable}) on {len(train_set)} {rows}")
 
     precision = training_precision(config, student, original, train_set, tokenizer, state)
-    config["training"]["bf16"] = precision.bf16
+    config.training["bf16"] = precision.bf16
     log(precision.describe())
-    args = TrainingArguments(output_dir=str(out), seed=config["seed"], learning_rate=config["lr"]["base"],
+    args = TrainingArguments(output_dir=str(out), seed=config.seed, learning_rate=config.lr.base,
                              prediction_loss_only=True, eval_on_start=not encoder,
                              **{"include_num_input_tokens_seen": "non_padding" if encoder else "all",
-                                **config["training"]})
-    callbacks = [WallClockStop(config["max_minutes"])] if config["max_minutes"] else []
+                                **config.training})
+    callbacks = [WallClockStop(config.max_minutes)] if config.max_minutes else []
     if swap is not None:
         callbacks.append(ProgressiveSwapCallback(swap))
     trainer = NormSwapTrainer(model=student, args=args, train_dataset=train_set, eval_dataset=eval_set,
                               processing_class=tokenizer, callbacks=callbacks,
-                              teacher=original if distill["weight"] > 0 else None, distill_weight=distill["weight"],
-                              temperature=distill["temperature"], logits=distill["logits"],
-                              hidden_weight=distill["hidden"], sink_weight=distill["sink_weight"],
-                              embedding_weight=distill["embedding"],
-                              shape_lr=config["lr"]["shape"], gamma_lr=config["lr"]["gamma"],
-                              head_chunk=config["head_chunk"])
-    last = get_last_checkpoint(str(out)) if config["resume"] and out.is_dir() else None
+                              teacher=original if distill.weight > 0 else None, distill_weight=distill.weight,
+                              temperature=distill.temperature, logits=distill.logits,
+                              hidden_weight=distill.hidden, sink_weight=distill.sink_weight,
+                              embedding_weight=distill.embedding,
+                              shape_lr=config.lr.shape, gamma_lr=config.lr.gamma,
+                              head_chunk=config.head_chunk)
+    last = get_last_checkpoint(str(out)) if config.resume and out.is_dir() else None
     log(f"resuming from {last}" if last else "training from the calibrated model")
     resumed = json.loads((Path(last) / "trainer_state.json").read_text()) if last else {}
     start = time.time()
@@ -600,10 +457,11 @@ def main(argv=None) -> int:
                                                    "start_step": resumed.get("global_step", 0),
                                                    "start_tokens": resumed.get("num_input_tokens_seen", 0),
                                                    "global_step": trainer.state.global_step, "tokens": tokens}]
-        training = {"steps": trainer.state.global_step, "tokens_seen": tokens, "trainable": config["trainable"],
-                    "distill": distill, "lr": config["lr"], "progressive": progressive if swap else None,
-                    "train_data": config["train_data"], "block_len": config["block_len"],
-                    "precision": vars(precision), "freeze_embeddings": config["freeze_embeddings"],
+        training = {"steps": trainer.state.global_step, "tokens_seen": tokens, "trainable": config.trainable,
+                    "distill": dataclasses.asdict(distill), "lr": dataclasses.asdict(config.lr),
+                    "progressive": dataclasses.asdict(progressive) if swap else None,
+                    "train_data": config.train_data, "block_len": config.block_len,
+                    "precision": vars(precision), "freeze_embeddings": config.freeze_embeddings,
                     "wall_seconds": round(sum(s["wall_seconds"] for s in launches), 1),
                     "world_size": state.num_processes, "train_loss": result.training_loss}
         model.config.normswap["training"] = training
@@ -612,7 +470,7 @@ def main(argv=None) -> int:
         identical = reloads_identically(model, save_dir, tokenizer)
         original_block_ppl = None if encoder else block_perplexity(original, eval_set)
         curve = plot_history(history, out / "curve.png", original_block_ppl,
-                             f"{config['model']} -> {config['method'].upper()}, {config['trainable']}, "
+                             f"{config.model} -> {config.method.upper()}, {config.trainable}, "
                              f"{tokens:,} tokens")
         summary.update(finetuned=after.to_dict(), training=training, launches=launches, history=history,
                        reload_identical=identical, curve=str(curve), checkpoint=str(save_dir),
@@ -624,10 +482,10 @@ def main(argv=None) -> int:
             f"calibration -> {ratio['finetuned']:.4g} after "
             f"{trainer.state.global_step} steps ({tokens:,} tokens, {wall / 60:.1f} min); saved {save_dir} "
             f"(reloads identically: {identical}); curve {curve}")
-        if config["push_to_hub"]:
+        if config.push_to_hub:
             from hf_normswap.checkpoint.hub import push
 
-            log(f"pushed to {push(save_dir, config['push_to_hub'])}")
+            log(f"pushed to {push(save_dir, config.push_to_hub)}")
     state.wait_for_everyone()
     return 0
 

@@ -123,7 +123,7 @@ def test_recipe_rejects_an_unknown_precision_before_any_work(capsys):
     from file_modules import import_file
 
     recipe = import_file("recipes/finetune.py")
-    assert recipe.load_config(["precision=bf16"])["precision"] == "bf16"
+    assert recipe.load_config(["precision=bf16"]).precision == "bf16"
     with pytest.raises(SystemExit) as error:
         recipe.load_config(["precision=fp16"])
     assert error.value.code == 2 and "precision 'fp16' is unknown: choose auto, fp32 or bf16" in capsys.readouterr().err

@@ -140,6 +140,10 @@ class CalibrationConfig:
         for key in ("block_steps", "block_rows", "block_weights_lr", "tune_steps", "tune_blocks"):
             if getattr(out, key) is None:
                 setattr(out, key, getattr(preset, key))
+        for name in ("num_blocks", "block_len", "batch_size", "max_tokens_per_norm"):
+            value = getattr(out, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a whole number of at least 1, got {value!r}")
         check_precision(out.precision)
         check_device(out.device)
         if out.cache_memory_mb is not None and not out.cache_memory_mb >= 0:

@@ -19,6 +19,7 @@ import hf_normswap
 from hf_normswap import cli
 from hf_normswap.checkpoint import model_card, remote_code, save_load
 from hf_normswap.model_inputs import dummy_inputs, first_tensor
+from matrix import Case, converted
 from tiny_models import ARCHITECTURES, tiny_model
 
 METHOD = {arch: ("dyt" if i % 3 == 1 else "eln") for i, arch in enumerate(ARCHITECTURES)}  # both methods covered
@@ -33,8 +34,7 @@ def saved(tmp_path_factory):
     root = tmp_path_factory.mktemp("checkpoints")
     result = {}
     for arch in ARCHITECTURES:
-        model = tiny_model(arch)
-        hf_normswap.convert(model, to=METHOD[arch], per_channel=arch in ("llama", "bert"))
+        model, _ = converted(Case(arch, METHOD[arch], per_channel=arch in ("llama", "bert")))
         inputs = dummy_inputs(model)
         with torch.no_grad():
             reference = first_tensor(model(**inputs))

@@ -9,6 +9,7 @@ from hf_normswap.discovery.norms import norm_parameters
 from hf_normswap.model_inputs import dummy_inputs, first_tensor
 from hf_normswap.modules import ElementwiseNorm
 from hf_normswap.discovery.roles import ROLES
+from matrix import ANALYTIC, cases, converted
 from tiny_models import ARCHITECTURES, tiny_model
 
 # model_type -> (number of norms in the 2-layer tiny model, kind, Gemma-style 1+w weight)
@@ -83,15 +84,14 @@ def test_role_labelling_costs_the_same_forward_passes_whatever_the_depth(arch):
     assert len(roles[1]) > len(roles[0]) and set(roles[1]) == set(roles[0])
 
 
-@pytest.mark.parametrize("arch", ARCHITECTURES)
-@pytest.mark.parametrize("method", ["eln", "dyt"])
-def test_convert_all_norms_and_forward_is_finite_in_fp32_and_bf16(arch, method):
-    model = tiny_model(arch)
-    report = hf_normswap.convert(model, to=method, roles=ROLES)
+@cases(ANALYTIC)
+def test_convert_all_norms_and_forward_is_finite_in_fp32_and_bf16(case):
+    model, report = converted(case)
+    arch, method = case.arch, case.method
     assert len(report.converted) == len(report.found) == EXPECTED[arch][0]
     assert not report.skipped
-    converted = [m for m in model.modules() if isinstance(m, ElementwiseNorm)]
-    assert len(converted) == len(report.converted)
+    modules = [m for m in model.modules() if isinstance(m, ElementwiseNorm)]
+    assert len(modules) == len(report.converted)
     assert model.config.normswap["method"] == method
     assert set(model.config.normswap["converted"]) == {c.name for c in report.converted}
     for dtype in (torch.float32, torch.bfloat16):

@@ -82,7 +82,7 @@ def test_the_command_line_wins_over_the_methods_own_setting(tmp_path):
                               eval_data="test.txt", threads=1, schedule="constant_with_warmup")
     overrides = bench.recipe_overrides(args, "eln", "blockwise-60x1+layerwise", 1024, tmp_path / "run")
     config = recipe.load_config(["--config", str(bench.ROOT / "recipes/configs/smollm2-eln.yaml"), *overrides])
-    assert config["distill"]["hidden"] == 30 and config["calibration"]["block_steps"] == 120
+    assert config.distill.hidden == 30 and config.calibration.block_steps == 120
     assert "calibration.block_steps=120" in bench.calibration_settings(args, "blockwise-60x1+layerwise")
 
 
@@ -98,7 +98,7 @@ def resolved(method: str, config: str = "recipes/configs/smollm2-eln.yaml") -> d
     args = argparse.Namespace(set=[], train_data="train.txt", eval_data="test.txt", threads=1,
                               schedule="constant_with_warmup")
     overrides = bench.recipe_overrides(args, "eln", method, 1024, bench.ROOT / "out" / "unused")
-    return recipe.load_config(["--config", str(bench.ROOT / config), *overrides])
+    return recipe.load_config(["--config", str(bench.ROOT / config), *overrides]).to_dict()
 
 
 @pytest.mark.parametrize("config", ["recipes/configs/smollm2-eln.yaml", "recipes/configs/smollm2-dyt.yaml"])

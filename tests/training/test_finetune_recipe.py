@@ -8,6 +8,7 @@ accelerate state with ``cpu=True`` (accelerate's own ``--cpu`` flag starts a sin
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
@@ -172,8 +173,6 @@ def test_a_resumed_run_refuses_a_cached_calibration_the_config_does_not_describe
     instead of training a start the config does not describe; ``resume=false`` calibrates anew."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from hf_normswap.calibration.calibrate import CalibrationConfig
-
     root, model_dir = tiny_setup
     recipe = import_file("recipes/finetune.py")
     output = tmp_path / "run"
@@ -181,8 +180,7 @@ def test_a_resumed_run_refuses_a_cached_calibration_the_config_does_not_describe
     config = recipe.load_config(base)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir)
-    settings = {k: v for k, v in config["calibration"].items() if v is not None}
-    hf_normswap.convert(model, to="eln", calibration=CalibrationConfig(tokenizer=tokenizer, **settings))
+    hf_normswap.convert(model, to="eln", calibration=dataclasses.replace(config.calibration, tokenizer=tokenizer))
     hf_normswap.save_pretrained(model, output / "calibrated", tokenizer=tokenizer)
 
     recipe.load_config([*base, "calibration.progress=true"])  # calibrated as asked: the run goes on
@@ -377,7 +375,7 @@ def test_progressive_swap_blends_from_original_to_converted():
 def test_configs_name_hub_or_builtin_data_and_local_files_override_them(config, tmp_path, capsys):
     recipe = import_file("recipes/finetune.py")
     named = recipe.load_config(["--config", str(config)])
-    for spec in (named["calibration"]["data"], named["train_data"], named["eval_data"]):
+    for spec in (named.calibration.data, named.train_data, named.eval_data):
         assert spec.startswith(("wikitext:wikitext-2-raw-v1:", "builtin")), spec  # nothing outside the repository
     text = tmp_path / "text.txt"
     text.write_text(" ".join(WORDS))
@@ -408,4 +406,4 @@ def test_a_strategy_set_to_no_stays_no(tmp_path):
     config = tmp_path / "c.yaml"
     config.write_text("training: {save_strategy: no}\n")
     loaded = recipe.load_config(["--config", str(config), "training.eval_strategy=no"])
-    assert loaded["training"]["eval_strategy"] == loaded["training"]["save_strategy"] == "no"
+    assert loaded.training["eval_strategy"] == loaded.training["save_strategy"] == "no"

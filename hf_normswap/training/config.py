@@ -1,0 +1,216 @@
+"""The recovery recipe's settings (``recipes/finetune.py``), typed: YAML and ``key=value`` overrides are read into
+these dataclasses, so an unknown key, a value of the wrong type or out of range is refused by name before any model
+loads. The ``training`` section is transformers' own ``TrainingArguments``, checked by building one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from ..calibration.calibrate import CalibrationConfig
+from ..modules import METHODS
+from ..precision import PRECISIONS
+from ..validation import ValidationError, check_known, check_number, first_line, settings_from_mapping
+
+# set by the recipe from its own settings: output_dir, seed, learning_rate (lr.base)
+OWNED_TRAINING_ARGUMENTS = ("output_dir", "seed", "learning_rate")
+
+
+def _at_least(value, name: str, minimum: float, whole: bool = False) -> None:
+    if value is None:
+        return
+    check_number(value, name, minimum=minimum)
+    if whole and value != int(value):
+        raise ValidationError(f"{name} must be a whole number, got {value!r}")
+
+
+@dataclass
+class DistillSettings:
+    """loss = (1 - weight) * CE + weight * (logit KL + hidden * layer-wise + embedding * (1 - embedding cosine))."""
+
+    weight: float = 0.5
+    temperature: float = 1.0
+    logits: bool = True
+    hidden: float = 0.0
+    sink_weight: float = 0.0
+    embedding: float = 0.0
+
+    def __post_init__(self):
+        _at_least(self.weight, "distill.weight", 0)
+        _at_least(self.temperature, "distill.temperature", 1e-6)
+
+
+@dataclass
+class LearningRates:
+    """``base`` for the weights; ``shape`` for log alpha / log beta and ``gamma`` for the norms' scale and bias
+    (None: ``base``)."""
+
+    base: float = 1.0e-4
+    shape: float | None = None
+    gamma: float | None = None
+
+    def __post_init__(self):
+        for name in ("base", "shape", "gamma"):
+            _at_least(getattr(self, name), f"lr.{name}", 0)
+
+
+@dataclass
+class ProgressiveSettings:
+    """Convert the norms a few at a time during training (``hf_normswap.training.progressive``)."""
+
+    enabled: bool = False
+    order: str = "depth"  # depth | reverse_depth | role | PATH.json (`normswap sensitivity --json`)
+    every: int = 20
+    ramp: int | None = None
+    start: int = 0
+    group: int = 1
+    role_order: list[str] | None = None
+
+
+@dataclass
+class LoraSettings:
+    """peft LoRA adapters (``trainable: lora``); the DyT / ELN modules train in full."""
+
+    r: int = 16
+    alpha: int = 32
+    dropout: float = 0.0
+    target_modules: str | list[str] = "all-linear"
+
+    def __post_init__(self):
+        _at_least(self.r, "lora.r", 1, whole=True)
+
+
+@dataclass
+class FinalEvaluation:
+    """The evaluation against the original before and after training (``hf_normswap.evaluate``)."""
+
+    max_tokens: int | None = 8192
+    max_length: int | None = 512
+    batch_size: int | None = None
+
+    def __post_init__(self):
+        for name in ("max_tokens", "max_length", "batch_size"):
+            _at_least(getattr(self, name), f"final_eval.{name}", 1, whole=True)
+
+    def arguments(self) -> dict:
+        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+
+
+def _training_defaults() -> dict:
+    return {"max_steps": 100, "per_device_train_batch_size": 4, "gradient_accumulation_steps": 1,
+            "lr_scheduler_type": "cosine", "warmup_steps": 10, "weight_decay": 0.0, "max_grad_norm": 1.0,
+            "logging_steps": 5, "eval_strategy": "steps", "eval_steps": 25, "save_strategy": "steps",
+            "save_steps": 25, "save_total_limit": 2, "report_to": "none"}
+
+
+@dataclass
+class RecipeConfig:
+    """Every setting of ``recipes/finetune.py``; the defaults are an offline run on the packaged SmolLM2."""
+
+    model: str = "offline:smollm2"  # the original to convert, or an already converted checkpoint
+    original: str | None = None  # the original when ``model`` is already converted (teacher and reference)
+    method: str = "eln"
+    calibration: CalibrationConfig = field(default_factory=lambda: CalibrationConfig(num_blocks=16, block_len=512))
+    train_data: str = "builtin:calibration"
+    eval_data: str = "builtin:evaluation"
+    block_len: int = 256  # training sequence length (packed; a sentence encoder: its longest)
+    max_train_tokens: int | None = None  # cap on the training text
+    train_tokens: int | None = None  # tokens to train on in total, over every process and launch (sets max_steps)
+    eval_blocks: int = 8  # blocks of eval_data for the Trainer's periodic evaluation
+    final_eval: FinalEvaluation = field(default_factory=FinalEvaluation)
+    trainable: Literal["norms", "all", "lora"] = "norms"
+    lora: LoraSettings = field(default_factory=LoraSettings)
+    distill: DistillSettings = field(default_factory=DistillSettings)
+    precision: str = "auto"  # auto | fp32 | bf16 (autocast, fp32 master weights); auto times both here
+    head_chunk: int = 256  # tokens per chunk through the output head in the distillation loss (0: all at once)
+    freeze_embeddings: bool = False
+    lr: LearningRates = field(default_factory=LearningRates)
+    progressive: ProgressiveSettings = field(default_factory=ProgressiveSettings)
+    max_minutes: float | None = None  # wall-clock budget of this launch; stops with a checkpoint
+    resume: bool = True  # go on from the last checkpoint in output_dir (false: a new run)
+    output_dir: str = "out/finetune"
+    save_dir: str | None = None  # default: OUTPUT/final
+    push_to_hub: str | None = None  # Hub repo id for the final checkpoint
+    threads: int | None = None  # torch threads per process
+    seed: int = 0
+    training: dict[str, Any] = field(default_factory=_training_defaults)  # TrainingArguments fields
+
+    def __post_init__(self):
+        if self.method not in METHODS:
+            raise ValidationError(f"method {self.method!r} is unknown: choose from {', '.join(METHODS)}")
+        if self.precision not in PRECISIONS:
+            raise ValidationError(f"precision {self.precision!r} is unknown: choose {', '.join(PRECISIONS[:-1])} or "
+                                  f"{PRECISIONS[-1]}")
+        for name in ("model", "train_data", "eval_data", "output_dir"):
+            if not getattr(self, name):
+                raise ValidationError(f"{name} must be a non-empty string")
+        for name in ("block_len", "eval_blocks"):
+            _at_least(getattr(self, name), name, 1, whole=True)
+        for name in ("max_train_tokens", "train_tokens", "threads"):
+            _at_least(getattr(self, name), name, 1, whole=True)
+        _at_least(self.max_minutes, "max_minutes", 0)
+        _at_least(self.head_chunk, "head_chunk", 0, whole=True)
+        _at_least(self.seed, "seed", 0, whole=True)
+        try:  # the strategy, precision, device and cache limit, before the model loads
+            self.calibration.resolved()
+        except ValueError as error:
+            raise ValidationError(f"calibration: {error}") from None
+        if self.progressive.enabled and self.trainable == "lora":
+            raise ValidationError("progressive conversion works with trainable: norms or all, not lora")
+        self._check_training()
+
+    def _check_training(self) -> None:
+        from transformers import TrainingArguments
+
+        known = {f.name for f in dataclasses.fields(TrainingArguments) if f.init} - set(OWNED_TRAINING_ARGUMENTS)
+        merged = {**_training_defaults(), **self.training}
+        for key, value in merged.items():  # YAML 1.1 reads an unquoted `no` as false
+            if key.endswith("_strategy") and value is False:
+                merged[key] = "no"
+        for key in merged:
+            check_known(key, known, "training.")
+        self.training = merged
+
+    @property
+    def save_path(self) -> Path:
+        return Path(self.save_dir or Path(self.output_dir) / "final")
+
+    def to_dict(self) -> dict:
+        """The settings as plain values (``summary.json``), without the calibration's tokenizer."""
+        out = dataclasses.asdict(self)
+        out["calibration"].pop("tokenizer", None)
+        return out
+
+
+def read_recipe_config(path: str | None, overrides: list[str]) -> RecipeConfig:
+    """A YAML file (or the defaults) updated by ``key=value`` overrides (dotted keys reach into sections, values are
+    read as YAML); ValidationError names the file, the override or the setting that is wrong."""
+    settings: dict = {}
+    if path:
+        try:
+            loaded = yaml.safe_load(Path(path).read_text()) or {}
+        except (OSError, yaml.YAMLError) as error:
+            raise ValidationError(f"--config {path}: {first_line(error)}") from None
+        if not isinstance(loaded, dict):
+            raise ValidationError(f"--config {path}: expected a mapping of settings, got a {type(loaded).__name__}")
+        settings = loaded
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ValidationError(f"override {item!r} is not KEY=VALUE")
+        *sections, last = key.lstrip("-").split(".")
+        section = settings
+        for part in sections:
+            section = section.setdefault(part, {})
+            if not isinstance(section, dict):
+                raise ValidationError(f"override {item!r}: {part} is not a section")
+        try:
+            section[last] = yaml.safe_load(value)
+        except yaml.YAMLError as error:
+            raise ValidationError(f"override {item!r}: {first_line(error)}") from None
+    return settings_from_mapping(RecipeConfig, settings)

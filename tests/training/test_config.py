@@ -1,0 +1,53 @@
+"""The recipe's typed settings: every key, type and range is checked from the dataclasses, before anything loads."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from hf_normswap.training.config import RecipeConfig, read_recipe_config
+from hf_normswap.validation import ValidationError, settings_from_mapping
+
+CONFIGS = sorted((Path(__file__).resolve().parents[2] / "recipes" / "configs").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["distill.wieght=1"], "unknown setting distill.wieght: did you mean distill.weight?"),
+    (["calibration.num_blok=3"], "unknown setting calibration.num_blok: did you mean calibration.num_blocks?"),
+    (["training.max_stpes=3"], "unknown setting training.max_stpes: did you mean training.max_steps?"),
+    (["trainable=some"], "setting trainable must be one of 'norms', 'all', 'lora', got 'some'"),
+    (["block_len=abc"], "setting block_len must be int, got 'abc'"),
+    (["distill.logits=maybe"], "setting distill.logits must be bool, got 'maybe'"),
+    (["distill=3"], "setting distill must be a mapping, got 3"),
+    (["lr.base=-1"], "lr.base must be at least 0, got -1"),
+    (["block_len=0"], "block_len must be at least 1, got 0"),
+    (["method=rms"], "method 'rms' is unknown: choose from"),
+    (["calibration.strategy=xx"], "calibration: unknown calibration strategy 'xx'"),
+    (["trainable=lora", "progressive.enabled=true"], "progressive conversion works with trainable: norms or all"),
+    (["training.output_dir=x"], "unknown setting training.output_dir"),  # the recipe's own output_dir sets it
+    (["block_len"], "override 'block_len' is not KEY=VALUE"),
+])
+def test_a_wrong_setting_is_one_error_that_names_it(overrides, message):
+    with pytest.raises(ValidationError) as error:
+        read_recipe_config(None, overrides)
+    assert message in str(error.value) and "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_every_config_reads_into_the_dataclasses_and_back(path):
+    config = read_recipe_config(str(path), [])
+    settings = config.to_dict()
+    assert settings_from_mapping(RecipeConfig, settings).to_dict() == settings
+
+
+def test_sections_update_their_defaults_and_overrides_reach_into_them(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("calibration: {block_steps: 5}\ndistill: {hidden: 2.0}\ntraining: {max_steps: 7}\n")
+    config = read_recipe_config(str(path), ["distill.weight=1", "calibration.num_blocks=3"])
+    default = RecipeConfig()
+    assert (config.calibration.block_steps, config.calibration.num_blocks) == (5, 3)
+    assert config.calibration.block_len == default.calibration.block_len  # a section keeps what it does not set
+    assert (config.distill.hidden, config.distill.weight) == (2.0, 1)
+    assert config.training["max_steps"] == 7
+    assert config.training["lr_scheduler_type"] == default.training["lr_scheduler_type"]
