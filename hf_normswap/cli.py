@@ -14,7 +14,7 @@ import tempfile
 from pathlib import Path
 
 from .convert import DEFAULT_ROLES, ConversionError, check_selection, convert, plan
-from .data import DataError, local_paths
+from .data import DataError, check_spec
 from .evaluation.perplexity import EvaluationError, is_encoder
 from .fold import FoldError, fold
 from .checkpoint.save_load import CheckpointError, check_output_dir, checkpoint_files, save_pretrained
@@ -29,6 +29,7 @@ from .evaluation.sensitivity import exact
 from .validation import (ValidationError, check_data_files, check_input_scale, check_number, check_output_file,
                          first_line)
 
+GENERATED_EVAL_TOKENS = 8192  # generated evaluation text when no --max-tokens is given
 USER_ERRORS = (ConversionError, ModelLoadError, PackagedModelMissing, DataError, EvaluationError, CheckpointError,
                PushError, FoldError, ValidationError)
 
@@ -260,9 +261,9 @@ def _select_within_budget(args, model, tokenizer):
     """The budget search on a copy: the map on the sensitivity slice, then a bisection of its greedy curve."""
     from dataclasses import replace
 
-    from .data import load_texts
     from .model_inputs import ends_in_hidden_states
-    from .evaluation.sensitivity import CALIB_BLOCKS, CALIB_LEN, measure_map, select_within_budget
+    from .evaluation.sensitivity import (CALIB_BLOCKS, CALIB_LEN, EVAL_LEN, EVAL_WINDOWS, measure_map,
+                                         select_within_budget)
 
     metric, limit = _budget(args)
     encoder = ends_in_hidden_states(model)
@@ -275,7 +276,8 @@ def _select_within_budget(args, model, tokenizer):
         calibration = replace(calibration, num_blocks=CALIB_BLOCKS, block_len=CALIB_LEN, tune_steps=0, plots=None,
                               block_weights_lr=_measured_weights_lr(args),
                               progress=False)
-    measurer = _measurer(args, model, tokenizer, load_texts(args.budget_data, "evaluation"), calibration)
+    texts = evaluation_texts(args.budget_data, model, tokenizer, EVAL_WINDOWS * EVAL_LEN)
+    measurer = _measurer(args, model, tokenizer, texts, calibration)
     _, selected, skipped = plan(model, _roles(args.roles), args.include, args.exclude)
     budget = select_within_budget(measure_map(measurer, selected), measurer, metric, limit)
     if not budget.converted:
@@ -284,7 +286,6 @@ def _select_within_budget(args, model, tokenizer):
 
 
 def _sensitivity(args) -> None:
-    from .data import load_texts
     from .evaluation.sensitivity import measure_map, plot
 
     _check_calibration_args(args)
@@ -293,13 +294,13 @@ def _sensitivity(args) -> None:
     check_number(args.tune_steps, "--tune-steps", minimum=0)
     for spec in (args.calib, args.data):
         if spec:
-            local_paths(spec)
+            check_spec(spec)
     for flag, path in (("--plot", args.plot), ("--log", args.log)):
         if path:
             check_output_file(path, flag)
     model, tokenizer = load_model(args.model)
     _, selected, _ = plan(model, _roles(args.roles), args.include, args.exclude)
-    texts = load_texts(args.data, default_split="evaluation")
+    texts = evaluation_texts(args.data, model, tokenizer, args.windows * args.window_len)
     calibration = _calibration(args, tokenizer)
     if calibration is not None:
         calibration.tune_steps, calibration.progress = args.tune_steps, False
@@ -349,7 +350,7 @@ def _convert(args) -> None:
         check_output_file(args.report, "--report")
     for flag, spec in (("--calib", args.calib), ("--eval", args.eval_data)):  # a mistyped data path, an empty file
         if spec:
-            check_data_files(local_paths(spec), flag)
+            check_data_files(check_spec(spec), flag)
     _check_evaluation_args(args, "eval_")
     if args.push_to_hub:
         preflight(args.push_to_hub)
@@ -357,7 +358,7 @@ def _convert(args) -> None:
         raise PushError("--private needs --push-to-hub REPO")
     budget = _budget(args)
     if budget and args.budget_data:
-        local_paths(args.budget_data)
+        check_spec(args.budget_data)
     model, tokenizer = load_model(args.model)
     original = copy.deepcopy(model) if args.eval_data else None  # the reference for --eval
     if budget:
@@ -451,11 +452,33 @@ def _run_evaluation(args, prefix: str, models, tokenizer, against, data: str, te
                     stride=get("stride"), max_tokens=get("max_tokens"), batch_size=get("batch_size"))
 
 
+def _original_of(model, against):
+    """The model generated evaluation text is sampled from: ``--against``, or the model itself when it is an
+    original (a converted model's samples would score it on its own text)."""
+    if against is not None or not isinstance(getattr(getattr(model, "config", None), "normswap", None), dict):
+        return against if against is not None else model
+    return None
+
+
+def evaluation_texts(spec: str, original, tokenizer, max_tokens: int | None):
+    """The evaluation text; ``generated`` text is sampled from ``original`` (the default budget: 8,192 tokens)."""
+    from .data import load_texts
+
+    return load_texts(spec, default_split="evaluation", model=original, tokenizer=tokenizer,
+                      max_tokens=max_tokens or GENERATED_EVAL_TOKENS)
+
+
 def _calibration_overlap(calib_spec, recorded, data: str, texts) -> str | None:
     """Warning text when the evaluation data overlaps the calibration data (given, or recorded in the model)."""
     from .data import load_texts
     from .evaluation.perplexity import overlap_warning
+    from .generated import is_generated
 
+    if is_generated(calib_spec) or is_generated(recorded.get("data") if isinstance(recorded, dict) else None):
+        if calib_spec == data or (isinstance(recorded, dict) and recorded.get("data") == data):
+            return (f"the evaluation text {data} is the calibration's own sample (the same settings draw the same "
+                    "batches): set another seed, e.g. generated:seed=1")
+        return None
     if calib_spec:
         return overlap_warning(calib_spec, load_texts(calib_spec, "calibration"), data, texts)
     if isinstance(recorded, dict):
@@ -467,9 +490,7 @@ def _calibration_overlap(calib_spec, recorded, data: str, texts) -> str | None:
 
 def _evaluate_conversion(args, model, original, tokenizer) -> None:
     """``convert --eval``: the side-by-side table, printed and stored for the model card."""
-    from .data import load_texts
-
-    texts = load_texts(args.eval_data, default_split="evaluation")
+    texts = evaluation_texts(args.eval_data, original, tokenizer, args.eval_max_tokens)
     _warn(_calibration_overlap(args.calib, None, args.eval_data, texts))
     evaluation = _run_evaluation(args, "eval_", model, tokenizer, original, args.eval_data, texts)
     print(f"\nevaluation on {evaluation.describe()}\n{evaluation.table()}")
@@ -493,13 +514,11 @@ def _embedding_evaluation(args, model, tokenizer, against, texts):
 
 
 def _eval(args) -> None:
-    from .data import load_texts
-
     _check_evaluation_args(args)
-    check_data_files(local_paths(args.data), "--data")
+    check_data_files(check_spec(args.data), "--data")
     model, tokenizer = load_model(args.model)
     against = load_model(args.against, with_tokenizer=False)[0] if args.against else None
-    texts = load_texts(args.data, default_split="evaluation")
+    texts = evaluation_texts(args.data, _original_of(model, against), tokenizer, args.max_tokens)
     recorded = (getattr(getattr(model, "config", None), "normswap", None) or {}).get("calibration")
     _warn(_calibration_overlap(args.calib, recorded, args.data, texts))
     if is_encoder(model):

@@ -8,6 +8,7 @@ Spec forms (``--calib`` and ``--data`` take the same):
   ``.jsonl``, ``.parquet``; loaded through ``datasets``. Several paths may be joined with commas.
 - a Hub dataset ``name[:config][:split]``, e.g. ``wikitext:wikitext-2-raw-v1:test`` (split defaults to ``train``
   for calibration; callers pass their own default).
+- ``generated[:key=value,...]``: the original model's own samples (``generated.py``).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from pathlib import Path
 import torch
 from huggingface_hub import constants, get_session
 
+from .generated import SamplingSettings, is_generated, sample_texts
 from .validation import first_line
 
 BUILTIN = "builtin"
@@ -102,12 +104,41 @@ def _hub(spec: str, default_split: str) -> list[str]:
     return [t for t in rows if t and t.strip()]
 
 
+def generation_settings(spec: str) -> SamplingSettings:
+    """The sampling settings of a ``generated`` spec; DataError for a bad one (cheap: no model needed)."""
+    try:
+        return SamplingSettings.from_spec(spec)
+    except ValueError as error:
+        raise DataError(str(error)) from None
+
+
+def check_spec(spec: str) -> list[Path] | None:
+    """What a text spec can be checked for before a model loads (local files exist, sampling settings are valid);
+    returns the local files it names, None for other sources."""
+    if is_generated(spec):
+        generation_settings(spec)
+        return None
+    return local_paths(spec)
+
+
+def _generated(spec: str, model, tokenizer, max_tokens: int | None, rank: int, world_size: int) -> list[str]:
+    settings = generation_settings(spec)
+    if max_tokens is None:
+        raise DataError("generated text needs a token budget here; this command reads its text whole")
+    prompts = None if settings.prompt == "bos" else load_texts(settings.prompt, "calibration")
+    try:
+        return sample_texts(model, tokenizer, settings, max_tokens, prompt_texts=prompts, rank=rank,
+                            world_size=world_size, progress=rank == 0)
+    except ValueError as error:
+        raise DataError(str(error)) from None
+
+
 def local_paths(spec: str) -> list[Path] | None:
     """The files a spec names, ``None`` for builtin and Hub specs; ``DataError`` for a path that does not exist.
 
     Cheap, so the CLI can refuse a mistyped path before loading a model.
     """
-    if spec == BUILTIN or spec.startswith(BUILTIN + ":"):
+    if spec == BUILTIN or spec.startswith(BUILTIN + ":") or is_generated(spec):
         return None
     paths = [Path(p).expanduser() for p in spec.split(",")]
     if all(p.exists() for p in paths):
@@ -118,9 +149,14 @@ def local_paths(spec: str) -> list[Path] | None:
     return None
 
 
-def load_texts(spec: str | None, default_split: str = "calibration") -> list[str]:
-    """Documents of a text source. ``default_split`` picks the builtin half (and the Hub split, as train/test)."""
+def load_texts(spec: str | None, default_split: str = "calibration", *, model=None, tokenizer=None,
+               max_tokens: int | None = None, rank: int = 0, world_size: int = 1) -> list[str]:
+    """Documents of a text source. ``default_split`` picks the builtin half (and the Hub split, as train/test).
+    ``generated`` text is sampled from ``model`` (the original) with ``tokenizer``, at least ``max_tokens`` tokens;
+    process ``rank`` of ``world_size`` draws its share and reads the others'."""
     spec = spec or BUILTIN
+    if is_generated(spec):
+        return _generated(spec, model, tokenizer, max_tokens, rank, world_size)
     if spec == BUILTIN or spec.startswith(BUILTIN + ":"):
         return _builtin(spec.partition(":")[2] or default_split)
     paths = local_paths(spec)

@@ -99,16 +99,20 @@ def check_calibration_cache(config) -> None:
 def check_data(config) -> None:
     """Read every text source before any model loads, so a missing file or an unreachable Hub dataset stops the
     run at once with one line naming the key that overrides it."""
-    from hf_normswap.data import DataError, load_texts
+    from hf_normswap.data import DataError, generation_settings, load_texts
+    from hf_normswap.generated import is_generated
 
     sources = [("train_data", config.train_data, "calibration"), ("eval_data", config.eval_data, "evaluation")]
     if converted_checkpoint(config) is None:  # a converted checkpoint is calibrated already
         sources.insert(0, ("calibration.data", config.calibration.data, "calibration"))
     for key, spec, split in sources:
         try:
-            load_texts(spec, split)
+            generation_settings(spec) if is_generated(spec) else load_texts(spec, split)  # samples: once loaded
         except DataError as error:
             fail(f"{key}: {error} ({key}=PATH)")
+    if is_generated(config.eval_data) and config.eval_data in (config.train_data, config.calibration.data):
+        fail(f"eval_data {config.eval_data} samples the same text as the training or calibration data: give it "
+             "another seed, e.g. eval_data=generated:seed=1")
 
 
 def block_dataset(tokenizer, spec: str, split: str, block_len: int, max_tokens: int | None = None,

@@ -16,6 +16,7 @@ PACKAGE = Path(hf_normswap.__file__).parent
 STAGES = [
     ("version", "modules"),
     ("kernels", "model_inputs", "precision", "validation"),
+    ("generated",),
     ("data",),
     ("discovery",),
     ("checkpoint",),

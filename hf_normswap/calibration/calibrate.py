@@ -240,9 +240,10 @@ def calibration_batches(model: nn.Module, config: CalibrationConfig) -> tuple[li
 
         if config.tokenizer is None:
             raise ValueError("calibration from text needs a tokenizer: pass CalibrationConfig(tokenizer=...)")
-        texts = load_texts(data, "calibration")
-        fingerprint = content_fingerprint(texts)
         block_len = min(config.block_len, getattr(model.config, "max_position_embeddings", None) or config.block_len)
+        texts = load_texts(data, "calibration", model=model, tokenizer=config.tokenizer,
+                           max_tokens=config.num_blocks * block_len)
+        fingerprint = content_fingerprint(texts)
         if _is_decoder(model):
             ids = token_blocks(config.tokenizer, texts, config.num_blocks, block_len)
             mask = torch.ones_like(ids)

@@ -211,7 +211,8 @@ With the package (`pip install hf-normswap`), without running remote code:
 ```python
 import hf_normswap
 model = hf_normswap.load("REPO_OR_PATH")
-model, tokenizer = hf_normswap.loading.load_model("REPO_OR_PATH")  # with the tokenizer
+from hf_normswap.checkpoint.loading import load_model
+model, tokenizer = load_model("REPO_OR_PATH")  # with the tokenizer
 ```
 
 Without `trust_remote_code=True` the stock loaders refuse this checkpoint (its `model_type` is

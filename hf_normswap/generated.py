@@ -1,0 +1,251 @@
+"""The original model's own samples as text: data for calibration, training and evaluation without a dataset.
+
+A user who converts a model rarely has its pretraining data, but always has the model. Sequences sampled from it
+(batched ``model.generate`` with the KV cache) are text in the model's own domain, in any amount, offline: data-free
+distillation of this kind is how LLM-QAT recovered quantized LLaMA models.
+
+The spec is ``generated`` or ``generated:key=value,...`` with the fields of :class:`SamplingSettings`, for example
+``generated:temperature=0.8,top_p=0.95,length=512`` or ``generated:prompt=wikitext:wikitext-2-raw-v1:train``
+(the first ``prompt_tokens`` tokens of that source's documents start the sequences instead of the BOS token).
+
+Samples go to a cache on disk, one safetensors file a batch (token ids only, nothing executable), under a key made
+of the model's identity (its name and a hash of a sample of every weight) and the settings. Batch ``i`` is drawn with
+its own seed, from ``seed`` and ``i``, so the text does not depend on how many processes drew it or in how many
+launches: a resumed run, another method or another process reads the batches already there and draws only the rest,
+and processes of one launch each draw the batches ``i`` with ``i % world_size == rank``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+from tqdm.auto import tqdm
+
+from .model_inputs import text_config
+
+PREFIX = "generated"
+CACHE_ENV = "HF_NORMSWAP_CACHE"
+
+
+def is_generated(spec: str | None) -> bool:
+    return isinstance(spec, str) and (spec == PREFIX or spec.startswith(PREFIX + ":"))
+
+
+@dataclass(frozen=True)
+class SamplingSettings:
+    """How the original's samples are drawn."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    length: int = 512  # tokens a sequence, prompt included
+    batch_size: int = 16  # sequences a generate call (and a cache file)
+    prompt: str = "bos"  # bos, or a text spec whose documents' first prompt_tokens tokens start the sequences
+    prompt_tokens: int = 8
+    seed: int = 0
+
+    def __post_init__(self):
+        if not (isinstance(self.temperature, (int, float)) and self.temperature > 0 and math.isfinite(self.temperature)):
+            raise ValueError(f"generated: temperature must be above 0, got {self.temperature!r}")
+        if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
+            raise ValueError(f"generated: top_p must be in (0, 1], got {self.top_p!r}")
+        for name in ("length", "batch_size", "prompt_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"generated: {name} must be a whole number of at least 1, got {value!r}")
+        if self.prompt != "bos" and self.prompt_tokens >= self.length:
+            raise ValueError(f"generated: prompt_tokens ({self.prompt_tokens}) must be below length ({self.length})")
+
+    @classmethod
+    def from_spec(cls, spec: str) -> "SamplingSettings":
+        """``generated`` or ``generated:key=value,...``; ValueError names a bad key or value."""
+        options = spec[len(PREFIX) + 1:] if spec.startswith(PREFIX + ":") else ""
+        fields = {f.name: f.type for f in dataclasses.fields(cls)}
+        values = {}
+        for item in filter(None, options.split(",") if "prompt=" not in options else _split_prompt(options)):
+            key, sep, value = item.partition("=")
+            if not sep or key not in fields:
+                raise ValueError(f"generated: {item!r} is not one of {', '.join(f'{k}=...' for k in fields)}")
+            kind = {"float": float, "int": int}.get(fields[key], str)
+            try:
+                values[key] = kind(value)
+            except ValueError:
+                raise ValueError(f"generated: {key}={value!r} is not a {kind.__name__}") from None
+        return cls(**values)
+
+    def check_model(self, model: nn.Module) -> None:
+        """The model can sample, within its context; ValueError naming the fix otherwise."""
+        if model is None:
+            raise ValueError("generated text is sampled from the original model: this command has none to sample "
+                             "from (name the original, e.g. eval MODEL --against ORIGINAL)")
+        if not (getattr(model, "can_generate", lambda: False)() and model.get_output_embeddings() is not None):
+            raise ValueError(f"generated text needs a model with a language-model head; {type(model).__name__} "
+                             "has none: name a text source instead")
+        context = getattr(text_config(model), "max_position_embeddings", None)
+        if context is not None and self.length > context:
+            raise ValueError(f"generated: length {self.length} is beyond the model's context of {context} tokens")
+
+
+def _split_prompt(options: str) -> list[str]:
+    """``prompt=`` takes the rest of the spec (a text spec may hold commas), so it comes last."""
+    head, _, prompt = options.partition("prompt=")
+    return [*filter(None, head.split(",")), "prompt=" + prompt]
+
+
+def model_identity(model: nn.Module) -> str:
+    """The model's name and a hash of every weight's name, shape, dtype and a strided sample of its values: a
+    changed weight changes it, at the cost of a few thousand values a tensor, not the whole model."""
+    digest = hashlib.sha256(str(getattr(model.config, "name_or_path", "")).encode())
+    for name, tensor in sorted(model.state_dict().items()):
+        flat = tensor.detach().reshape(-1)
+        sample = flat[:: max(1, flat.numel() // 4096)].float().cpu()
+        digest.update(f"{name}{tuple(tensor.shape)}{tensor.dtype}".encode())
+        digest.update(sample.numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "hf_normswap") / PREFIX
+
+
+class SampleCache:
+    """The batches of one (model, settings) pair: ``batch-000012.safetensors``, written atomically."""
+
+    def __init__(self, model: nn.Module, settings: SamplingSettings, root: Path | None = None):
+        key = {"model": model_identity(model), **dataclasses.asdict(settings)}
+        name = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+        self.directory = (root or cache_root()) / name
+        self.key = key
+
+    def path(self, index: int) -> Path:
+        return self.directory / f"batch-{index:06d}.safetensors"
+
+    def has(self, index: int) -> bool:
+        return self.path(index).is_file()
+
+    def write(self, index: int, ids: torch.Tensor, lengths: torch.Tensor) -> None:
+        self.directory.mkdir(parents=True, exist_ok=True)
+        (self.directory / "settings.json").write_text(json.dumps(self.key, indent=1))
+        partial = self.path(index).with_suffix(f".partial-{os.getpid()}")
+        save_file({"input_ids": ids.to(torch.int32).contiguous(), "lengths": lengths.to(torch.int32)}, partial)
+        os.replace(partial, self.path(index))  # a kill leaves a .partial file, never a half-written batch
+
+    def read(self, index: int) -> list[list[int]]:
+        batch = load_file(self.path(index))
+        return [row[:n].tolist() for row, n in zip(batch["input_ids"], batch["lengths"].tolist())]
+
+
+def batches_for(max_tokens: int, settings: SamplingSettings) -> int:
+    return max(1, math.ceil(max_tokens / (settings.length * settings.batch_size)))
+
+
+def _prompts(settings: SamplingSettings, tokenizer, prompt_texts: list[str] | None, count: int,
+             start: int) -> torch.Tensor:
+    """``(count, P)`` prompt ids of the sequences ``start .. start + count - 1``: the BOS token, or the first
+    ``prompt_tokens`` tokens of the prompt source's documents in turn."""
+    if settings.prompt == "bos":
+        bos = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
+        if bos is None:
+            raise ValueError("generated: the tokenizer has no BOS or EOS token to start from; set prompt=SOURCE")
+        return torch.full((count, 1), bos, dtype=torch.long)
+    starts = []
+    for text in prompt_texts or ():
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        if len(ids) >= settings.prompt_tokens:
+            starts.append(ids[: settings.prompt_tokens])
+    if not starts:
+        raise ValueError(f"generated: no document of {settings.prompt} has {settings.prompt_tokens} tokens to start "
+                         "from")
+    return torch.tensor([starts[(start + i) % len(starts)] for i in range(count)], dtype=torch.long)
+
+
+@torch.no_grad()
+def draw(model: nn.Module, tokenizer, settings: SamplingSettings, cache: SampleCache, indices: list[int], *,
+         prompt_texts: list[str] | None = None, progress: bool = True) -> int:
+    """Sample and cache the batches ``indices`` that are not cached yet; returns how many were drawn."""
+    missing = [i for i in indices if not cache.has(i)]
+    if not missing:
+        return 0
+    device = next(model.parameters()).device
+    eos = tokenizer.eos_token_id
+    was_training = model.training
+    model.eval()
+    bar = tqdm(total=len(missing) * settings.batch_size * settings.length, unit="tok", unit_scale=True,
+               desc="sampling the original", disable=not progress)
+    try:
+        for index in missing:
+            prompts = _prompts(settings, tokenizer, prompt_texts, settings.batch_size, index * settings.batch_size)
+            prompts = prompts.to(device)
+            with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+                torch.manual_seed(settings.seed * 1_000_003 + index)
+                out = model.generate(input_ids=prompts, attention_mask=torch.ones_like(prompts), do_sample=True,
+                                     temperature=settings.temperature, top_p=settings.top_p, top_k=0,
+                                     max_new_tokens=settings.length - prompts.shape[1],
+                                     min_new_tokens=settings.length - prompts.shape[1] if eos is None else 0,
+                                     pad_token_id=eos if eos is not None else 0)
+            lengths = _lengths(out, prompts.shape[1], eos)
+            cache.write(index, out.cpu(), lengths.cpu())
+            bar.update(settings.batch_size * settings.length)
+    finally:
+        bar.close()
+        model.train(was_training)
+    return len(missing)
+
+
+def _lengths(out: torch.Tensor, prompt_len: int, eos: int | None) -> torch.Tensor:
+    """Tokens of each row up to and including its first sampled EOS (generate pads after it)."""
+    lengths = torch.full((out.shape[0],), out.shape[1], dtype=torch.long)
+    if eos is not None:
+        for row, ids in enumerate(out[:, prompt_len:]):
+            hits = (ids == eos).nonzero()
+            if len(hits):
+                lengths[row] = prompt_len + int(hits[0]) + 1
+    return lengths
+
+
+def sample_texts(model: nn.Module, tokenizer, settings: SamplingSettings, max_tokens: int, *,
+                 prompt_texts: list[str] | None = None, rank: int = 0, world_size: int = 1, progress: bool = True,
+                 cache_dir: Path | None = None, wait_seconds: float | None = None) -> list[str]:
+    """Texts of at least ``max_tokens`` sampled tokens, one a sequence (``prompt_texts``: the documents of
+    ``settings.prompt``). Sequences that end early (EOS) are made up for by further batches. This process draws its
+    share of the missing batches and waits for the others' (up to ``wait_seconds``; default: 0 alone, 6 hours with
+    other processes)."""
+    settings.check_model(model)
+    cache = SampleCache(model, settings, cache_dir)
+    wait = wait_seconds if wait_seconds is not None else (0.0 if world_size == 1 else 6 * 3600.0)
+    count, have, rows = batches_for(max_tokens, settings), 0, []
+    start, drawn = time.time(), 0
+    while True:
+        needed = range(len(rows) // settings.batch_size, count)
+        mine = [i for i in needed if i % world_size == rank]
+        drawn += draw(model, tokenizer, settings, cache, mine, prompt_texts=prompt_texts, progress=progress)
+        _wait_for(cache, needed, wait)
+        for index in needed:
+            rows.extend(cache.read(index))
+        have = sum(map(len, rows))
+        if have >= max_tokens:
+            break
+        count += math.ceil((max_tokens - have) / (settings.length * settings.batch_size))
+    if drawn and progress:
+        print(f"[generated] {drawn * settings.batch_size * settings.length:,} tokens sampled in "
+              f"{time.time() - start:.0f} s into {cache.directory}", flush=True)
+    return [tokenizer.decode(ids, skip_special_tokens=True) for ids in rows]
+
+
+def _wait_for(cache: SampleCache, indices, seconds: float) -> None:
+    deadline = time.time() + seconds
+    while not all(cache.has(i) for i in indices):
+        if time.time() > deadline:
+            missing = sum(not cache.has(i) for i in indices)
+            raise ValueError(f"generated: {missing} of {len(indices)} batches of {cache.directory} were not drawn by "
+                             "the other processes")
+        time.sleep(1.0)
