@@ -3,7 +3,7 @@
 The package follows the pipeline; each stage imports only the ones above it:
 
     modules, kernels                     the element-wise normalizers and their fused path
-    model_inputs, precision, validation, data      shared helpers
+    model_inputs, placement, precision, validation, data      shared helpers
     discovery/      find the norms and label their roles
     checkpoint/     load originals; save, load and push converted checkpoints
     calibration/    fit the new parameters to the model's activations

@@ -22,6 +22,7 @@ from .checkpoint.hub import PushError, preflight, push
 from .checkpoint.loading import ModelLoadError, load_model
 from .checkpoint.model_card import hub_id
 from .modules import METHODS
+from .placement import DTYPES, check_device, default_device
 from .checkpoint.packaged import PackagedModelMissing
 from .precision import PRECISIONS
 from .discovery.roles import ROLES
@@ -44,6 +45,22 @@ def _selection_args(parser: argparse.ArgumentParser) -> None:
                         help=f"comma-separated roles to convert, from {', '.join(ROLES)} (default: %(default)s)")
     parser.add_argument("--include", help="regular expression: convert only norms whose name matches")
     parser.add_argument("--exclude", help="regular expression: leave norms whose name matches")
+
+
+def _placement_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--device", default=default_device(),
+                        help="where the model is loaded and every pass runs: cpu, cuda, cuda:1 (default: %(default)s)")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
+                        help="precision the model is loaded and computed in (default: %(default)s)")
+
+
+def _placement(args) -> dict:
+    """``load_model``'s ``device`` and ``dtype`` from the flags; a device this machine lacks fails before the load."""
+    try:
+        check_device(args.device, "--device")
+    except ValueError as error:
+        raise ValidationError(str(error)) from None
+    return {"device": args.device, "dtype": DTYPES[args.dtype]}
 
 
 def _calibration_args(parser: argparse.ArgumentParser) -> None:
@@ -141,6 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("model", help=model_help)
     inspect.add_argument("--json", action="store_true", help="print JSON instead of a table")
     _selection_args(inspect)
+    _placement_args(inspect)
 
     conv = commands.add_parser("convert", help="replace norms with DyT or ELN")
     conv.add_argument("model", help=model_help)
@@ -156,6 +174,7 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("--push-to-hub", metavar="REPO", help="push the checkpoint to this Hub repo (NAME or OWNER/NAME)")
     conv.add_argument("--private", action="store_true", help="with --push-to-hub: create the repo private")
     conv.add_argument("--report", help="write the conversion report as JSON to this file")
+    _placement_args(conv)
     _calibration_args(conv)
     _selection_args(conv)
     conv.add_argument("--eval", metavar="DATA", dest="eval_data",
@@ -181,6 +200,7 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--calib", metavar="DATA", help="calibration data used for the model: warn if --data overlaps it "
                     "(a converted checkpoint's recorded calibration is checked without this)")
     _evaluation_args(ev)
+    _placement_args(ev)
     ev.add_argument("--json", action="store_true", help="print JSON instead of a table")
     return parser
 
@@ -216,6 +236,7 @@ def _sensitivity_parser(commands, model_help: str) -> None:
     sens.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     sens.add_argument("--plot", metavar="PNG", help="draw per-norm bars by layer and role and the greedy curve")
     sens.add_argument("--log", metavar="JSONL", help="append each measurement to this file as it is made")
+    _placement_args(sens)
     _calibration_args(sens)
     sens.set_defaults(calib_blocks=CALIB_BLOCKS, calib_len=CALIB_LEN)
     _selection_args(sens)
@@ -298,7 +319,7 @@ def _sensitivity(args) -> None:
     for flag, path in (("--plot", args.plot), ("--log", args.log)):
         if path:
             check_output_file(path, flag)
-    model, tokenizer = load_model(args.model)
+    model, tokenizer = load_model(args.model, **_placement(args))
     _, selected, _ = plan(model, _roles(args.roles), args.include, args.exclude)
     texts = evaluation_texts(args.data, model, tokenizer, args.windows * args.window_len)
     calibration = _calibration(args, tokenizer)
@@ -321,7 +342,7 @@ def _sensitivity(args) -> None:
 
 def _inspect(args) -> None:
     check_selection(_roles(args.roles), args.include, args.exclude)
-    model, _ = load_model(args.model, with_tokenizer=False)
+    model, _ = load_model(args.model, with_tokenizer=False, **_placement(args))
     norms, selected, skipped = plan(model, _roles(args.roles), args.include, args.exclude)
     chosen = {n.name for n in selected}
     reasons = {s["name"]: s["reason"] for s in skipped}
@@ -339,6 +360,7 @@ def _inspect(args) -> None:
 
 def _convert(args) -> None:
     # every option and destination is checked before any loading or conversion work
+    placement = _placement(args)
     check_input_scale(args.input_scale, "--input-scale")
     _check_calibration_args(args)
     check_selection(_roles(args.roles), args.include, args.exclude)
@@ -359,7 +381,7 @@ def _convert(args) -> None:
     budget = _budget(args)
     if budget and args.budget_data:
         check_spec(args.budget_data)
-    model, tokenizer = load_model(args.model)
+    model, tokenizer = load_model(args.model, **placement)
     original = copy.deepcopy(model) if args.eval_data else None  # the reference for --eval
     if budget:
         budget, reasons = _select_within_budget(args, model, tokenizer)
@@ -516,8 +538,9 @@ def _embedding_evaluation(args, model, tokenizer, against, texts):
 def _eval(args) -> None:
     _check_evaluation_args(args)
     check_data_files(check_spec(args.data), "--data")
-    model, tokenizer = load_model(args.model)
-    against = load_model(args.against, with_tokenizer=False)[0] if args.against else None
+    placement = _placement(args)
+    model, tokenizer = load_model(args.model, **placement)
+    against = load_model(args.against, with_tokenizer=False, **placement)[0] if args.against else None
     texts = evaluation_texts(args.data, _original_of(model, against), tokenizer, args.max_tokens)
     recorded = (getattr(getattr(model, "config", None), "normswap", None) or {}).get("calibration")
     _warn(_calibration_overlap(args.calib, recorded, args.data, texts))

@@ -7,14 +7,18 @@ a custom :class:`torch.autograd.Function` that saves only the input and recomput
 
 When is it used? Only where it is safe and worth it; everything else runs the plain formula (the *fallback*):
 
-* CPU tensors of dtype fp32 / bf16 / fp16 with at least :data:`MIN_NUMEL` elements (below that the compiled
-  call costs more than it saves, and tiny test models never trigger a compile);
+* CPU and CUDA tensors of dtype fp32 / bf16 / fp16 with at least :data:`MIN_NUMEL` elements (below that the
+  compiled call costs more than it saves, and tiny test models never trigger a compile), the module's parameters on
+  the input's device. On CUDA inductor writes the kernels in Triton: the eager formula's five or six kernel
+  launches and memory passes become one, as on the CPU (tests/test_cuda.py checks the values, scripts/bench_speed.py
+  ``--device cuda`` the speed);
 * not while scripting, tracing, exporting or compiling (a user's ``torch.compile`` fuses the plain formula into
   its own graph), not for meta / fake / functorch-wrapped tensors;
 * once a kernel fails to compile (no C++ compiler, ...) its key is marked broken and the fallback runs silently.
 
-Values: the forward is the same sequence of fp32 operations, so ELN is bit-identical to the fallback; DyT may
-differ in the last bit of ``tanh`` (the compiled kernel uses SLEEF, eager may use MKL). Gradients agree to fp32
+Values: the forward is the same sequence of fp32 operations, so on the CPU ELN is bit-identical to the fallback;
+DyT may differ in the last bit of ``tanh`` (the compiled kernel uses SLEEF, eager may use MKL), and on CUDA either
+may differ in the last bits (Triton's ``tanh`` / ``rsqrt`` and fused multiply-adds). Gradients agree to fp32
 rounding (different summation order). The fused backward is not differentiable again: for second-order
 gradients use the fallback. ``HF_NORMSWAP_FALLBACK=1`` in the environment, :func:`set_fast_path`
 or the :func:`fallback` context manager force the plain formula, e.g. in tests.
@@ -39,6 +43,7 @@ from .modules import ElementwiseNorm
 ENV_FALLBACK = "HF_NORMSWAP_FALLBACK"
 MIN_NUMEL = 1 << 16  # below ~64k elements eager is as fast as a compiled call (measured: scripts/bench_speed.py)
 FAST_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+FAST_DEVICES = ("cpu", "cuda")  # where torch.compile has a backend: C++ / OpenMP on the CPU, Triton on CUDA
 
 _enabled = os.environ.get(ENV_FALLBACK, "").strip().lower() in ("", "0", "false", "no")
 _lock = threading.Lock()
@@ -176,14 +181,16 @@ def _usable(x: torch.Tensor, module: ElementwiseNorm, shape: torch.Tensor) -> bo
         return False
     if type(x) is not torch.Tensor and type(x) is not torch.nn.Parameter:  # fake tensors, subclasses
         return False
-    if x.device.type != "cpu" or x.dtype not in FAST_DTYPES or shape.dtype != torch.float32:
+    if x.device.type not in FAST_DEVICES or x.dtype not in FAST_DTYPES or shape.dtype != torch.float32:
         return False
     if torch._C._functorch.is_functorch_wrapped_tensor(x) or torch._C._are_functorch_transforms_active():
         return False
     weight, bias = module.weight, module.bias
     if weight.dtype not in FAST_DTYPES or (bias is not None and bias.dtype not in FAST_DTYPES):
         return False
-    if weight.device.type != "cpu" or weight.shape != x.shape[-1:] or type(module).squash not in _SQUASH_KIND:
+    if weight.device != x.device or shape.device != x.device or (bias is not None and bias.device != x.device):
+        return False
+    if weight.shape != x.shape[-1:] or type(module).squash not in _SQUASH_KIND:
         return False
     return True
 
@@ -201,7 +208,7 @@ def fused_forward(module: ElementwiseNorm, x: torch.Tensor, shape: torch.Tensor)
     if not _usable(x, module, shape):
         return None
     cls, weight, bias = type(module), module.weight, module.bias
-    key = (cls.squash, x.shape[-1], x.dtype, weight.dtype, None if bias is None else bias.dtype, shape.dim())
+    key = (cls.squash, x.device, x.shape[-1], x.dtype, weight.dtype, None if bias is None else bias.dtype, shape.dim())
     forward = _kernel(("fwd",) + key, _make_forward, cls.squash)
     x2d = x.reshape(-1, x.shape[-1])
     needs_grad = torch.is_grad_enabled() and (

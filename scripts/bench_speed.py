@@ -6,9 +6,10 @@ slows all candidates alike and the ratios stay meaningful. Sections:
 * module: tokens x C in fp32 / bf16, forward (no grad) and forward+backward: DyT and ELN (default fused path and
   the eager fallback) against a memory copy (``x.clone()``, the physical floor of a forward that reads x and writes
   y), ``nn.LayerNorm`` and transformers' ``LlamaRMSNorm``;
-* model: SmolLM2-135M (packaged GGUF) and a small GPT-2, batch x 512 tokens: forward tokens/s and training step
-  (forward + loss + backward, no optimizer) time, original versus converted (a calibrated start, so that finite
-  activations are timed), eager and ``torch.compile``;
+* model: SmolLM2-135M (packaged GGUF; ``smollm2-random``: its shapes with random weights, where the package is not
+  installed) and a small GPT-2, batch x 512 tokens: forward tokens/s and training step (forward + loss + backward,
+  no optimizer) time, original versus converted (a calibrated start, so that finite activations are timed), eager
+  and ``torch.compile``;
 * calibration: ``convert(..., calibration=...)`` time and peak RSS against plain forward passes over the same data,
   each measured in a fresh process;
 * head: the distillation loss alone (CE + KL over the vocabulary, forward + backward) for tokens x C hidden states
@@ -23,6 +24,10 @@ slows all candidates alike and the ratios stay meaningful. Sections:
     python scripts/bench_speed.py --quick         # a smoke run: one size, tiny GPT-2, no compile
     python scripts/bench_speed.py --sections module --sizes 576,4096 --dtypes fp32
     python scripts/bench_speed.py --sections train --models smollm2 --json train.json
+    python scripts/bench_speed.py --device cuda --sections module,model --sizes 576,4096 --dtypes bf16 \
+        --models smollm2-random --model-dtype bf16   # on a GPU (scripts/gpu_check.sh)
+
+``--device cuda`` times the module and model sections on the GPU, waiting for its queued work after every call.
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from hf_normswap import convert, kernels  # noqa: E402
 from hf_normswap.discovery.norms import find_norms  # noqa: E402
 from hf_normswap.modules import DyT, ELN  # noqa: E402
+from hf_normswap.placement import check_device  # noqa: E402
 
 kernels.install()  # modules built by hand here: route them through the fused path (--eager runs turn it off)
 
@@ -58,6 +64,12 @@ def log(*args):
     print(*args, flush=True)
 
 
+def synchronize():
+    """Wait for the GPU's queued work, so that a timing covers it (nothing to wait for on the CPU)."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
 def interleaved(candidates: dict, reps: int, warmup: int = 1) -> dict[str, float]:
     """Median seconds per call of each candidate, calls interleaved round-robin."""
     for fn in candidates.values():
@@ -66,8 +78,10 @@ def interleaved(candidates: dict, reps: int, warmup: int = 1) -> dict[str, float
     times = {name: [] for name in candidates}
     for _ in range(reps):
         for name, fn in candidates.items():
+            synchronize()
             start = time.perf_counter()
             fn()
+            synchronize()
             times[name].append(time.perf_counter() - start)
     return {name: statistics.median(values) for name, values in times.items()}
 
@@ -89,16 +103,16 @@ def module_section(args) -> list[dict]:
         for dtype_name in args.dtypes:
             dtype = DTYPES[dtype_name]
             torch.manual_seed(0)
-            x = (4 * torch.randn(args.tokens, size)).to(dtype)
+            x = (4 * torch.randn(args.tokens, size)).to(args.device, dtype)
             x[0] *= 100  # a massive activation
-            grad = torch.randn(args.tokens, size).to(dtype)
+            grad = torch.randn(args.tokens, size).to(args.device, dtype)
             norms = {
                 "layernorm": nn.LayerNorm(size),
                 "rmsnorm": LlamaRMSNorm(size),
                 "eln": ELN(size, float(size), amplitude=size ** 0.5),
                 "dyt": DyT(size, 1.0 / size ** 0.5, amplitude=size ** 0.5),
             }
-            norms = {k: v.to(dtype) for k, v in norms.items()}
+            norms = {k: v.to(args.device, dtype) for k, v in norms.items()}
             for mode in ("forward", "forward+backward"):
                 candidates = {"copy": lambda: x.clone()} if mode == "forward" else {}
                 if mode == "forward+backward":
@@ -148,6 +162,18 @@ def smollm2_model():
     return model, model.config.vocab_size
 
 
+def smollm2_random_model(layers: int = 30):
+    """SmolLM2-135M's shapes with random weights: its speed without its package (no GGUF reader, no download)."""
+    import transformers
+
+    config = transformers.LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                                      num_hidden_layers=layers, num_attention_heads=9, num_key_value_heads=3,
+                                      max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=100000.0,
+                                      tie_word_embeddings=True)
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config).eval(), config.vocab_size
+
+
 def model_variants(original, method: str, calibrate: bool, vocab: int, seq: int):
     """The converted model and its folded copy. ``calibrate``: the ``fast`` strategy (``block``'s saturating
     per-channel start, no tuning steps) on 2 random blocks, seconds, so activations stay in the range a calibrated
@@ -170,22 +196,26 @@ def model_variants(original, method: str, calibrate: bool, vocab: int, seq: int)
 
 def probe_forward(model, ids, norm_names: list[str]) -> dict:
     """One untimed forward: the largest |logit| (inf or nan when the conversion overflows, so a broken model shows)
-    and the seconds spent inside the norms (or what replaced them), by hooks around each: the part of the forward
-    that a faster norm can shorten."""
+    and the seconds spent inside the norms (or what replaced them), by hooks around each (on a GPU each waits for
+    the queued work): the part of the forward that a faster norm can shorten."""
     spent, starts = [], {}
 
     def before(module, args):
+        synchronize()
         starts[module] = time.perf_counter()
 
     def after(module, args, output):
+        synchronize()
         spent.append(time.perf_counter() - starts[module])
 
     modules = [model.get_submodule(name) for name in norm_names]
     handles = [m.register_forward_pre_hook(before) for m in modules] + [m.register_forward_hook(after) for m in modules]
     try:
+        synchronize()
         start = time.perf_counter()
         with torch.no_grad():
             logits = model(input_ids=ids).logits
+        synchronize()
         total = time.perf_counter() - start
     finally:
         for handle in handles:
@@ -197,12 +227,14 @@ def model_section(args) -> list[dict]:
     rows = []
     for model_name in args.models:
         start = time.perf_counter()
-        original, vocab = {"smollm2": smollm2_model, "gpt2": gpt2_model}[model_name]()
-        original.config.use_cache = False
+        models = {"smollm2": smollm2_model, "gpt2": gpt2_model,
+                  "smollm2-random": lambda: smollm2_random_model(args.layers)}
+        original, vocab = models[model_name]()
+        original.to(args.device, DTYPES[args.model_dtype]).config.use_cache = False
         norm_names = [info.name for info in find_norms(original)]
         log(f"{model_name}: loaded in {time.perf_counter() - start:.1f}s")
         torch.manual_seed(1)
-        ids = torch.randint(0, vocab, (args.batch, args.seq))
+        ids = torch.randint(0, vocab, (args.batch, args.seq)).to(args.device)
         tokens = ids.numel()
         for method in args.methods:
             converted, folded = model_variants(original, method, args.model_calib, vocab, args.seq)
@@ -605,12 +637,15 @@ def machine() -> dict:
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="smoke run: C=576 fp32, tiny GPT-2, few reps, no compile")
+    parser.add_argument("--device", default="cpu", help="module and model sections: cpu, cuda, cuda:1 (default: cpu)")
     parser.add_argument("--sections", default="module,model,calibration")
     parser.add_argument("--sizes", default="576,2048,4096")
     parser.add_argument("--dtypes", default="fp32,bf16")
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--reps", type=int, default=15, help="module-level repetitions per candidate")
-    parser.add_argument("--models", default="smollm2,gpt2")
+    parser.add_argument("--models", default="smollm2,gpt2", help="comma-separated: smollm2, smollm2-random, gpt2")
+    parser.add_argument("--model-dtype", choices=sorted(DTYPES), default="fp32", help="model section: weights' dtype")
+    parser.add_argument("--layers", type=int, default=30, help="smollm2-random: its layers (30, as SmolLM2-135M)")
     parser.add_argument("--methods", default="eln", help="comma-separated: eln, dyt")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--seq", type=int, default=512)
@@ -641,6 +676,12 @@ def parse_args(argv=None):
         setattr(args, name, [s.strip() for s in getattr(args, name).split(",") if s.strip()])
     args.sizes = [int(s) for s in args.sizes.split(",")]
     args.head_dims = [int(s) for s in args.head_dims.split(",")]
+    try:
+        check_device(args.device, "--device")
+    except ValueError as error:
+        parser.error(str(error))
+    if args.device != "cpu" and set(args.sections) - {"module", "model"}:
+        parser.error("--device applies to the module and model sections; time the others on the cpu")
     return args
 
 
@@ -655,7 +696,9 @@ def main(argv=None) -> int:
     if args.head_job:
         print(json.dumps(head_job(args)))
         return 0
-    info = machine()
+    info = dict(machine(), device=args.device)
+    if torch.device(args.device).type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(args.device)
     log(f"machine: {info}")
     log(f"command: python scripts/bench_speed.py {' '.join(sys.argv[1:] if argv is None else argv)}")
     rows = []

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .. import placement
 from ..discovery.norms import NormInfo
 from ..model_inputs import ends_in_hidden_states, forward_without_cache
 from ..precision import autocast, check_precision, choose_precision, forward_backward
@@ -176,16 +177,8 @@ class CalibrationConfig:
 
 def check_device(device: str | None) -> None:
     """A device the block pass can compute on, or ``ValueError`` naming the fix."""
-    if device is None:
-        return
-    try:
-        kind = torch.device(device).type
-    except (RuntimeError, TypeError):
-        raise ValueError(f"calibration device {device!r} is not a torch device: name one such as cpu, cuda or cuda:1")
-    backend = getattr(torch, kind, None)
-    if kind != "cpu" and not (hasattr(backend, "is_available") and backend.is_available()):
-        raise ValueError(f"calibration device {device!r}: this machine has no {kind} device; leave the device unset "
-                         f"to calibrate where the model is")
+    if device is not None:
+        placement.check_device(device, "calibration device", "leave the device unset to calibrate where the model is")
 
 
 def _ids(data) -> torch.Tensor:

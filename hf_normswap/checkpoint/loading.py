@@ -6,6 +6,7 @@ import json
 import logging
 from pathlib import Path
 
+import torch
 import transformers
 from huggingface_hub import constants
 from huggingface_hub.utils import HFValidationError, validate_repo_id
@@ -76,8 +77,11 @@ def _looks_local(spec: str, location: str) -> bool:
     return False
 
 
-def load_model(spec: str, dtype=None, with_tokenizer: bool = True):
-    """(model in eval mode, tokenizer or None). Raises ``ModelLoadError`` with a one-line reason."""
+def load_model(spec: str, dtype=None, with_tokenizer: bool = True, device=None):
+    """(model in eval mode, tokenizer or None). Raises ``ModelLoadError`` with a one-line reason.
+
+    ``device`` (e.g. ``cuda``) and ``dtype`` go to transformers' own placement (``device_map``, ``dtype``), so the
+    weights load straight onto the device; a GGUF file is dequantized in CPU memory first, then moved."""
     location, extra = resolve(spec)
     cache_only = {}
     if _looks_local(spec, location):
@@ -86,10 +90,14 @@ def load_model(spec: str, dtype=None, with_tokenizer: bool = True):
     elif not constants.HF_HUB_OFFLINE and not data.hub_reachable():
         cache_only = {"local_files_only": True}  # cached models load at once; others fail at once, without retries
     kwargs = dict(extra, **cache_only, dtype=dtype) if dtype is not None else dict(extra, **cache_only)
+    if device is not None and "gguf_file" not in extra:
+        kwargs["device_map"] = str(device)
     _check_config_file(Path(location) / "config.json", spec)
     try:
         if "gguf_file" in extra:
             model = AutoModelForCausalLM.from_pretrained(location, **kwargs)
+            if device is not None:  # after dequantizing: the GGUF loader's own placement is not relied on
+                model.to(device)
         elif save_load.read_config(location) is not None:  # converted checkpoint: the package's own modules
             model = save_load.load(location, **kwargs)
         else:
@@ -97,6 +105,8 @@ def load_model(spec: str, dtype=None, with_tokenizer: bool = True):
             model = _model_class(config).from_pretrained(location, **kwargs)
     except ValidationError as error:
         raise ModelLoadError(f"{spec}: {error}") from None
+    except torch.OutOfMemoryError:
+        raise ModelLoadError(f"cannot load {spec}: out of memory on {device}; use bfloat16 or the cpu") from None
     except (SafetensorError, RuntimeError) as error:  # truncated weights, sizes that make no tensor
         raise ModelLoadError(f"cannot load {spec}: {first_line(error)}; the files are damaged") from None
     except (OSError, ValueError) as error:

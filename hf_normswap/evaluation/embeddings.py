@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..model_inputs import mean_pool
+from ..placement import model_device
 from .perplexity import REFERENCE, EvaluationError, _fmt
 
 MIN_WORDS, MAX_WORDS = 5, 64
@@ -53,12 +54,15 @@ def sentences(texts: list[str], tokenizer, max_tokens: int | None = None,
 
 @torch.no_grad()
 def mean_pooled(model: nn.Module, encoded: dict) -> torch.Tensor:
-    """One embedding per row of a tokenized batch: the attention-mask-weighted mean of the last hidden states."""
+    """One embedding per row of a tokenized batch (on the CPU or anywhere: it goes to the model's device): the
+    attention-mask-weighted mean of the last hidden states, on the model's device."""
+    encoded = {key: value.to(model_device(model)) for key, value in encoded.items()}
     return mean_pool(model(**encoded, output_hidden_states=True).hidden_states[-1], encoded["attention_mask"])
 
 
 def _embed(model: nn.Module, batches: list[dict]) -> torch.Tensor:
-    return torch.cat([mean_pooled(model, encoded) for encoded in batches])
+    """The embeddings on the CPU, where the pair statistics compare models that may sit on different devices."""
+    return torch.cat([mean_pooled(model, encoded).cpu() for encoded in batches])
 
 
 @dataclass

@@ -32,6 +32,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from ..placement import model_device
+
 DEFAULT_MAX_LENGTH = 2048  # lm-eval's default when neither config nor tokenizer gives one
 TOKENIZER_INFINITY = 1000000000000000019884624838656
 REFERENCE = "original"
@@ -311,10 +313,6 @@ class Evaluation:
                           self.stride, self.documents)
 
 
-def _device(model: nn.Module) -> torch.device:
-    return next(model.parameters()).device
-
-
 class _Scorer:
     """Accumulates NLL per model and, against the reference, KL and top-1 matches, over scored positions."""
 
@@ -420,7 +418,7 @@ def evaluate(
         targets = torch.cat([sequences[d][s + n - k + 1 : s + n + 1] for d, s, n, k in batch])
         logits = {}
         for name, m in models.items():
-            out = m(input_ids=inputs.to(_device(m)), use_cache=False).logits
+            out = m(input_ids=inputs.to(model_device(m)), use_cache=False).logits
             rows = [out[b, n - k:] for b, (_, _, n, k) in enumerate(batch)]
             logits[name] = rows[0] if len(rows) == 1 else torch.cat(rows)  # a view when it can: logits are big
             del out

@@ -34,6 +34,7 @@ from torch import nn
 from ..convert import ConversionError, convert
 from ..discovery.roles import LAYER, layer_of
 from ..model_inputs import ends_in_hidden_states, first_tensor
+from ..placement import model_device
 from .embeddings import mean_pooled
 
 EVAL_WINDOWS, EVAL_LEN, SENTENCES = 2, 256, 64  # the default slice: 510 tokens scored, or 64 sentences for an encoder
@@ -72,15 +73,16 @@ class Reference:
 
         self.encoder = ends_in_hidden_states(original)
         self.fingerprint = fingerprint(texts)
+        device = model_device(original)  # the inputs and the cached outputs stay where the model and its copies are
         with torch.no_grad():
             if self.encoder:
                 rows = _sentences(texts, sentences)
-                self.inputs = dict(tokenizer(rows, padding=True, truncation=True, max_length=window_len,
-                                             return_tensors="pt"))
+                encoded = tokenizer(rows, padding=True, truncation=True, max_length=window_len, return_tensors="pt")
+                self.inputs = {key: value.to(device) for key, value in encoded.items()}
                 self.target = mean_pooled(original, self.inputs)
                 self.tokens = int(self.inputs["attention_mask"].sum())
             else:
-                self.inputs = token_blocks(tokenizer, texts, windows, window_len)
+                self.inputs = token_blocks(tokenizer, texts, windows, window_len).to(device)
                 self.tokens = int(self.inputs[:, 1:].numel())
                 self.target = [torch.log_softmax(_logits(original, row).float(), -1) for row in self.inputs]
                 self.nll = self._nll(self.target)

@@ -110,6 +110,7 @@ def test_a_device_for_a_model_fitted_in_one_pass_is_named_as_unused(caplog):
     assert "calibration device cpu unused" in caplog.text
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_block_pass_on_cuda_leaves_the_model_on_the_cpu_and_matches_a_cpu_pass():
     results = []

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 
+import pytest
 from file_modules import import_file
 from hf_normswap.precision import SLOW_MATMUL
 
@@ -59,3 +60,13 @@ def test_quick_train_section_writes_the_keys_a_script_checks(tmp_path, monkeypat
     assert recipe["precision"] in ("fp32", "bf16") and recipe["probe_matmul_speedup"] > 0
     # the step is timed unless the matmul found bf16 far slower (no bf16 matrix instructions)
     assert (recipe["probe_fp32_s"] is not None) == (recipe["probe_matmul_speedup"] >= SLOW_MATMUL)
+
+
+def test_device_is_checked_and_kept_to_the_sections_it_times(capsys):
+    """Without a GPU cuda is refused outright; with one, the default sections include calibration, timed on the
+    CPU only."""
+    bench = import_file("scripts/bench_speed.py")
+    with pytest.raises(SystemExit) as exit:
+        bench.parse_args(["--device", "cuda"])
+    assert exit.value.code == 2 and "--device" in capsys.readouterr().err
+    assert bench.parse_args(["--device", "cpu", "--sections", "model", "--models", "smollm2-random"]).layers == 30

@@ -1,0 +1,151 @@
+#!/usr/bin/env bash
+# The GPU check: every stage where a user puts the model, on CUDA, each result written into OUT_DIR.
+#
+#   bash scripts/gpu_check.sh OUT_DIR [--dry-run] [--steps imports,pytest,bench_module,bench_model,recovery,fsdp]
+#
+# Steps, in order, each under its own time limit (`timeout`); a failing step is recorded and the next one runs:
+#   imports       hf_normswap.cli and the benchmark import without `datasets` and `gguf` (the GPU machine has neither)
+#   pytest        pytest -m cuda (junit xml: pytest-cuda.xml)
+#   bench_module  DyT / ELN forward and forward+backward against x.clone(), bf16, 8192 x 576 and 8192 x 4096, fused
+#                 path and plain formula (bench_module.json)
+#   bench_model   SmolLM2-135M's shapes with random weights, bf16: the converted model's forward (and training step)
+#                 against the original's (bench_model.json)
+#   recovery      recipes/finetune.py with recipes/configs/smollm2-eln.yaml for 5 minutes, offline data, when the
+#                 config exists and SmolLM2 can load: offline:smollm2 (needs `gguf`), or SMOLLM2_DIR, the folder of
+#                 scripts/export_smollm2_safetensors.py's parts
+#   fsdp          skipped: FSDP is not built
+# OUT_DIR/summary.json: each step's status ("passed", "failed: exit N", "timed out: after N s", "skipped: REASON")
+# and seconds. One call to the GPU machine runs at most 10 minutes: run the recovery step in a call of its own
+# (--steps recovery) and the rest in another.
+#
+# --dry-run: the same steps on the CPU (any GPU hidden) at toy sizes, so that the script is checked without a GPU (the
+# CUDA tests skip, and are recorded as skipped; the recovery run is left to the GPU). PYTHON: the interpreter
+# (default: python).
+set -u
+
+usage() { echo "usage: bash scripts/gpu_check.sh OUT_DIR [--dry-run] [--steps a,b,...]" >&2; exit 2; }
+[ $# -ge 1 ] || usage
+OUT=$1; shift
+DRY=0
+STEPS=imports,pytest,bench_module,bench_model,recovery,fsdp
+while [ $# -gt 0 ]; do
+  case $1 in
+    --dry-run) DRY=1 ;;
+    --steps) [ $# -ge 2 ] || usage; STEPS=$2; shift ;;
+    *) usage ;;
+  esac
+  shift
+done
+cd "$(dirname "$0")/.."
+mkdir -p "$OUT" || exit 2
+OUT=$(cd "$OUT" && pwd)
+PYTHON=${PYTHON:-python}
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+: >"$OUT/steps.tsv"
+
+record() { printf '%s\t%s\t%s\n' "$1" "$2" "$3" >>"$OUT/steps.tsv"; }
+
+# step NAME SECONDS COMMAND...: the command's output in OUT/NAME.log, its status and seconds in steps.tsv
+step() {
+  local name=$1 limit=$2 start=$SECONDS rc status
+  shift 2
+  case ",$STEPS," in *",$name,"*) ;; *) record "$name" "skipped: not in --steps" 0; return ;; esac
+  echo "gpu_check: $name (at most ${limit}s)"
+  timeout --kill-after=10 "$limit" "$@" >"$OUT/$name.log" 2>&1
+  rc=$?
+  case $rc in
+    0) status=passed ;;
+    124|137) status="timed out: after ${limit} s" ;;
+    *) status="failed: exit $rc" ;;
+  esac
+  record "$name" "$status" $((SECONDS - start))
+}
+
+skip() {  # NAME REASON
+  case ",$STEPS," in *",$1,"*) record "$1" "skipped: $2" 0 ;; *) record "$1" "skipped: not in --steps" 0 ;; esac
+}
+
+if [ $DRY = 1 ]; then
+  export CUDA_VISIBLE_DEVICES=""  # the CPU, also on a machine with a GPU
+  DEVICE=cpu
+  MODULE=(--sizes 64 --tokens 256 --reps 2)
+  MODEL=(--layers 2 --batch 1 --seq 32 --model-reps 2 --train-reps 1)
+else
+  DEVICE=cuda
+  MODULE=(--sizes 576,4096 --tokens 8192 --reps 15)
+  MODEL=(--batch 8 --seq 512 --model-reps 10 --train-reps 5)
+fi
+
+step imports 120 "$PYTHON" -c "import sys; sys.modules['datasets'] = sys.modules['gguf'] = None
+import hf_normswap.cli, runpy; runpy.run_path('scripts/bench_speed.py', run_name='imported')"
+step pytest 420 "$PYTHON" -m pytest -m cuda -q -p no:cacheprovider -rs --junitxml="$OUT/pytest-cuda.xml" tests
+step bench_module 240 "$PYTHON" scripts/bench_speed.py --device $DEVICE --sections module --dtypes bf16 "${MODULE[@]}" \
+  --json "$OUT/bench_module.json"
+step bench_model 300 "$PYTHON" scripts/bench_speed.py --device $DEVICE --sections model --models smollm2-random \
+  --model-dtype bf16 --no-compile "${MODEL[@]}" --json "$OUT/bench_model.json"
+
+# recovery: the recipe's own config, SmolLM2 from the packaged GGUF or from the exported parts, offline data
+CONFIG=recipes/configs/smollm2-eln.yaml
+SPEC=offline:smollm2
+if [ -d "${SMOLLM2_DIR:-}/part-1" ]; then  # the export's parts, linked into one folder
+  mkdir -p "$OUT/smollm2"
+  for file in "$SMOLLM2_DIR"/part-*/*; do ln -sf "$(cd "$(dirname "$file")" && pwd)/$(basename "$file")" "$OUT/smollm2/"; done
+  SPEC=$OUT/smollm2
+elif [ -n "${SMOLLM2_DIR:-}" ]; then
+  SPEC=$SMOLLM2_DIR
+fi
+# loadable: the files are there and the reader for them is installed (a real load is the recipe's first step)
+if REASON=$("$PYTHON" - "$SPEC" <<'EOF' 2>&1 >/dev/null
+import importlib.util, sys
+from pathlib import Path
+from hf_normswap.checkpoint.loading import resolve
+try:
+    location, extra = resolve(sys.argv[1])
+except Exception as error:
+    sys.exit(f"{sys.argv[1]} cannot load ({error})")
+if "gguf_file" in extra and importlib.util.find_spec("gguf") is None:
+    sys.exit(f"{sys.argv[1]} needs the gguf package; set SMOLLM2_DIR to scripts/export_smollm2_safetensors.py's parts")
+if not extra and not (Path(location) / "config.json").is_file():
+    sys.exit(f"{sys.argv[1]} holds no config.json")
+EOF
+); then REASON=""; else REASON=$(echo "$REASON" | tail -n 1); fi
+if [ ! -f "$CONFIG" ]; then
+  skip recovery "$CONFIG does not exist"
+elif [ -n "$REASON" ]; then
+  skip recovery "$REASON"
+elif [ $DRY = 1 ]; then
+  skip recovery "dry run: SmolLM2 recovery is left to the GPU (it would run with $SPEC)"
+else
+  step recovery 570 "$PYTHON" recipes/finetune.py --config "$CONFIG" max_minutes=5 output_dir="$OUT/recovery" \
+    model="$SPEC" calibration.data=builtin train_data=builtin:calibration eval_data=builtin:evaluation
+fi
+skip fsdp "FSDP is not built (no FSDP path in the recipe or its accelerate configs)"
+
+"$PYTHON" - "$OUT" $DRY <<'EOF'
+"""summary.json from steps.tsv; the CUDA tests' counts from their junit xml (all of them skipped: the step skipped)."""
+import json, sys, xml.etree.ElementTree as ET
+from pathlib import Path
+
+import torch
+
+out, dry = Path(sys.argv[1]), sys.argv[2] == "1"
+steps = {}
+for line in (out / "steps.tsv").read_text().splitlines():
+    name, status, seconds = line.split("\t")
+    steps[name] = {"status": status, "seconds": int(seconds)}
+    if (out / f"{name}.log").is_file():
+        steps[name]["log"] = f"{name}.log"
+junit = out / "pytest-cuda.xml"
+if "pytest" in steps and junit.is_file():
+    root = ET.parse(junit).getroot()
+    suite = root if root.tag == "testsuite" else root.find("testsuite")
+    counts = {key: int(suite.get(key, 0)) for key in ("tests", "failures", "errors", "skipped")}
+    steps["pytest"].update(counts)
+    if steps["pytest"]["status"] == "passed" and counts["tests"] == counts["skipped"]:
+        steps["pytest"]["status"] = f"skipped: all {counts['tests']} cuda tests skipped (no GPU)"
+device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+summary = {"dry_run": dry, "device": device, "torch": torch.__version__, "steps": steps}
+(out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+for name, entry in steps.items():
+    print(f"gpu_check: {name:<13} {entry['status']} ({entry['seconds']} s)")
+EOF
