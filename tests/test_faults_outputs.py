@@ -238,3 +238,44 @@ def test_push_of_a_symlinked_checkpoint_uploads_its_files(converted, tmp_path, m
         code, line = _cli(["push", tmp_path / "empty", "me/nothing"], capsys)
         assert code == 2 and "holds no weights to push" in line and "me/nothing" not in hub.created
 
+
+
+# --------------------------------------------------------------------------------------- a stopped calibration
+
+STOPPED_IN_THE_BLOCK_PASS = """
+import os, signal, torch
+import hf_normswap
+from hf_normswap.calibration import activation_cache
+from hf_normswap.calibration.calibrate import CalibrationConfig
+from tiny_models import tiny_model
+
+keep = activation_cache.ActivationCache._keep
+
+def keep_then_stop(self, tensor):  # a job scheduler stops the run once hidden states are on disk
+    entry = keep(self, tensor)
+    if self._files == 2:
+        os.kill(os.getpid(), signal.SIGTERM)
+    return entry
+
+activation_cache.ActivationCache._keep = keep_then_stop
+ids = torch.randint(0, 128, (8, 32), generator=torch.Generator().manual_seed(1))
+hf_normswap.convert(tiny_model("llama"), "eln", calibration=CalibrationConfig(
+    data=ids, batch_size=4, strategy="block", block_steps=2, tune_steps=0, progress=False, cache_memory_mb=0))
+print("finished")
+"""
+
+
+def test_sigterm_in_the_block_pass_removes_its_spill_folder(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    (tmp_path / "tmp").mkdir()
+    env = dict(os.environ, TMPDIR=str(tmp_path / "tmp"), OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([str(root), str(root / "tests")]))
+    run = subprocess.run([sys.executable, "-c", STOPPED_IN_THE_BLOCK_PASS], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 128 + signal.SIGTERM and "finished" not in run.stdout, run.stderr[-2000:]
+    assert list((tmp_path / "tmp").iterdir()) == []
