@@ -27,7 +27,7 @@ from .precision import PRECISIONS
 from .discovery.roles import ROLES
 from .evaluation.sensitivity import exact
 from .validation import (ValidationError, check_data_files, check_input_scale, check_number, check_output_file,
-                         first_line)
+                         check_output_folder, first_line)
 
 USER_ERRORS = (ConversionError, ModelLoadError, PackagedModelMissing, DataError, EvaluationError, CheckpointError,
                PushError, FoldError, ValidationError)
@@ -111,6 +111,8 @@ def _check_calibration_args(args) -> None:
     for flag, value, _ in block_flags:
         if value is not None and args.strategy not in (None, DEFAULT_STRATEGY, "block"):
             raise ConversionError(f"{flag} needs the block strategy, not {args.strategy}")
+    if args.plots:
+        check_output_folder(args.plots, "--plots")
 
 
 def _calibration(args, tokenizer):
@@ -348,8 +350,6 @@ def _convert(args) -> None:
     check_selection(_roles(args.roles), args.include, args.exclude)
     if args.output:
         check_output_dir(args.output, args.overwrite)
-    if args.plots and Path(args.plots).exists() and not Path(args.plots).is_dir():
-        raise ConversionError(f"--plots {args.plots} is a file; give a directory for the plots")
     if args.report:
         check_output_file(args.report, "--report")
     for flag, spec in (("--calib", args.calib), ("--eval", args.eval_data)):  # a mistyped data path, an empty file

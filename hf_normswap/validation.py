@@ -81,6 +81,23 @@ def _holds_text(file: Path, chunk: int = 1 << 20) -> bool:
     return False
 
 
+def check_output_folder(path, flag: str) -> None:
+    """A folder the command fills as it works (``--plots``): a directory, or one that can be made; the probe removes
+    what it made, so a command refused later leaves nothing."""
+    path = Path(path).expanduser()
+    if path.exists():
+        if not path.is_dir():
+            raise ValidationError(f"{flag} {path} is a file; give a directory")
+        return
+    made = [p for p in (path, *path.parents) if not p.exists()]
+    try:
+        path.mkdir(parents=True)
+    except OSError as error:
+        raise ValidationError(f"{flag} {path}: cannot create it ({error.strerror}); pick a folder you can write") from None
+    for folder in made:
+        folder.rmdir()
+
+
 def check_data_files(paths, flag: str) -> None:
     """Local data files (as ``data.local_paths`` returns them) that hold text: an empty or blank file scores
     nothing, and would fail only after the conversion."""

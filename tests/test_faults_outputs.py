@@ -279,3 +279,72 @@ def test_sigterm_in_the_block_pass_removes_its_spill_folder(tmp_path):
                          timeout=300)
     assert run.returncode == 128 + signal.SIGTERM and "finished" not in run.stdout, run.stderr[-2000:]
     assert list((tmp_path / "tmp").iterdir()) == []
+
+
+# ------------------------------------------------------------------------------------ one line, not a traceback
+
+
+def _truncated_gguf(path: Path) -> Path:
+    """A GGUF header whose metadata ends before the bytes it announces (a download cut at 100 bytes)."""
+    import struct
+
+    key = b"general.architecture"
+    header = b"GGUF" + struct.pack("<IQQ", 3, 1, 2) + struct.pack("<Q", len(key)) + key + struct.pack("<IQ", 8, 5)
+    path.write_bytes((header + b"llama" + struct.pack("<Q", 40) + b"general.name")[:100])
+    return path
+
+
+@pytest.mark.parametrize("case, message", [
+    ("truncated gguf", "the files are damaged"),
+    ("heads not dividing the hidden size", "is not a multiple of the number of attention heads"),
+    ("negative rms_norm_eps", "rms_norm_eps"),
+])
+def test_files_transformers_refuses_are_one_line(source, tmp_path, capsys, case, message):
+    if case == "truncated gguf":
+        model = _truncated_gguf(tmp_path / "model.gguf")
+    else:
+        model = tmp_path / "model"
+        shutil.copytree(source / "llama", model)
+        config = json.loads((model / "config.json").read_text())
+        config.update({"num_attention_heads": 3} if "heads" in case else {"rms_norm_eps": -1})
+        (model / "config.json").write_text(json.dumps(config))
+    before = _tree(tmp_path)
+    for command in (["inspect", model], ["convert", model, "--to", "eln", "--output", tmp_path / "out"]):
+        code, line = _cli(command, capsys)
+        assert code == 2 and message in line, line
+    assert _tree(tmp_path) == before
+
+
+def test_an_unwritable_plots_folder_is_refused_before_loading(tmp_path, capsys):
+    (tmp_path / "file").write_text("mine")
+    for plots in ("/proc/plots", tmp_path / "file" / "plots"):
+        code, line = _cli(["convert", tmp_path / "no-such-model", "--to", "eln", "--calib", "builtin", "--plots",
+                           plots], capsys)
+        assert code == 2 and f"--plots {plots}: cannot create it" in line, line
+    code, _ = _cli(["convert", tmp_path / "no-such-model", "--to", "eln", "--calib", "builtin", "--plots",
+                    tmp_path / "new" / "plots"], capsys)
+    assert code == 2 and sorted(p.name for p in tmp_path.iterdir()) == ["file"]  # the probe made nothing that stays
+
+
+def test_a_block_without_kind_or_size_is_refused_when_loading(converted, tmp_path, capsys):
+    """It loaded, and failed on the next save (the card counts the kinds)."""
+    for key in ("kind", "size"):
+        tampered = tmp_path / key
+        shutil.copytree(converted, tampered)
+        config = json.loads((tampered / "config.json").read_text())
+        for entry in config["normswap"]["converted"].values():
+            entry.pop(key)
+        (tampered / "config.json").write_text(json.dumps(config))
+        code, line = _cli(["inspect", tampered], capsys)
+        assert code == 2 and f"normswap.converted.model.layers.0.input_layernorm.{key}" in line, line
+
+
+def test_eval_of_an_encoder_against_itself_keeps_sentences_within_its_positions(tmp_path, capsys):
+    """BERT with 64 positions: sentences were cut at 256 tokens, past its position table."""
+    tiny_model("bert").save_pretrained(tmp_path / "bert")
+    tiny_tokenizer().save_pretrained(tmp_path / "bert")
+    long = " ".join(["the model of the norm and the data in the text"] * 5) + ".\n"
+    (tmp_path / "long.txt").write_text(long * 6)
+    code = cli.main(["eval", str(tmp_path / "bert"), "--against", str(tmp_path / "bert"), "--data",
+                     str(tmp_path / "long.txt"), "--json"])
+    assert code == 0 and json.loads(capsys.readouterr().out)["results"]["converted"]["cosine"] == pytest.approx(1.0)

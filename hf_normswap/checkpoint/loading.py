@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 import logging
+import struct
 from pathlib import Path
 
 import transformers
 from huggingface_hub import constants
+from huggingface_hub.errors import StrictDataclassError
 from huggingface_hub.utils import HFValidationError, validate_repo_id
 from safetensors import SafetensorError
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer
@@ -97,7 +99,9 @@ def load_model(spec: str, dtype=None, with_tokenizer: bool = True):
             model = _model_class(config).from_pretrained(location, **kwargs)
     except ValidationError as error:
         raise ModelLoadError(f"{spec}: {error}") from None
-    except (SafetensorError, RuntimeError) as error:  # truncated weights, sizes that make no tensor
+    except StrictDataclassError as error:  # transformers' own config checks, their reason on a later line
+        raise ModelLoadError(f"{spec}: config.json fails transformers' checks: {' '.join(str(error).split())}") from None
+    except (SafetensorError, RuntimeError, struct.error) as error:  # truncated weights or GGUF, sizes that make no tensor
         raise ModelLoadError(f"cannot load {spec}: {first_line(error)}; the files are damaged") from None
     except (OSError, ValueError) as error:
         if cache_only:
