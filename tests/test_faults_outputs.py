@@ -348,3 +348,16 @@ def test_eval_of_an_encoder_against_itself_keeps_sentences_within_its_positions(
     code = cli.main(["eval", str(tmp_path / "bert"), "--against", str(tmp_path / "bert"), "--data",
                      str(tmp_path / "long.txt"), "--json"])
     assert code == 0 and json.loads(capsys.readouterr().out)["results"]["converted"]["cosine"] == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("value", ["1e309", "-1e-5", "0.0"])
+def test_a_norm_epsilon_that_is_not_a_small_positive_number_is_refused(source, tmp_path, capsys, value):
+    """1e309 reads as inf: every RMSNorm then outputs 0, and the norm was classified a LayerNorm and converted."""
+    model = tmp_path / "model"
+    shutil.copytree(source / "llama", model)
+    text = (model / "config.json").read_text()
+    (model / "config.json").write_text(text.replace('"rms_norm_eps": 1e-06', f'"rms_norm_eps": {value}'))
+    assert value in (model / "config.json").read_text()
+    code, line = _cli(["convert", model, "--to", "eln", "--output", tmp_path / "out"], capsys)
+    assert code == 2 and "config.json rms_norm_eps is" in line and "small positive number" in line, line
+    assert not (tmp_path / "out").exists()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import struct
 from pathlib import Path
 
@@ -51,6 +52,9 @@ SIZE_KEYS = ("hidden_size", "intermediate_size", "vocab_size", "num_hidden_layer
              "num_key_value_heads", "head_dim", "n_embd", "n_layer", "n_head", "d_model", "max_position_embeddings")
 
 
+EPS_SUFFIXES = ("_eps", "epsilon")  # rms_norm_eps, layer_norm_eps, layer_norm_epsilon
+
+
 def _check_config_file(path: Path, spec: str) -> None:
     """A local config.json must be a JSON object whose sizes are positive: one line instead of a traceback."""
     if not path.is_file():
@@ -65,6 +69,9 @@ def _check_config_file(path: Path, spec: str) -> None:
         value = config.get(key)
         if value is not None and not (isinstance(value, int) and not isinstance(value, bool) and value > 0):
             raise ModelLoadError(f"{spec}: config.json {key} is {value!r}; it must be a positive integer")
+    for key, value in config.items():  # 1e309 reads as inf: the norm then outputs 0 and passes for a LayerNorm
+        if key.endswith(EPS_SUFFIXES) and isinstance(value, float) and not (math.isfinite(value) and value > 0):
+            raise ModelLoadError(f"{spec}: config.json {key} is {value!r}; it must be a small positive number")
 
 
 def _looks_local(spec: str, location: str) -> bool:
