@@ -209,8 +209,15 @@ class RecipeConfig:
                 raise ValidationError(f"training.{key} is refused: the Trainer would upload all of output_dir "
                                       "(optimizer states, training_args.bin holding the token); set push_to_hub: "
                                       "OWNER/NAME to push the final checkpoint alone, with the token of HF_TOKEN")
-        try:  # TrainingArguments checks its own fields (scheduler, optimizer names) when built
-            TrainingArguments(output_dir=self.output_dir, seed=self.seed, learning_rate=self.lr.base, **merged)
+        class Checked(TrainingArguments):
+            """TrainingArguments' checks of its fields (scheduler and optimizer names ...) without the device set-up
+            that building one also does: that starts accelerate's distributed state, which the recipe creates
+            itself once it runs, with its own choice of CPU."""
+
+            _setup_devices = None
+
+        try:
+            Checked(output_dir=self.output_dir, seed=self.seed, learning_rate=self.lr.base, **merged)
         except (ValueError, TypeError) as error:
             raise ValidationError(f"training: {first_line(error)}") from None
         self.training = merged
