@@ -13,9 +13,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from .convert import DEFAULT_ROLES, ConversionError, check_selection, convert, plan
+from .convert import DEFAULT_ROLES, ConversionError, check_not_converted, check_selection, convert, plan
 from .data import DataError, check_spec
-from .evaluation.perplexity import EvaluationError, is_encoder
+from .evaluation.perplexity import EvaluationError, check_window, context_length, is_encoder
 from .fold import FoldError, fold
 from .checkpoint.save_load import CheckpointError, check_output_dir, checkpoint_files, save_pretrained
 from .checkpoint.hub import PushError, preflight, push
@@ -28,7 +28,7 @@ from .precision import PRECISIONS
 from .discovery.roles import ROLES
 from .evaluation.sensitivity import exact
 from .validation import (ValidationError, check_data_files, check_input_scale, check_number, check_output_file,
-                         first_line)
+                         check_output_folder, first_line)
 
 GENERATED_EVAL_TOKENS = 8192  # generated evaluation text when no --max-tokens is given
 USER_ERRORS = (ConversionError, ModelLoadError, PackagedModelMissing, DataError, EvaluationError, CheckpointError,
@@ -129,6 +129,8 @@ def _check_calibration_args(args) -> None:
     for flag, value, _ in block_flags:
         if value is not None and args.strategy not in (None, DEFAULT_STRATEGY, "block"):
             raise ConversionError(f"{flag} needs the block strategy, not {args.strategy}")
+    if args.plots:
+        check_output_folder(args.plots, "--plots")
 
 
 def _calibration(args, tokenizer):
@@ -227,7 +229,8 @@ def _sensitivity_parser(commands, model_help: str) -> None:
                       "--data`; default: %(default)s)")
     sens.add_argument("--windows", type=int, default=EVAL_WINDOWS, help="windows of --window-len tokens scored "
                       "(language models; default: %(default)s)")
-    sens.add_argument("--window-len", type=int, default=EVAL_LEN, help="tokens per window (default: %(default)s)")
+    sens.add_argument("--window-len", type=int, help=f"tokens per window (default: {EVAL_LEN}, or the model's "
+                      "context when shorter)")
     sens.add_argument("--sentences", type=int, default=SENTENCES, help="sentences embedded (encoders; default: "
                       "%(default)s)")
     sens.add_argument("--tune-steps", type=int, default=0, help="end-to-end calibration steps per measurement "
@@ -307,11 +310,12 @@ def _select_within_budget(args, model, tokenizer):
 
 
 def _sensitivity(args) -> None:
-    from .evaluation.sensitivity import measure_map, plot
+    from .evaluation.sensitivity import EVAL_LEN, measure_map, plot
 
     _check_calibration_args(args)
     for flag in ("windows", "window_len", "sentences"):
-        check_number(getattr(args, flag), f"--{flag.replace('_', '-')}", minimum=1)
+        if getattr(args, flag) is not None:
+            check_number(getattr(args, flag), f"--{flag.replace('_', '-')}", minimum=1)
     check_number(args.tune_steps, "--tune-steps", minimum=0)
     for spec in (args.calib, args.data):
         if spec:
@@ -320,15 +324,18 @@ def _sensitivity(args) -> None:
         if path:
             check_output_file(path, flag)
     model, tokenizer = load_model(args.model, **_placement(args))
+    check_not_converted(model)
+    check_window(args.window_len, {args.model: model}, "--window-len")
+    window_len = args.window_len or min(EVAL_LEN, context_length(model) or EVAL_LEN)
     _, selected, _ = plan(model, _roles(args.roles), args.include, args.exclude)
-    texts = evaluation_texts(args.data, model, tokenizer, args.windows * args.window_len)
+    texts = evaluation_texts(args.data, model, tokenizer, args.windows * window_len)
     calibration = _calibration(args, tokenizer)
     if calibration is not None:
         calibration.tune_steps, calibration.progress = args.tune_steps, False
         calibration.block_weights_lr = _measured_weights_lr(args)
         _warn(_calibration_overlap(args.calib, None, args.data, texts))
     measurer = _measurer(args, model, tokenizer, texts, calibration, windows=args.windows,
-                         window_len=args.window_len, sentences=args.sentences)
+                         window_len=window_len, sentences=args.sentences)
     with open(args.log, "a") if args.log else contextlib.nullcontext() as log:
         def write(entry: dict) -> None:
             log.write(json.dumps(entry) + "\n")
@@ -366,8 +373,6 @@ def _convert(args) -> None:
     check_selection(_roles(args.roles), args.include, args.exclude)
     if args.output:
         check_output_dir(args.output, args.overwrite)
-    if args.plots and Path(args.plots).exists() and not Path(args.plots).is_dir():
-        raise ConversionError(f"--plots {args.plots} is a file; give a directory for the plots")
     if args.report:
         check_output_file(args.report, "--report")
     for flag, spec in (("--calib", args.calib), ("--eval", args.eval_data)):  # a mistyped data path, an empty file
@@ -382,6 +387,9 @@ def _convert(args) -> None:
     if budget and args.budget_data:
         check_spec(args.budget_data)
     model, tokenizer = load_model(args.model, **placement)
+    check_not_converted(model)
+    if args.eval_data:
+        check_window(args.eval_max_length, {args.model: model}, "--eval-max-length")
     original = copy.deepcopy(model) if args.eval_data else None  # the reference for --eval
     if budget:
         budget, reasons = _select_within_budget(args, model, tokenizer)
@@ -400,13 +408,38 @@ def _convert(args) -> None:
     if args.fold:
         print(fold(model))
     if original is not None:
-        _evaluate_conversion(args, model, original, tokenizer)
-    if args.report:
+        _evaluate_or_keep(args, model, original, tokenizer)
+    _save_and_push(args, model, tokenizer)
+    if args.report:  # after the save: a report that cannot be written must not cost the checkpoint
         try:
             Path(args.report).write_text(report.to_json())
         except OSError as error:
-            raise ConversionError(f"cannot write --report {args.report}: {error.strerror}") from None
-    _save_and_push(args, model, tokenizer)
+            saved = f" (the checkpoint is saved in {args.output})" if args.output else ""
+            raise ConversionError(f"cannot write --report {args.report}: {error.strerror}{saved}") from None
+
+
+def _evaluate_or_keep(args, model, original, tokenizer) -> None:
+    """``--eval`` runs after the conversion: whatever stops it, the converted model is saved first, without its
+    evaluation, and the error says where."""
+    try:
+        _evaluate_conversion(args, model, original, tokenizer)
+    except Exception as error:  # noqa: BLE001 - any failure: the conversion is kept, the error named in one line
+        save = functools.partial(save_pretrained, model, tokenizer=tokenizer, base_model=hub_id(args.model))
+        where = _save_output(args, save) if args.output else _keep(save, "checkpoint")
+        raise EvaluationError(f"--eval failed ({first_line(error)}); the converted model is saved, without its "
+                              f"evaluation, in {where}") from None
+
+
+def _save_output(args, save) -> str:
+    """Save into ``--output``; on failure into a temporary directory that the error names."""
+    try:
+        save(args.output, overwrite=args.overwrite)
+    except (OSError, CheckpointError) as error:
+        kept = _keep(save, Path(args.output).name)
+        raise CheckpointError(f"cannot save to {args.output} ({first_line(error)}); the converted model is kept "
+                              f"in {kept}: move it into place") from None
+    print(f"saved to {args.output}")
+    return args.output
 
 
 def _save_and_push(args, model, tokenizer) -> None:
@@ -414,13 +447,7 @@ def _save_and_push(args, model, tokenizer) -> None:
     so a long conversion is never lost to a full disk, a vanished directory or a network failure."""
     save = functools.partial(save_pretrained, model, tokenizer=tokenizer, base_model=hub_id(args.model))
     if args.output:
-        try:
-            save(args.output, overwrite=args.overwrite)
-        except (OSError, CheckpointError) as error:
-            kept = _keep(save, Path(args.output).name)
-            raise CheckpointError(f"cannot save to {args.output} ({first_line(error)}); the converted model is kept "
-                                  f"in {kept}: move it into place") from None
-        print(f"saved to {args.output}")
+        _save_output(args, save)
     if args.push_to_hub:
         folder = args.output or _keep(save, "checkpoint")
         try:
@@ -434,9 +461,11 @@ def _save_and_push(args, model, tokenizer) -> None:
 
 def _keep(save, name: str) -> Path:
     """Save into a fresh temporary directory (its ``name`` subfolder) and return the path."""
+    folder = Path(tempfile.mkdtemp(prefix="normswap-"))
     try:
-        return save(Path(tempfile.mkdtemp(prefix="normswap-")) / name)
+        return save(folder / name)
     except (OSError, CheckpointError) as error:
+        shutil.rmtree(folder, ignore_errors=True)
         raise CheckpointError(f"cannot save the converted model, not even to a temporary directory "
                               f"({first_line(error)}); free disk space and run again") from None
 
@@ -541,6 +570,8 @@ def _eval(args) -> None:
     placement = _placement(args)
     model, tokenizer = load_model(args.model, **placement)
     against = load_model(args.against, with_tokenizer=False, **placement)[0] if args.against else None
+    check_window(args.max_length, {args.model: model, **({args.against: against} if against else {})},
+                 "--max-length")
     texts = evaluation_texts(args.data, _original_of(model, against), tokenizer, args.max_tokens)
     recorded = (getattr(getattr(model, "config", None), "normswap", None) or {}).get("calibration")
     _warn(_calibration_overlap(args.calib, recorded, args.data, texts))

@@ -220,6 +220,17 @@ class ConvertConfig:
         return cls.from_block(config["normswap"])
 
 
+def check_not_converted(model: nn.Module) -> None:
+    """A model holding DyT / ELN modules already (loaded from a converted checkpoint) records them in one block,
+    that a second conversion would replace with the newly converted ones alone: refused before any calibration."""
+    if any(isinstance(module, ElementwiseNorm) for module in model.modules()):
+        block = getattr(getattr(model, "config", None), "normswap", None)
+        original = block.get("base_model") if isinstance(block, dict) else None
+        raise ConversionError(f"the model is converted already (it holds DyT / ELN modules): convert its original"
+                              f"{f' ({original})' if original else ''} instead, choosing the norms with --roles / "
+                              "--include / --exclude")
+
+
 def convert(model: nn.Module, to: str | ConvertConfig = "eln", calibration=None, **settings) -> ConversionReport:
     """Replace the selected norms of ``model`` with DyT or ELN modules, in place.
 
@@ -236,6 +247,7 @@ def convert(model: nn.Module, to: str | ConvertConfig = "eln", calibration=None,
         config = to
     else:
         config = ConvertConfig(method=to, calibration=calibration, **settings)
+    check_not_converted(model)
     kernels.install()  # the fused DyT / ELN path, for calibration and everything after
     method, calibration, roles = config.method, config.calibration, config.roles
     include, exclude, per_channel, input_scale = config.include, config.exclude, config.per_channel, config.input_scale

@@ -72,11 +72,38 @@ def check_output_file(path, flag: str) -> None:
         raise ValidationError(f"{flag} {path}: permission denied; pick a path you can write")
 
 
+def _holds_text(file: Path, chunk: int = 1 << 20) -> bool:
+    """Whether ``file`` has a byte other than whitespace (read until the first one: at once for real text)."""
+    with open(file, "rb") as handle:
+        while block := handle.read(chunk):
+            if block.strip():
+                return True
+    return False
+
+
+def check_output_folder(path, flag: str) -> None:
+    """A folder the command fills as it works (``--plots``): a directory, or one that can be made; the probe removes
+    what it made, so a command refused later leaves nothing."""
+    path = Path(path).expanduser()
+    if path.exists():
+        if not path.is_dir():
+            raise ValidationError(f"{flag} {path} is a file; give a directory")
+        return
+    made = [p for p in (path, *path.parents) if not p.exists()]
+    try:
+        path.mkdir(parents=True)
+    except OSError as error:
+        raise ValidationError(f"{flag} {path}: cannot create it ({error.strerror}); pick a folder you can write") from None
+    for folder in made:
+        folder.rmdir()
+
+
 def check_data_files(paths, flag: str) -> None:
-    """Local data files (as ``data.local_paths`` returns them) that hold text: an empty file scores nothing."""
+    """Local data files (as ``data.local_paths`` returns them) that hold text: an empty or blank file scores
+    nothing, and would fail only after the conversion."""
     files = [f for p in paths or () for f in (sorted(x for x in p.rglob("*") if x.is_file()) if p.is_dir() else [p])]
-    if paths and all(f.stat().st_size == 0 for f in files):
-        raise ValidationError(f"{flag} {', '.join(map(str, paths))}: no text (the files are empty)")
+    if paths and not any(_holds_text(f) for f in files):
+        raise ValidationError(f"{flag} {', '.join(map(str, paths))}: no text (the files are empty or blank)")
 
 
 # ------------------------------------------------------------------------------------------- typed settings

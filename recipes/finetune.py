@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
-import json
 import math
 import os
 import sys
@@ -48,8 +47,12 @@ def fail(message: str):
 def load_config(argv=None):
     """The settings (``hf_normswap.training.config.RecipeConfig``) of the YAML file and the overrides, every key,
     type and range checked, then what they name on disk, before anything is loaded."""
+    from hf_normswap.checkpoint.hub import PushError, preflight
+    from hf_normswap.checkpoint.loading import ModelLoadError
+    from hf_normswap.checkpoint.packaged import PackagedModelMissing
     from hf_normswap.checkpoint.save_load import CheckpointError, check_output_dir
     from hf_normswap.training.config import read_recipe_config
+    from hf_normswap.training.run_dir import check_run_dir
     from hf_normswap.validation import ValidationError
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -57,14 +60,17 @@ def load_config(argv=None):
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="e.g. training.max_steps=20 method=dyt")
     args = parser.parse_args(argv)
     try:
-        config = read_recipe_config(args.config, args.overrides)
-        check_output_dir(config.save_path, overwrite=True)
-        check_calibration_cache(config)
         if os.environ.get("ACCELERATE_USE_FSDP") == "true" or os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE") == "3":
             raise ValidationError("sharded weights (FSDP, DeepSpeed ZeRO-3) are not supported: the final evaluation "
                                   "and save run on one process with the whole model; launch with DDP "
                                   "(recipes/accelerate_configs/multi_gpu.yaml) or one process")
-    except (ValidationError, CheckpointError) as error:
+        config = read_recipe_config(args.config, args.overrides)
+        check_run_dir(config)
+        check_output_dir(config.save_path, overwrite=True)
+        check_calibration_cache(config)
+        if config.push_to_hub:
+            preflight(config.push_to_hub)
+    except (ValidationError, CheckpointError, PushError, ModelLoadError, PackagedModelMissing) as error:
         fail(str(error))
     return config
 
@@ -345,13 +351,13 @@ def main(argv=None) -> int:
         torch.set_num_threads(int(config.threads))
     from accelerate import PartialState
     from transformers import TrainingArguments, set_seed
-    from transformers.trainer_utils import get_last_checkpoint
 
     import hf_normswap
     from hf_normswap.training.distill import (NormSwapTrainer, WallClockStop, apply_lora, disable_dropout, freeze_embeddings,
                                      merge_lora, set_trainable, without_autocast_wrapper)
     from hf_normswap.model_inputs import ends_in_hidden_states
     from hf_normswap.training.progressive import ProgressiveSwap, ProgressiveSwapCallback, schedule
+    from hf_normswap.training.run_dir import claim_run_dir, last_checkpoint, read_json, write_json
 
     # On a machine without GPU, `accelerate launch --multi_gpu --num_processes N` starts N CPU processes; they
     # join with gloo only when the state is created with cpu=True (accelerate's --cpu starts a single process).
@@ -362,7 +368,9 @@ def main(argv=None) -> int:
     out = Path(config.output_dir)
     save_dir = config.save_path
     summary_path = out / "summary.json"
-    summary = json.loads(summary_path.read_text()) if summary_path.exists() and config.resume else {}
+    if state.is_main_process:
+        claim_run_dir(config)
+    summary = (read_json(summary_path) or {}) if config.resume else {}
     summary["config"] = config.to_dict()
     log = (lambda *a: print("[finetune]", *a, flush=True)) if state.is_main_process else (lambda *a: None)
 
@@ -378,8 +386,7 @@ def main(argv=None) -> int:
         start = time.time()
         before = final_evaluation(student, original, tokenizer, config, "calibrated")
         summary["calibrated"] = before.to_dict()
-        out.mkdir(parents=True, exist_ok=True)
-        summary_path.write_text(json.dumps(summary, indent=1, default=str))
+        write_json(summary_path, summary)
         log(f"after calibration ({time.time() - start:.0f}s):\n{before.table()}")
     state.wait_for_everyone()
 
@@ -442,9 +449,10 @@ def main(argv=None) -> int:
                               embedding_weight=distill.embedding,
                               shape_lr=config.lr.shape, gamma_lr=config.lr.gamma,
                               head_chunk=config.head_chunk)
-    last = get_last_checkpoint(str(out)) if config.resume and out.is_dir() else None
+    last = last_checkpoint(out) if config.resume else None
     log(f"resuming from {last}" if last else "training from the calibrated model")
-    resumed = json.loads((Path(last) / "trainer_state.json").read_text()) if last else {}
+    resumed = read_json(last / "trainer_state.json") if last else {}
+    last = str(last) if last else None
     start = time.time()
     result = trainer.train(resume_from_checkpoint=last)
     wall = time.time() - start
@@ -479,7 +487,7 @@ def main(argv=None) -> int:
         summary.update(finetuned=after.to_dict(), training=training, launches=launches, history=history,
                        reload_identical=identical, curve=str(curve), checkpoint=str(save_dir),
                        original_eval_block_perplexity=original_block_ppl)
-        summary_path.write_text(json.dumps(summary, indent=1, default=str))
+        write_json(summary_path, summary)
         ratio = {k: summary[k]["results"]["converted"]["cosine"] if encoder else summary[k]["ratio"].get(k)
                  for k in ("calibrated", "finetuned")}
         log(f"{'embedding cosine to' if encoder else 'perplexity /'} original: {ratio['calibrated']:.4g} after "

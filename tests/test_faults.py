@@ -225,7 +225,7 @@ def test_save_killed_at_every_step_leaves_old_or_new_and_is_cleaned_up(tmp_path)
         status = _save_in_child(new, out, at, signum)
         completed = os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
         assert completed if at > steps else not completed, (at, status)  # killed at each step, the last one saves
-        save_load.check_output_dir(out, overwrite=True)  # what the next save into the same place runs first
+        save_load.recover_interrupted(out)  # what the next save into the same place runs first
         assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".ckpt")) == [], at
         method = save_load.read_config(out)["normswap"]["method"]
         assert _tree(out) == trees[method], (at, method)  # the whole old or the whole new checkpoint, byte for byte
@@ -532,13 +532,13 @@ def test_leftovers_of_dead_saves_go_and_those_of_running_saves_stay(converted, t
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     dead_pid, live_pid = int(dead.stdout), os.getppid()
     out = tmp_path / "ckpt"
-    for pid, kind in ((dead_pid, "partial"), (live_pid, "partial"), (dead_pid, "old")):
+    for pid, kind in ((dead_pid, "partial"), (live_pid, "partial")):
         (tmp_path / f".ckpt.{kind}-{pid}-0a1b2c3d").mkdir()
-    legacy = tmp_path / ".ckpt.old-k2j_x9qz" / "old"  # an earlier layout (mkdtemp): the previous checkpoint inside
-    shutil.copytree(converted, legacy)
-    users = [".ckpt.old-backup", ".ckpt.partial-mine", f".ckpt.old-{dead_pid}-notes"]  # named alike, not a save's
+    shutil.copytree(converted, tmp_path / f".ckpt.old-{dead_pid}-0a1b2c3d")  # an overwrite killed between renames
+    users = [".ckpt.old-backup", ".ckpt.partial-mine", f".ckpt.old-{dead_pid}-notes",  # named alike, not a save's
+             ".ckpt.old-20250101", ".ckpt.partial-backup_1"]
     for name in users:
         (tmp_path / name).mkdir()
-    save_load.check_output_dir(out, overwrite=True)
+    save_load.recover_interrupted(out)
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([f".ckpt.partial-{live_pid}-0a1b2c3d", "ckpt", *users])
     assert _tree(out) == _tree(converted)  # the checkpoint an interrupted overwrite had moved aside is back

@@ -3,7 +3,8 @@
 The block pass keeps one hidden-state tensor per calibration batch for the converted trajectory and, for the
 sequences block tuning reads, one for the original's. Held on the compute device these would cap the calibration
 data at what that device holds beside a block; here they live on the CPU, and past ``memory_limit`` bytes in a
-temporary directory (under ``TMPDIR``), removed when the pass ends. Each read hands the tensor to the compute device;
+temporary directory (under ``TMPDIR``), removed when the pass ends, also when the process is sent SIGTERM (a job
+scheduler's stop: its default action would exit without cleanup). Each read hands the tensor to the compute device;
 the last file read is kept, because block tuning's steps read the rows of one batch after another in order.
 
 safetensors rather than ``torch.save``: it stores bare tensors, and loading one runs no pickle.
@@ -11,7 +12,9 @@ safetensors rather than ``torch.save``: it stores bare tensors, and loading one 
 
 from __future__ import annotations
 
+import signal
 import tempfile
+import threading
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -32,6 +35,7 @@ class ActivationCache:
         self.peak_disk_bytes = 0
         self._directory: tempfile.TemporaryDirectory | None = None
         self._files = 0
+        self._sigterm = None  # the handler replaced while files exist
 
     def store(self, tensors: Iterable[torch.Tensor]) -> "CachedTensors":
         """The tensors, one at a time as they come (a generator is never held whole), moved off the device."""
@@ -48,6 +52,7 @@ class ActivationCache:
             self.peak_memory_bytes = max(self.peak_memory_bytes, self.memory_bytes)
             return tensor
         if self._directory is None:
+            self._exit_on_sigterm()
             self._directory = tempfile.TemporaryDirectory(prefix="normswap-activations-")
         path = Path(self._directory.name) / f"{self._files}.safetensors"
         self._files += 1
@@ -63,11 +68,21 @@ class ActivationCache:
         else:
             self.memory_bytes -= entry.numel() * entry.element_size()
 
+    def _exit_on_sigterm(self) -> None:
+        """SIGTERM raises SystemExit while files exist, so the ``with`` around the pass removes them; only where
+        nobody installed a handler of their own, and only in the main thread (where Python runs handlers)."""
+        if threading.current_thread() is threading.main_thread() and \
+                signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+            self._sigterm = signal.signal(signal.SIGTERM, _terminate)
+
     def close(self) -> None:
         """Removes the spill directory and everything in it."""
         if self._directory is not None:
             self._directory.cleanup()
             self._directory = None
+        if self._sigterm is not None:
+            signal.signal(signal.SIGTERM, self._sigterm)
+            self._sigterm = None
         self.memory_bytes = self.disk_bytes = 0
 
     def summary(self) -> dict:
@@ -79,6 +94,10 @@ class ActivationCache:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _terminate(signum, frame):
+    raise SystemExit(128 + signum)  # the exit status a shell reports for a process ended by the signal
 
 
 class CachedTensors(Sequence):

@@ -62,7 +62,7 @@ def _positive_int(value) -> bool:
 
 def check_block(block) -> dict:
     """The structure of a checkpoint's ``normswap`` block: known methods, one object per converted module with
-    a shape, a bias flag and a finite positive amplitude. Returns the block."""
+    its kind, size and shape, a bias flag and a finite positive amplitude. Returns the block."""
     if not isinstance(block, dict):
         raise ValidationError(f"config.json normswap: expected an object, got {shown(block)}")
     check_base(block.get("base"))
@@ -78,6 +78,11 @@ def check_block(block) -> dict:
             raise ValidationError(f"config.json {key}: expected an object, got {shown(entry)}")
         if entry.get("method", block["method"]) not in METHODS:
             raise ValidationError(f"config.json {key}.method: {shown(entry['method'])} is not one of {methods}")
+        if not (isinstance(entry.get("kind"), str) and entry["kind"]):  # the card and the recipe read them
+            raise ValidationError(f"config.json {key}.kind: {shown(entry.get('kind'))} is not a norm kind "
+                                  "(layernorm, rmsnorm)")
+        if not _positive_int(entry.get("size")):
+            raise ValidationError(f"config.json {key}.size: {shown(entry.get('size'))} is not a positive size")
         shape = entry.get("normalized_shape") or [entry.get("size")]
         if not (isinstance(shape, list) and shape and all(_positive_int(n) for n in shape)):
             raise ValidationError(f"config.json {key}.normalized_shape: {shown(shape)} is not a list of positive sizes")

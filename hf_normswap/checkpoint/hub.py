@@ -73,6 +73,9 @@ def push(folder: str | os.PathLike, repo_id: str, *, private: bool = False, toke
         config_checks.check_block(config["normswap"])
     except ValidationError as error:
         raise PushError(f"{folder}: {error}") from None
+    files = save_load.checkpoint_files(folder)
+    if not any(save_load.WEIGHT_FILES.fullmatch(name) for name in files):
+        raise PushError(f"{folder} holds no weights to push (model.safetensors or its shards)")
     token = preflight(repo_id, token)
     url = endpoint()
     api = HfApi(endpoint=url, token=token)
@@ -80,7 +83,7 @@ def push(folder: str | os.PathLike, repo_id: str, *, private: bool = False, toke
     try:
         repo = api.create_repo(repo_id, private=private or None, exist_ok=True, repo_type="model")  # None: Hub default
         api.upload_folder(folder_path=folder, repo_id=repo.repo_id, repo_type="model",
-                          allow_patterns=save_load.checkpoint_files(folder),  # names of [\w.-] only: no glob
+                          allow_patterns=files,  # names of [\w.-] only: no glob
                           commit_message=commit_message or f"{method} checkpoint converted with hf-normswap")
     except HfHubHTTPError as error:
         status = getattr(getattr(error, "response", None), "status_code", None)

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import json
 import logging
+import math
+import struct
 from pathlib import Path
 
 import torch
 import transformers
 from huggingface_hub import constants
+from huggingface_hub.errors import StrictDataclassError
 from huggingface_hub.utils import HFValidationError, validate_repo_id
 from safetensors import SafetensorError
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer
@@ -50,6 +53,9 @@ SIZE_KEYS = ("hidden_size", "intermediate_size", "vocab_size", "num_hidden_layer
              "num_key_value_heads", "head_dim", "n_embd", "n_layer", "n_head", "d_model", "max_position_embeddings")
 
 
+EPS_SUFFIXES = ("_eps", "epsilon")  # rms_norm_eps, layer_norm_eps, layer_norm_epsilon
+
+
 def _check_config_file(path: Path, spec: str) -> None:
     """A local config.json must be a JSON object whose sizes are positive: one line instead of a traceback."""
     if not path.is_file():
@@ -64,6 +70,9 @@ def _check_config_file(path: Path, spec: str) -> None:
         value = config.get(key)
         if value is not None and not (isinstance(value, int) and not isinstance(value, bool) and value > 0):
             raise ModelLoadError(f"{spec}: config.json {key} is {value!r}; it must be a positive integer")
+    for key, value in config.items():  # 1e309 reads as inf: the norm then outputs 0 and passes for a LayerNorm
+        if key.endswith(EPS_SUFFIXES) and isinstance(value, float) and not (math.isfinite(value) and value > 0):
+            raise ModelLoadError(f"{spec}: config.json {key} is {value!r}; it must be a small positive number")
 
 
 def _looks_local(spec: str, location: str) -> bool:
@@ -107,7 +116,9 @@ def load_model(spec: str, dtype=None, with_tokenizer: bool = True, device=None):
         raise ModelLoadError(f"{spec}: {error}") from None
     except torch.OutOfMemoryError:
         raise ModelLoadError(f"cannot load {spec}: out of memory on {device}; use bfloat16 or the cpu") from None
-    except (SafetensorError, RuntimeError) as error:  # truncated weights, sizes that make no tensor
+    except StrictDataclassError as error:  # transformers' own config checks, their reason on a later line
+        raise ModelLoadError(f"{spec}: config.json fails transformers' checks: {' '.join(str(error).split())}") from None
+    except (SafetensorError, RuntimeError, struct.error) as error:  # truncated weights or GGUF, sizes that make no tensor
         raise ModelLoadError(f"cannot load {spec}: {first_line(error)}; the files are damaged") from None
     except (OSError, ValueError) as error:
         if cache_only:

@@ -57,16 +57,15 @@ WEIGHT_FILES = re.compile(r"model(-\d+-of-\d+)?\.safetensors(\.index\.json)?")
 
 def _temporary_siblings(target: Path, kind: str) -> list[Path]:
     """Leftovers of earlier saves into ``target`` whose process is gone: exactly the names a save gives them,
-    ``.NAME.KIND-PID-HEX8`` (or the earlier ``tempfile.mkdtemp`` form ``.NAME.KIND-XXXXXXXX``), so a folder of the
-    user's that merely starts like one is never touched."""
-    own = re.compile(rf"\.{re.escape(target.name)}\.{kind}-(?:(\d+)-[0-9a-f]{{8}}|[a-z0-9_]{{8}})")
+    ``.NAME.KIND-PID-HEX8``, so a folder of the user's that merely starts like one is never touched."""
+    own = re.compile(rf"\.{re.escape(target.name)}\.{kind}-(\d+)-[0-9a-f]{{8}}")
     found = []
     for path in target.parent.glob(f".{glob_escape(target.name)}.{kind}-*"):
         match = own.fullmatch(path.name)
         if match is None:
             continue
-        pid = match.group(1)
-        if pid and int(pid) != os.getpid() and _alive(int(pid)):
+        pid = int(match.group(1))
+        if pid != os.getpid() and _alive(pid):
             continue  # another save into the same place is running
         found.append(path)
     return sorted(found, key=lambda p: p.stat().st_mtime)
@@ -82,19 +81,32 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def _pending_restore(target: Path) -> Path | None:
+    """The previous checkpoint that an overwrite interrupted between its two renames left in ``.NAME.old-*``, and
+    that the next save into ``target`` puts back; None when ``target`` exists."""
+    if target.exists() or target.is_symlink() or not target.parent.is_dir():
+        return None
+    old = _temporary_siblings(target, "old")
+    return old[-1] if old else None
+
+
 def recover_interrupted(path: str | os.PathLike) -> None:
     """Finish what an interrupted save into ``path`` left: put the previous checkpoint back if the overwrite
-    stopped between its two renames, and remove staging and superseded copies (they are the package's own)."""
-    target = Path(path).expanduser().absolute()
+    stopped between its two renames, and remove staging and superseded copies (they are the package's own). Run by
+    a save once its checks passed: a refused command touches nothing."""
+    target = _real(path)
     if not target.parent.is_dir():
         return
-    old = _temporary_siblings(target, "old")
-    if old and not (target.exists() or target.is_symlink()):
-        newest = old[-1]
-        legacy = newest / "old"  # an earlier layout: the previous checkpoint one level down
-        os.rename(legacy if legacy.is_dir() and not (newest / "config.json").exists() else newest, target)
-    for leftover in old + _temporary_siblings(target, "partial"):
+    restore = _pending_restore(target)
+    if restore is not None:
+        os.rename(restore, target)
+    for leftover in _temporary_siblings(target, "old") + _temporary_siblings(target, "partial"):
         shutil.rmtree(leftover, ignore_errors=True)
+
+
+def _real(path: str | os.PathLike) -> Path:
+    """The absolute path a save writes: through a symlink (a link to a checkpoint stays a link to the new one)."""
+    return Path(os.path.realpath(Path(path).expanduser()))
 
 
 def _is_own_file(path: Path, also_own: set[str] = frozenset()) -> bool:
@@ -109,10 +121,12 @@ def _users_readme(directory: Path) -> bool:
 
 
 def checkpoint_files(directory: Path) -> list[str]:
-    """The files of a saved checkpoint in ``directory`` (sorted): what a push uploads. Anything beside them (a
-    Trainer's checkpoint-N folders, notes, a README.md that is not this package's card) is the user's."""
+    """The files of a saved checkpoint in ``directory`` (sorted): what a push uploads, links to files included (the
+    Hub cache's snapshots are links into its blobs). Anything beside them (a Trainer's checkpoint-N folders, notes,
+    a README.md that is not this package's card) is the user's."""
     user = {"README.md"} if _users_readme(directory) else set()
-    return sorted(p.name for p in directory.iterdir() if _is_own_file(p) and p.name not in user)
+    return sorted(p.name for p in directory.iterdir()
+                  if p.is_file() and OWN_FILES.fullmatch(p.name) and p.name not in user)
 
 
 def _foreign_entries(directory: Path, also_own: set[str] = frozenset()) -> list[str]:
@@ -133,25 +147,26 @@ def _replaceable(directory: Path, also_own: set[str] = frozenset()) -> str | Non
 def check_output_dir(path: str | os.PathLike, overwrite: bool = False, into_existing: bool = False) -> Path:
     """Refuse, before any work is done, an output that exists as a file, or where nothing can be written, or that
     is a non-empty directory (without ``overwrite``) or holds anything but a checkpoint's own files (with it;
-    ``into_existing`` allows that, see :func:`atomic_directory`). An interrupted save into the same place is
-    cleaned up first (see :func:`recover_interrupted`)."""
+    ``into_existing`` allows that, see :func:`atomic_directory`). It changes nothing: a checkpoint that an
+    interrupted save left to be put back is checked as if it were back (see :func:`recover_interrupted`)."""
     path = Path(path).expanduser()
-    recover_interrupted(path)
-    if path.exists() or path.is_symlink():
-        if not path.is_dir():
+    real = _real(path)
+    existing = real if real.exists() else _pending_restore(real)
+    if existing is not None:
+        if not existing.is_dir():
             raise OutputExistsError(f"output {path} exists and is not a directory; choose another --output")
-        if any(path.iterdir()) and not into_existing:
+        if any(existing.iterdir()) and not into_existing:
             if not overwrite:
                 raise OutputExistsError(f"output directory {path} is not empty; pass --overwrite (overwrite=True) "
                                         "to replace the checkpoint in it")
-            refused = _replaceable(path)
+            refused = _replaceable(existing)
             if refused:
                 raise OutputExistsError(f"output directory {path}: {refused}; overwriting replaces only a "
                                         "checkpoint's own files: choose a new or empty directory")
-    ancestor = path.absolute()
+    ancestor = real
     while not ancestor.exists():
         ancestor = ancestor.parent
-    writable_in = ancestor if ancestor != path.absolute() else ancestor.parent
+    writable_in = ancestor if ancestor != real else ancestor.parent
     if not os.access(writable_in, os.W_OK | os.X_OK):
         raise OutputExistsError(f"output {path}: cannot write in {writable_in} (permission denied); choose another --output")
     return path
@@ -194,7 +209,9 @@ def atomic_directory(path: str | os.PathLike, overwrite: bool = False, into_exis
     :func:`_merge`). An interrupted save leaves ``path`` as it was, or the new checkpoint; what it leaves beside
     it, the next save into the same place cleans up.
     """
-    target = check_output_dir(path, overwrite, into_existing).absolute()
+    check_output_dir(path, overwrite, into_existing)
+    target = _real(path)
+    recover_interrupted(target)
     created = []
     for parent in reversed(target.parents):
         if not parent.exists():
@@ -354,7 +371,10 @@ def save_pretrained(
     kwargs.pop("push_to_hub", None)
     with atomic_directory(save_directory, overwrite, into_existing) as staging:
         with _dense(model):
-            transformers.PreTrainedModel.save_pretrained(model, staging, save_original_format=False, **kwargs)
+            try:
+                transformers.PreTrainedModel.save_pretrained(model, staging, save_original_format=False, **kwargs)
+            except SafetensorError as error:  # a full disk fails inside safetensors' writer, not as an OSError
+                raise CheckpointError(f"cannot write the weights ({first_line(error)})") from None
         if tokenizer is not None:
             tokenizer.save_pretrained(staging)
         config = _rewrite_config(staging, base, saved_block)
@@ -427,6 +447,10 @@ def weight_shapes(path: str | os.PathLike) -> dict[str, tuple[int, ...]]:
     """Name -> shape of every tensor in a checkpoint's safetensors files, read from their headers only."""
     directory = Path(path)
     index = directory / "model.safetensors.index.json"
+    if index.is_file() and (directory / "model.safetensors").is_file():  # the check must read what will load
+        raise CheckpointError(f"{directory} holds both model.safetensors and {index.name}: transformers loads "
+                              "model.safetensors, the index names other files; remove the one that is not the "
+                              "checkpoint's")
     try:
         files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() \
             else ["model.safetensors"]

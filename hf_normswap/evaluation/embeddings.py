@@ -22,7 +22,7 @@ from torch import nn
 
 from ..model_inputs import mean_pool
 from ..placement import model_device
-from .perplexity import REFERENCE, EvaluationError, _fmt
+from .perplexity import REFERENCE, EvaluationError, _fmt, check_window, context_length
 
 MIN_WORDS, MAX_WORDS = 5, 64
 MAX_SENTENCES = 2000  # the pair statistics grow with the square: 2 million pairs at most
@@ -141,10 +141,13 @@ def evaluate_embeddings(model: nn.Module, against: nn.Module, tokenizer, texts: 
     if len(found) < 3:
         raise EvaluationError(f"the evaluation text gives {len(found)} prose sentences of {MIN_WORDS}-{MAX_WORDS} "
                               "words; embedding agreement needs at least 3")
+    models = {REFERENCE: against, "converted": model}
+    check_window(max_length, models)
+    max_length = min([max_length or DEFAULT_MAX_LENGTH, *filter(None, map(context_length, models.values()))])
     padding = tokenizer.pad_token is not None
     batch_size = batch_size if padding else 1  # nothing to pad with: one sentence a pass
     batches = [tokenizer(found[i:i + batch_size], padding=padding, truncation=True,
-                         max_length=max_length or DEFAULT_MAX_LENGTH, return_tensors="pt")
+                         max_length=max_length, return_tensors="pt")
                for i in range(0, len(found), batch_size)]
     reference = _similarities(_embed(against.eval(), batches))
     converted = _similarities(_embed(model.eval(), batches))

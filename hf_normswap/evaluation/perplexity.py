@@ -122,14 +122,32 @@ def rolling_windows(n_tokens: int, max_length: int, stride: int | None = None) -
     return windows
 
 
-def default_max_length(model: nn.Module, tokenizer=None) -> int:
-    """Context length the way lm-eval resolves it for ``--model hf``."""
+def context_length(model: nn.Module) -> int | None:
+    """The positions the model's config gives it (``n_positions`` / ``max_position_embeddings`` / ``n_ctx``)."""
     config = getattr(model, "config", None)
     config = getattr(config, "text_config", None) or config
     for attr in ("n_positions", "max_position_embeddings", "n_ctx"):
         value = getattr(config, attr, None)
         if value is not None:
             return int(value)
+    return None
+
+
+def check_window(length: int | None, models: Mapping[str, nn.Module], flag: str = "max_length") -> None:
+    """A window longer than a model's context indexes past its position table (an IndexError after all the work
+    before it): refused before any work, naming the model."""
+    for name, model in models.items():
+        context = context_length(model)
+        if length is not None and context is not None and length > context:
+            raise EvaluationError(f"{flag} {length} is longer than the context of {name} ({context} tokens); give "
+                                  f"at most {context}")
+
+
+def default_max_length(model: nn.Module, tokenizer=None) -> int:
+    """Context length the way lm-eval resolves it for ``--model hf``."""
+    context = context_length(model)
+    if context is not None:
+        return context
     length = getattr(tokenizer, "model_max_length", None)
     if length is not None and length != TOKENIZER_INFINITY:
         return int(length)
@@ -376,6 +394,7 @@ def evaluate(
     for name, m in models.items():
         _check_causal(name, m)
         m.eval()
+    check_window(max_length, models)
     vocab_sizes = {name: m.get_output_embeddings().weight.shape[0] for name, m in models.items()
                    if getattr(m, "get_output_embeddings", None) and m.get_output_embeddings() is not None}
     if len(set(vocab_sizes.values())) > 1:
@@ -393,7 +412,7 @@ def evaluate(
         raise EvaluationError("max_tokens applies to texts; cut pre-tokenized docs yourself")
     if not docs:
         raise EvaluationError("the evaluation text gives no tokens")
-    max_length = max_length or default_max_length(first, tokenizer)
+    max_length = max_length or min(default_max_length(m, tokenizer) for m in models.values())
     if max_length < 1:
         raise EvaluationError(f"window length must be positive, got {max_length}")
     prefix = _prefix_token(first, tokenizer) if prefix_token is None else prefix_token

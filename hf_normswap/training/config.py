@@ -6,6 +6,7 @@ loads. The ``training`` section is transformers' own ``TrainingArguments``, chec
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -19,6 +20,9 @@ from ..validation import ValidationError, check_known, check_number, first_line,
 
 # set by the recipe from its own settings: output_dir, seed, learning_rate (lr.base)
 OWNED_TRAINING_ARGUMENTS = ("output_dir", "seed", "learning_rate")
+# the Trainer's own push uploads all of output_dir (optimizer states, summary.json, training_args.bin with the
+# token); the recipe's push_to_hub uploads the final checkpoint alone
+HUB_TRAINING_ARGUMENTS = re.compile(r"push_to_hub.*|hub_.*")
 
 
 def _at_least(value, name: str, minimum: float, whole: bool = False) -> None:
@@ -41,8 +45,11 @@ class DistillSettings:
     embedding: float = 0.0
 
     def __post_init__(self):
-        _at_least(self.weight, "distill.weight", 0)
+        # above 1, (1 - weight) * CE turns negative and training pushes cross-entropy up
+        check_number(self.weight, "distill.weight", minimum=0, maximum=1)
         _at_least(self.temperature, "distill.temperature", 1e-6)
+        for name in ("hidden", "sink_weight", "embedding"):
+            _at_least(getattr(self, name), f"distill.{name}", 0)
 
 
 @dataclass
@@ -70,6 +77,26 @@ class ProgressiveSettings:
     start: int = 0
     group: int = 1
     role_order: list[str] | None = None
+
+    def __post_init__(self):
+        """The schedule is built after calibration: its settings and its map file are read here, before any load."""
+        from ..evaluation.sensitivity import load_order
+        from .progressive import ORDERS
+
+        _at_least(self.every, "progressive.every", 1, whole=True)
+        _at_least(self.ramp, "progressive.ramp", 0, whole=True)
+        _at_least(self.start, "progressive.start", 0, whole=True)
+        _at_least(self.group, "progressive.group", 1, whole=True)
+        if not self.enabled:
+            return
+        if self.order.endswith(".json"):
+            try:
+                load_order(self.order)
+            except ValueError as error:
+                raise ValidationError(f"progressive.order: {first_line(error)}") from None
+        elif self.order not in ORDERS:
+            raise ValidationError(f"progressive.order {self.order!r} is unknown: choose {', '.join(ORDERS)} or a "
+                                  "sensitivity map .json (`normswap sensitivity --json`)")
 
 
 @dataclass
@@ -162,6 +189,10 @@ class RecipeConfig:
             raise ValidationError(f"calibration: {error}") from None
         if self.progressive.enabled and self.trainable == "lora":
             raise ValidationError("progressive conversion works with trainable: norms or all, not lora")
+        output = Path(self.output_dir).absolute()
+        if self.save_path.absolute() in (output, *output.parents, output / "calibrated"):
+            raise ValidationError(f"save_dir {self.save_dir} is output_dir, holds it or its calibrated/: the final "
+                                  "checkpoint needs a folder of its own; leave save_dir unset (OUTPUT/final)")
         self._check_training()
 
     def _check_training(self) -> None:
@@ -174,6 +205,21 @@ class RecipeConfig:
                 merged[key] = "no"
         for key in merged:
             check_known(key, known, "training.")
+            if HUB_TRAINING_ARGUMENTS.fullmatch(key):
+                raise ValidationError(f"training.{key} is refused: the Trainer would upload all of output_dir "
+                                      "(optimizer states, training_args.bin holding the token); set push_to_hub: "
+                                      "OWNER/NAME to push the final checkpoint alone, with the token of HF_TOKEN")
+        class Checked(TrainingArguments):
+            """TrainingArguments' checks of its fields (scheduler and optimizer names ...) without the device set-up
+            that building one also does: that starts accelerate's distributed state, which the recipe creates
+            itself once it runs, with its own choice of CPU."""
+
+            _setup_devices = None
+
+        try:
+            Checked(output_dir=self.output_dir, seed=self.seed, learning_rate=self.lr.base, **merged)
+        except (ValueError, TypeError) as error:
+            raise ValidationError(f"training: {first_line(error)}") from None
         self.training = merged
 
     @property

@@ -26,6 +26,7 @@ import hf_normswap
 from hf_normswap.training.distill import (distillation_loss, group_learning_rates, norm_parameter_names, parameter_groups,
                                  set_trainable)
 from hf_normswap.training.progressive import ProgressiveSwap, schedule
+from hf_normswap.training.run_dir import claim_run_dir
 from file_modules import import_file
 from tiny_models import tiny_model
 
@@ -178,6 +179,7 @@ def test_a_resumed_run_refuses_a_cached_calibration_the_config_does_not_describe
     output = tmp_path / "run"
     base = ["--config", str(write_config(root, model_dir, output)), "calibration.precision=auto"]
     config = recipe.load_config(base)
+    claim_run_dir(config)  # what the recipe records before calibrating
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     hf_normswap.convert(model, to="eln", calibration=dataclasses.replace(config.calibration, tokenizer=tokenizer))

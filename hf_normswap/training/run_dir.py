@@ -1,0 +1,141 @@
+"""The recipe's ``output_dir``: the recipe deletes (checkpoint rotation) and resumes from what is in it, so it works
+only in a directory it created, recorded in ``run.json`` with the model it trains and the parameters it trains.
+A resume that names another model or trains other parameters is refused before anything loads, an interrupted
+Trainer checkpoint is skipped, and the recipe's JSON files are written whole or not at all.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import re
+import uuid
+from pathlib import Path
+
+from ..checkpoint.loading import resolve
+from ..validation import ValidationError, shown
+
+RECORD = "run.json"
+WRITTEN_BY = "hf-normswap recipes/finetune.py"
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt", ".pth")
+SAMPLES, SAMPLE_BYTES = 16, 1 << 16
+CHECKPOINT = re.compile(r"checkpoint-(\d+)")
+
+
+def write_json(path: Path, data) -> None:
+    """``path`` holds the old content or the new, never a part: a kill mid-write must not break the next resume."""
+    staging = path.parent / f".{path.name}.partial-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    try:
+        staging.write_text(json.dumps(data, indent=1, default=str))
+        os.replace(staging, path)
+    finally:
+        staging.unlink(missing_ok=True)
+
+
+def read_json(path: Path) -> dict | None:
+    """The object in ``path``; None when it is missing or unreadable (written by an earlier, interrupted run)."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def weights_fingerprint(path: Path) -> str | None:
+    """A hash of the weight files at ``path`` (a directory or one file): names, sizes and 16 spread samples of each,
+    so a 14 GB model is identified in milliseconds; two different trainings differ in every sample."""
+    files = [path] if path.is_file() else sorted(p for p in path.iterdir() if p.suffix in WEIGHT_SUFFIXES
+                                                 and p.is_file())
+    if not files:
+        return None
+    digest = hashlib.sha256()
+    for file in files:
+        size = file.stat().st_size
+        digest.update(f"{file.name}\0{size}\0".encode())
+        with open(file, "rb") as handle:
+            for i in range(SAMPLES):
+                handle.seek(i * max(0, size - SAMPLE_BYTES) // (SAMPLES - 1))
+                digest.update(handle.read(SAMPLE_BYTES))
+    return digest.hexdigest()[:16]
+
+
+def model_identity(spec: str) -> dict:
+    """The model a spec names: the spec, its local path and its weights' fingerprint (a Hub id: of the cached
+    snapshot, None before the first download)."""
+    location, extra = resolve(spec)
+    path = Path(location) / extra["gguf_file"] if "gguf_file" in extra else Path(location)
+    if not path.exists():
+        from huggingface_hub import try_to_load_from_cache
+
+        try:
+            cached = try_to_load_from_cache(spec, "config.json")
+        except ValueError:  # not a Hub id either: loading will say the model is not found
+            cached = None
+        return {"model": spec, "path": None,
+                "weights": weights_fingerprint(Path(cached).parent) if isinstance(cached, str) else None}
+    return {"model": spec, "path": str(path.resolve()), "weights": weights_fingerprint(path)}
+
+
+def trained_parameters(config) -> dict:
+    """What decides the optimizer's state: a resume that trains other parameters cannot load it."""
+    return {"trainable": config.trainable, "freeze_embeddings": config.freeze_embeddings,
+            "lora": dataclasses.asdict(config.lora) if config.trainable == "lora" else None}
+
+
+def last_checkpoint(output_dir: Path) -> Path | None:
+    """The newest complete Trainer checkpoint: the Trainer writes ``trainer_state.json`` last, so a checkpoint a
+    kill interrupted has none (or a part of one) and is skipped."""
+    found = [(int(m.group(1)), p) for p in output_dir.glob("checkpoint-*")
+             if (m := CHECKPOINT.fullmatch(p.name)) and p.is_dir()]
+    for _, path in sorted(found, reverse=True):
+        if read_json(path / "trainer_state.json") is not None:
+            return path
+    return None
+
+
+def check_run_dir(config) -> None:
+    """Refuse, before anything loads, an output_dir the recipe did not create, and a resume that would train another
+    model or other parameters than the run recorded there."""
+    out = Path(config.output_dir)
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise ValidationError(f"output_dir {out} is not a directory; name a new or empty one")
+    entries = sorted(p.name for p in out.iterdir())
+    if not entries:
+        return
+    record = read_json(out / RECORD)
+    if record is None or record.get("written_by") != WRITTEN_BY:
+        raise ValidationError(f"output_dir {out} holds files the recipe did not write ({', '.join(entries[:3])}"
+                              f"{', ...' if len(entries) > 3 else ''}); it deletes and resumes from what is there: "
+                              "name a new or empty output_dir")
+    if not config.resume:
+        return
+    recorded, now = record.get("model") or {}, model_identity(config.model)
+    if recorded.get("model") != now["model"] or recorded.get("path") != now["path"]:
+        changed = f"model {shown(recorded.get('model'))}"
+    elif None not in (recorded.get("weights"), now["weights"]) and recorded["weights"] != now["weights"]:
+        changed = f"other weights of {shown(now['model'])}"
+    else:
+        changed = None
+    if changed:
+        raise ValidationError(f"output_dir {out} was calibrated and trained from {changed}; the config names "
+                              f"{shown(config.model)}: name another output_dir, or set resume=false to start over")
+    asked = trained_parameters(config)
+    if record.get("parameters") != asked and last_checkpoint(out) is not None:
+        raise ValidationError(f"output_dir {out} trains {record.get('parameters')}, the config {asked}: its "
+                              "checkpoints' optimizer state fits those parameters only; set them back, name another "
+                              "output_dir, or set resume=false to start over")
+
+
+def claim_run_dir(config) -> None:
+    """Create output_dir (main process) and record what it trains, before the models load."""
+    out = Path(config.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    record = read_json(out / RECORD) if config.resume else None
+    identity = model_identity(config.model)
+    if record is not None and record.get("model", {}).get("weights") is not None:
+        identity = record["model"]  # a Hub id recorded once downloaded; check_run_dir compared the two
+    write_json(out / RECORD, {"written_by": WRITTEN_BY, "model": identity, "parameters": trained_parameters(config)})

@@ -1,0 +1,172 @@
+"""Fault injection on the recovery recipe (recipes/finetune.py): secrets, its output_dir, resumes and settings.
+
+Each case asserts the one-line error, exit code 2 before any model loads, and that every file the user had is
+byte-for-byte as before and nothing was written.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from file_modules import import_file
+from hf_normswap.training import run_dir
+from tiny_models import tiny_model
+
+
+@pytest.fixture(scope="module")
+def recipe():
+    return import_file("recipes/finetune.py")
+
+
+def _tree(root: Path) -> dict:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def _refused(recipe, capsys, argv) -> str:
+    """The recipe's one error line for ``argv``, asserting exit code 2."""
+    with pytest.raises(SystemExit) as exit:
+        recipe.main([str(a) for a in argv])
+    err = capsys.readouterr().err
+    assert exit.value.code == 2 and err.count("\n") == 1 and "Traceback" not in err, err
+    return err
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """Two tiny Llamas with different weights, saved."""
+    root = tmp_path_factory.mktemp("models")
+    for seed in (0, 1):
+        tiny_model("llama", seed=seed).save_pretrained(root / f"llama-{seed}")
+    return root
+
+
+# ------------------------------------------------------------------------------------------------- secrets
+
+
+@pytest.mark.parametrize("setting", ["training.push_to_hub=true", "training.hub_token=hf_SECRET",
+                                     "training.hub_model_id=me/run", "training.hub_strategy=all_checkpoints"])
+def test_the_trainers_own_hub_upload_is_refused_and_no_token_is_written(recipe, tmp_path, capsys, setting):
+    """The Trainer's push uploads all of output_dir, with training_args.bin holding the token; the recipe's
+    push_to_hub uploads the final checkpoint alone."""
+    err = _refused(recipe, capsys, [f"output_dir={tmp_path / 'run'}", setting])
+    assert f"training.{setting.split('.')[1].split('=')[0]} is refused" in err and "push_to_hub: OWNER/NAME" in err
+    assert "hf_SECRET" not in err and not (tmp_path / "run").exists()
+
+
+# --------------------------------------------------------------------------------- the recipe owns output_dir
+
+
+def test_an_output_dir_the_recipe_did_not_write_is_refused(recipe, tmp_path, capsys):
+    """A user's checkpoint-3 and summary.json: rotation would delete one and the run would overwrite the other, or
+    resume from the foreign checkpoint."""
+    out = tmp_path / "mine"
+    (out / "checkpoint-3").mkdir(parents=True)
+    (out / "checkpoint-3" / "trainer_state.json").write_text("{}")
+    (out / "summary.json").write_text('{"mine": 1}')
+    before = _tree(out)
+    for resume in ("true", "false"):
+        err = _refused(recipe, capsys, [f"output_dir={out}", f"resume={resume}"])
+        assert "holds files the recipe did not write (checkpoint-3, summary.json)" in err
+    assert _tree(out) == before and sorted(p.name for p in out.iterdir()) == ["checkpoint-3", "summary.json"]
+
+
+def test_a_resume_naming_another_model_or_other_weights_is_refused_before_loading(recipe, models, tmp_path, capsys):
+    out = tmp_path / "run"
+    first = recipe.load_config([f"model={models / 'llama-0'}", f"output_dir={out}"])
+    run_dir.claim_run_dir(first)  # what the recipe records before calibrating
+    (out / "summary.json").write_text('{"calibrated": {}}')
+    before = _tree(out)
+    err = _refused(recipe, capsys, [f"model={models / 'llama-1'}", f"output_dir={out}"])
+    assert "was calibrated and trained from model" in err and "resume=false" in err
+    (models / "copy").mkdir()  # the same path, other weights
+    for file in (models / "llama-0").iterdir():
+        (models / "copy" / file.name).write_bytes(file.read_bytes())
+    run_dir.claim_run_dir(recipe.load_config([f"model={models / 'copy'}", f"output_dir={tmp_path / 'other'}"]))
+    (models / "copy" / "model.safetensors").write_bytes((models / "llama-1" / "model.safetensors").read_bytes())
+    err = _refused(recipe, capsys, [f"model={models / 'copy'}", f"output_dir={tmp_path / 'other'}"])
+    assert "other weights of" in err
+    assert _tree(out) == before
+    recipe.load_config([f"model={models / 'llama-1'}", f"output_dir={out}", "resume=false"])  # a new run: allowed
+
+
+def test_a_resume_training_other_parameters_is_refused_before_loading(recipe, models, tmp_path, capsys):
+    """The optimizer state of checkpoint-N fits the parameters it trained; another trainable set crashed on load."""
+    out = tmp_path / "run"
+    base = [f"model={models / 'llama-0'}", f"output_dir={out}"]
+    run_dir.claim_run_dir(recipe.load_config(base))
+    recipe.load_config([*base, "trainable=all"])  # no checkpoint yet: nothing to mismatch
+    (out / "checkpoint-2").mkdir()
+    (out / "checkpoint-2" / "trainer_state.json").write_text('{"global_step": 2}')
+    err = _refused(recipe, capsys, [*base, "trainable=all"])
+    assert "'trainable': 'norms'" in err and "'trainable': 'all'" in err and "optimizer state" in err
+    assert (out / "checkpoint-2" / "trainer_state.json").read_text() == '{"global_step": 2}'
+
+
+# ----------------------------------------------------------------------------------------- interrupted writes
+
+
+def test_an_interrupted_trainer_checkpoint_is_skipped_on_resume(tmp_path):
+    """A kill between the Trainer's writes leaves checkpoint-N without trainer_state.json (written last), or with
+    a part of it: the resume goes on from the newest whole one."""
+    for step, state in ((2, '{"global_step": 2}'), (4, None), (6, '{"global_st')):
+        (tmp_path / f"checkpoint-{step}").mkdir()
+        if state is not None:
+            (tmp_path / f"checkpoint-{step}" / "trainer_state.json").write_text(state)
+    (tmp_path / "checkpoint-x").mkdir()
+    assert run_dir.last_checkpoint(tmp_path) == tmp_path / "checkpoint-2"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-2", "checkpoint-4", "checkpoint-6",
+                                                          "checkpoint-x"]
+
+
+def test_summary_is_written_whole_or_not_at_all(tmp_path, monkeypatch):
+    summary = tmp_path / "summary.json"
+    run_dir.write_json(summary, {"calibrated": {"ratio": 1.5}})
+
+    def killed(*args):
+        raise KeyboardInterrupt  # between writing the new copy and renaming it into place
+
+    monkeypatch.setattr(os, "replace", killed)
+    with pytest.raises(KeyboardInterrupt):
+        run_dir.write_json(summary, {"calibrated": {"ratio": 1.5}, "finetuned": {}})
+    monkeypatch.undo()
+    assert json.loads(summary.read_text()) == {"calibrated": {"ratio": 1.5}}
+    assert [p.name for p in tmp_path.iterdir()] == ["summary.json"]
+    summary.write_text('{"calibrated": {"ra')  # truncated by an earlier version's in-place write
+    assert run_dir.read_json(summary) is None  # the resume measures the calibrated model again
+
+
+# --------------------------------------------------------------------------------- settings checked up front
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["distill.weight=3"], "distill.weight must be at most 1, got 3"),
+    (["distill.weight=-0.5"], "distill.weight must be at least 0"),
+    (["distill.hidden=-1"], "distill.hidden must be at least 0"),
+    (["distill.embedding=-1"], "distill.embedding must be at least 0"),
+    (["distill.sink_weight=-1"], "distill.sink_weight must be at least 0"),
+    (["progressive.enabled=true", "progressive.order=dept"], "progressive.order 'dept' is unknown"),
+    (["progressive.enabled=true", "progressive.order=/nonexistent/map.json"],
+     "progressive.order: /nonexistent/map.json is not a sensitivity map"),
+    (["progressive.every=0"], "progressive.every must be at least 1"),
+    (["progressive.every=abc"], "setting progressive.every must be int"),
+    (["train_tokens=abc"], "setting train_tokens must be int | None"),
+    (["training.lr_scheduler_type=cosin"], "training: cosin is not a valid SchedulerType"),
+    (["training.optim=adamw_torchh"], "training: adamw_torchh is not a valid OptimizerNames"),
+    (["push_to_hub=bad repo!!"], "invalid repository name 'bad repo!!'"),
+    (["output_dir=/nonexistent/run", "save_dir=/nonexistent/run"], "save_dir /nonexistent/run is output_dir"),
+    (["output_dir=/nonexistent/run", "save_dir=/nonexistent/run/calibrated"], "holds it or its calibrated/"),
+])
+def test_every_setting_is_checked_before_loading(recipe, capsys, argv, message):
+    assert message in _refused(recipe, capsys, argv)
+
+
+def test_the_push_is_checked_before_loading(recipe, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("HF_TOKEN", "hf_fake")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert "HF_HUB_OFFLINE is set" in _refused(recipe, capsys, ["push_to_hub=me/model",
+                                                                 f"output_dir={tmp_path / 'run'}"])
+    assert not (tmp_path / "run").exists()
