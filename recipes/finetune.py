@@ -262,14 +262,20 @@ def whole_models(trainer, original, copies, state):
     """(student, original) whole on the main process after training, for the final evaluation, the save and the
     reload check: as they are under DDP or one process; gathered from their shards under FSDP2 (every process
     takes part; the others get None)."""
-    from hf_normswap.training.sharding import gathered, is_sharded
+    from hf_normswap.training.sharding import gathered, is_sharded, release
 
     model = trainer.accelerator.unwrap_model(trainer.model)
     if copies is None or not is_sharded(model):
         return model, original
-    model = gathered(model, copies[0], state.is_main_process)
+    optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
+    optimizer.state.clear()  # training is over: its AdamW moments make room for the whole copies
+    sharded = model
+    model = gathered(sharded, copies[0], state.is_main_process)
+    release(sharded)
     if copies[1] is not None and is_sharded(original):
-        original = gathered(original, copies[1], state.is_main_process)
+        sharded = original
+        original = gathered(sharded, copies[1], state.is_main_process)
+        release(sharded)
     return model, original
 
 

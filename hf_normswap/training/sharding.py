@@ -172,3 +172,9 @@ class ShardingLog(TrainerCallback):
             teacher = "none" if self.teacher is None else (
                 describe(self.teacher) if is_sharded(self.teacher) else "whole on every process")
             print(f"[sharding] FSDP2: student {describe(model)}; teacher {teacher}", flush=True)
+
+
+def release(model: nn.Module) -> None:
+    """Free a sharded model's memory on every process once its whole copy is gathered (training is over): FSDP2's
+    ``_apply`` re-points its shards at the moved parameters, so moving them to the meta device drops them."""
+    model.to("meta")
