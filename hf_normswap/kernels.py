@@ -110,8 +110,8 @@ def _make_backward(grads):
         gw = g * weight.float()
         grad_x = (gw * dfdx).to(x.dtype)
         grad_shape = (gw * dfds).sum(0)
-        if shape.dim() == 0:
-            grad_shape = grad_shape.sum()
+        if shape.numel() == 1:  # one value for every channel: a scalar, or FSDP2's 1-element vector of it
+            grad_shape = grad_shape.sum().reshape(shape.shape)
         grad_weight = (g * f).sum(0)
         grad_bias = g.sum(0) if has_bias else None
         return grad_x, grad_shape, grad_weight, grad_bias

@@ -2,6 +2,7 @@
 
     accelerate launch recipes/finetune.py --config recipes/configs/smollm2-eln.yaml
     accelerate launch --config_file recipes/accelerate_configs/multi_gpu.yaml recipes/finetune.py --config ...
+    accelerate launch --config_file recipes/accelerate_configs/fsdp2.yaml recipes/finetune.py --config ...  (sharded)
     python recipes/finetune.py --config recipes/configs/smollm2-eln.yaml training.max_steps=50 max_minutes=10
     python recipes/finetune.py --config recipes/configs/smollm2-eln.yaml train_tokens=500000 output_dir=DIR
 
@@ -60,10 +61,7 @@ def load_config(argv=None):
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="e.g. training.max_steps=20 method=dyt")
     args = parser.parse_args(argv)
     try:
-        if os.environ.get("ACCELERATE_USE_FSDP") == "true" or os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE") == "3":
-            raise ValidationError("sharded weights (FSDP, DeepSpeed ZeRO-3) are not supported: the final evaluation "
-                                  "and save run on one process with the whole model; launch with DDP "
-                                  "(recipes/accelerate_configs/multi_gpu.yaml) or one process")
+        check_sharding()  # first: a DeepSpeed environment fails the TrainingArguments check with another reason
         config = read_recipe_config(args.config, args.overrides)
         check_run_dir(config)
         check_output_dir(config.save_path, overwrite=True)
@@ -73,6 +71,20 @@ def load_config(argv=None):
     except (ValidationError, CheckpointError, PushError, ModelLoadError, PackagedModelMissing) as error:
         fail(str(error))
     return config
+
+
+def check_sharding() -> None:
+    """FSDP2 is the sharded engine (``hf_normswap.training.sharding``); FSDP1 and DeepSpeed ZeRO-3 are refused
+    before anything loads: the gather for the final evaluation and save is FSDP2's, and ZeRO-3 is untested here."""
+    from hf_normswap.training.sharding import fsdp2_requested
+    from hf_normswap.validation import ValidationError
+
+    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true" and not fsdp2_requested():
+        raise ValidationError("FSDP1 is not supported: launch with recipes/accelerate_configs/fsdp2.yaml "
+                              "(fsdp_version: 2)")
+    if os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE") == "3":
+        raise ValidationError("DeepSpeed ZeRO-3 is not supported: shard with FSDP2 "
+                              "(recipes/accelerate_configs/fsdp2.yaml)")
 
 
 def check_calibration_cache(config) -> None:
@@ -244,6 +256,37 @@ def trainable_dense(model):
         if getattr(model.config, "quantization_config", None) is not None:
             del model.config.quantization_config
     return model
+
+
+def copies_to_gather(student, original, shard_teacher: bool):
+    """Under FSDP2, parameterless copies of the student and (``shard_teacher``) the original, made before they are
+    sharded, into which the whole models are gathered after training (``whole_models``); None otherwise."""
+    from hf_normswap.training.sharding import empty_copy, fsdp2_requested
+
+    if not fsdp2_requested():
+        return None
+    return empty_copy(student), empty_copy(original) if shard_teacher else None
+
+
+def whole_models(trainer, original, copies, state):
+    """(student, original) whole on the main process after training, for the final evaluation, the save and the
+    reload check: as they are under DDP or one process; gathered from their shards under FSDP2 (every process
+    takes part; the others get None)."""
+    from hf_normswap.training.sharding import gathered, is_sharded, release
+
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    if copies is None or not is_sharded(model):
+        return model, original
+    optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
+    optimizer.state.clear()  # training is over: its AdamW moments make room for the whole copies
+    sharded = model
+    model = gathered(sharded, copies[0], state.is_main_process)
+    release(sharded)
+    if copies[1] is not None and is_sharded(original):
+        sharded = original
+        original = gathered(sharded, copies[1], state.is_main_process)
+        release(sharded)
+    return model, original
 
 
 def final_evaluation(model, original, tokenizer, config, name: str):
@@ -441,6 +484,7 @@ def main(argv=None) -> int:
     callbacks = [WallClockStop(config.max_minutes)] if config.max_minutes else []
     if swap is not None:
         callbacks.append(ProgressiveSwapCallback(swap))
+    copies = copies_to_gather(student, original, config.shard_teacher)
     trainer = NormSwapTrainer(model=student, args=args, train_dataset=train_set, eval_dataset=eval_set,
                               processing_class=tokenizer, callbacks=callbacks,
                               teacher=original if distill.weight > 0 else None, distill_weight=distill.weight,
@@ -448,7 +492,7 @@ def main(argv=None) -> int:
                               hidden_weight=distill.hidden, sink_weight=distill.sink_weight,
                               embedding_weight=distill.embedding,
                               shape_lr=config.lr.shape, gamma_lr=config.lr.gamma,
-                              head_chunk=config.head_chunk)
+                              head_chunk=config.head_chunk, shard_teacher=config.shard_teacher)
     last = last_checkpoint(out) if config.resume else None
     log(f"resuming from {last}" if last else "training from the calibrated model")
     resumed = read_json(last / "trainer_state.json") if last else {}
@@ -458,9 +502,9 @@ def main(argv=None) -> int:
     wall = time.time() - start
 
     # 4. evaluate, save, check, plot, push (main process)
-    model = merge_lora(without_autocast_wrapper(trainer.accelerator.unwrap_model(trainer.model)))
+    model, original = whole_models(trainer, original, copies, state)
     if state.is_main_process:
-        model.eval()
+        model = merge_lora(without_autocast_wrapper(model)).eval()
         after = final_evaluation(model, original, tokenizer, config, "finetuned")
         log(f"after training:\n{after.table()}")
         history = trainer.state.log_history

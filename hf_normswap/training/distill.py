@@ -24,6 +24,7 @@ from transformers import Trainer, TrainerCallback
 from ..modules import ElementwiseNorm
 from .head_loss import DEFAULT_CHUNK, head_bypassed, head_is_plain, head_loss
 from .layerwise import embedding_cosine_error, relative_hidden_error
+from . import sharding
 
 TRAINABLE = ("norms", "all", "lora")
 
@@ -307,12 +308,16 @@ class NormSwapTrainer(Trainer):
     under the student's autocast (bf16 when the Trainer's ``bf16`` is set). ``head_chunk`` tokens at a time go
     through the output head (:mod:`hf_normswap.head_loss`) when both heads are plain linear maps (a sentence
     encoder has none); 0: full logits.
+
+    Under FSDP2 (:mod:`hf_normswap.training.sharding`; on CPU too, where accelerate would fall back to DDP) the
+    student is sharded by accelerate when training starts, and the teacher here at once when ``shard_teacher``
+    (else every process holds it whole); the shard units are logged when training begins.
     """
 
     def __init__(self, *args, teacher: nn.Module | None = None, distill_weight: float = 0.0,
                  temperature: float = 1.0, logits: bool = True, hidden_weight: float = 0.0, sink_weight: float = 0.0,
                  embedding_weight: float = 0.0, shape_lr: float | None = None, gamma_lr: float | None = None,
-                 head_chunk: int = DEFAULT_CHUNK, **kwargs):
+                 head_chunk: int = DEFAULT_CHUNK, shard_teacher: bool = True, **kwargs):
         super().__init__(*args, **kwargs)
         if distill_weight > 0 and teacher is None:
             raise ValueError("distill_weight > 0 needs the original model as teacher")
@@ -332,6 +337,21 @@ class NormSwapTrainer(Trainer):
         distilled = teacher is not None and self.distill_weight > 0
         self.head_chunk = head_chunk_for(self.model, teacher, int(head_chunk or 0)) if distilled else 0
         self._component_sums = dict.fromkeys(self.COMPONENTS, 0.0) | {"count": 0}
+        if self.fsdp2:
+            sharding.vectors_for_scalars(self.model)  # before the optimizer is made on its parameters
+            if distilled and shard_teacher:
+                sharding.shard(self.teacher)
+            self.add_callback(sharding.ShardingLog(self.teacher if distilled else None))
+
+    @property
+    def fsdp2(self) -> bool:
+        plugin = getattr(self.accelerator.state, "fsdp_plugin", None)
+        return plugin is not None and plugin.fsdp_version == 2
+
+    def create_accelerator_and_postprocess(self):
+        super().create_accelerator_and_postprocess()
+        if sharding.adopt_fsdp2_on_cpu(self.accelerator):  # accelerate would run DDP here (module doc)
+            self.is_fsdp_enabled = True
 
     COMPONENTS = ("ce_loss", "kd_loss", "hidden_loss", "embedding_loss")
 
@@ -354,6 +374,8 @@ class NormSwapTrainer(Trainer):
                                               temperature=self.temperature, logits=self.logits,
                                               hidden_weight=self.hidden_weight, sink_weight=self.sink_weight,
                                               embedding_weight=self.embedding_weight, head_chunk=self.head_chunk)
+        if self.fsdp2:  # the sharded teacher's root keeps its gathered weights for the head loss until here
+            sharding.reshard(self.teacher)
         for key, value in zip(self.COMPONENTS, components):
             self._component_sums[key] += float(value.detach())
         self._component_sums["count"] += 1

@@ -204,18 +204,23 @@ def test_a_resumed_run_refuses_a_cached_calibration_the_config_does_not_describe
     assert anew.config.normswap["method"] == "dyt" and "converted" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("env", [{"ACCELERATE_USE_FSDP": "true"},
-                                 {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "3"}])
-def test_sharded_weights_are_refused_before_anything_loads(env, monkeypatch, capsys):
-    """The final evaluation and save run on the main process alone: with FSDP or ZeRO-3 they would wait forever for
-    the other ranks' shards."""
+@pytest.mark.parametrize("env, named", [({"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "1"}, "FSDP1"),
+                                        ({"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "3"},
+                                         "ZeRO-3")])
+def test_sharding_other_than_fsdp2_is_refused_before_anything_loads(env, named, monkeypatch, capsys):
+    """The whole model is gathered for the final evaluation and save with FSDP2's state dict API
+    (tests/training/test_sharding.py); FSDP1 and ZeRO-3 would wait forever for the other ranks' shards."""
     recipe = import_file("recipes/finetune.py")
     recipe.load_config([])
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    monkeypatch.setenv("FSDP_VERSION", "2")
+    recipe.load_config([])  # FSDP2 goes on
+    monkeypatch.delenv("ACCELERATE_USE_FSDP")
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     with pytest.raises(SystemExit) as error:
         recipe.load_config([])
-    assert error.value.code == 2 and "FSDP, DeepSpeed ZeRO-3" in capsys.readouterr().err
+    assert error.value.code == 2 and named in capsys.readouterr().err
 
 
 def test_block_dataset_packs_blocks_within_the_limits(tiny_setup):

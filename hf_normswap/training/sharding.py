@@ -1,0 +1,180 @@
+"""Sharded recovery with FSDP2: the student through accelerate's FSDP2 plugin, the frozen teacher with ``fully_shard``.
+
+A model's training state (weights, gradients, AdamW moments) plus its frozen teacher is ~20 bytes a parameter in
+fp32: 160 GB for an 8B model, more than one GPU holds. FSDP2 keeps 1/N of each on each of N processes and gathers
+one shard unit (a decoder block, from the model's ``_no_split_modules``) at a time for its forward and backward.
+
+accelerate 1.15 turns its FSDP plugin on for GPU-class distributed types only (``AcceleratorState.__init__``, the
+``elif self.distributed_type in [MULTI_GPU, ...]`` branch that sets ``DistributedType.FSDP``: MULTI_CPU is not in
+it), so ``accelerate launch`` with an FSDP config on CPU silently trains with DDP. :func:`adopt_fsdp2_on_cpu` gives
+the state the plugin it dropped, so the CPU run takes the same path as a GPU run: accelerate's ``fsdp2_prepare_model``
+(``fully_shard`` over gloo), its optimizer swap, its sharded checkpoints. Nothing after the sharding knows the device.
+
+What needs the whole model on one process (the final evaluation, the save, the reload check) takes a gathered copy:
+:func:`gathered` fills a parameterless copy made before sharding (:func:`empty_copy`) with the full state dict of
+``torch.distributed.checkpoint.state_dict.get_model_state_dict`` on the main process.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import torch
+from torch import nn
+from transformers import TrainerCallback
+
+
+def fsdp2_requested() -> bool:
+    """Whether the launch asks for FSDP2 (``accelerate launch`` with ``distributed_type: FSDP``, ``fsdp_version: 2``
+    sets these variables; ``fsdp_version: 1`` is not supported)."""
+    return os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true" and os.environ.get("FSDP_VERSION") == "2"
+
+
+def adopt_fsdp2_on_cpu(accelerator) -> bool:
+    """Make accelerate's state FSDP2 where it has fallen back to MULTI_CPU (DDP) although FSDP2 was asked for:
+    the plugin is built from the launch's variables as accelerate builds it. Returns whether it changed anything."""
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+    state = accelerator.state
+    if not fsdp2_requested() or state.distributed_type != DistributedType.MULTI_CPU:
+        return False
+    plugin = FullyShardedDataParallelPlugin()
+    if state.mixed_precision != "no":
+        plugin.set_mixed_precision(state.mixed_precision)
+    state.fsdp_plugin = plugin
+    state.distributed_type = DistributedType.FSDP
+    return True
+
+
+def is_sharded(model: nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return any(isinstance(module, FSDPModule) for module in model.modules())
+
+
+def shard_unit_classes(model: nn.Module) -> set[type]:
+    """The classes named by the model's ``_no_split_modules`` (its decoder / encoder blocks) that it contains."""
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    return {type(m) for m in model.modules() if type(m).__name__ in names}
+
+
+def vectors_for_scalars(model: nn.Module) -> list[str]:
+    """Make every 0-d parameter (a DyT / ELN module's single alpha / beta) a 1-element vector, in place:
+    ``fully_shard`` refuses scalars, and the vector broadcasts over the channels as the scalar does.
+    :func:`gathered` gives the whole model its scalars back. Returns the parameters' names."""
+    changed = []
+    for module_name, module in model.named_modules():
+        for name, param in list(module.named_parameters(recurse=False)):
+            if param.dim() == 0:
+                setattr(module, name, nn.Parameter(param.detach().reshape(1), requires_grad=param.requires_grad))
+                changed.append(f"{module_name}.{name}" if module_name else name)
+    return changed
+
+
+def shard(model: nn.Module) -> nn.Module:
+    """``fully_shard`` every block (:func:`shard_unit_classes`, freed after its forward), then the root (embeddings,
+    final norm, head), in place, over the default process group. For the frozen teacher, which has no gradients
+    or optimizer state: the root keeps its gathered weights after the forward, since the chunked head loss
+    (:mod:`hf_normswap.training.head_loss`) multiplies by the head's weight after it; :func:`reshard` frees them."""
+    from torch.distributed.fsdp import fully_shard
+
+    units = shard_unit_classes(model)
+    if not units:
+        raise ValueError(f"{type(model).__name__} names no blocks in _no_split_modules to shard by")
+    for module in [m for m in model.modules() if type(m) in units][::-1]:  # inner before outer
+        fully_shard(module, reshard_after_forward=True)
+    fully_shard(model, reshard_after_forward=False)
+    return model
+
+
+def reshard(model: nn.Module) -> None:
+    """Free every unit's gathered parameters (a unit that keeps them after forward, e.g. the root, holds them
+    until this)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
+def describe(model: nn.Module) -> str:
+    """The shard units of ``model``, e.g. ``32 units over 2 processes: 30 x LlamaDecoderLayer, [embed_tokens,
+    lm_head], [root]``: what the log shows so that a sharded run cannot be taken for DDP."""
+    from torch.distributed.fsdp import FSDPModule
+
+    blocks = set(getattr(model, "_no_split_modules", None) or ())
+    units: dict[int, list[tuple[str, nn.Module]]] = {}  # modules sharded together share one state
+    for name, module in model.named_modules():
+        if isinstance(module, FSDPModule):
+            units.setdefault(id(module._get_fsdp_state()), []).append((name, module))
+    if not units:
+        return "not sharded"
+    counts: dict[str, int] = {}
+    others = []
+    for members in units.values():
+        kinds = {type(m).__name__.removeprefix("FSDP") for _, m in members}
+        if len(members) == 1 and kinds <= blocks and members[0][0]:
+            kind = kinds.pop()
+            counts[kind] = counts.get(kind, 0) + 1
+        else:
+            others.append("[" + ", ".join(n.rsplit(".", 1)[-1] if n else "root" for n, _ in members) + "]")
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    return (f"{len(units)} units over {world} processes: "
+            + ", ".join([f"{n} x {kind}" for kind, n in counts.items()] + others))
+
+
+def empty_copy(model: nn.Module) -> nn.Module:
+    """A copy of ``model`` whose parameters are on the meta device (no memory), buffers copied: made before
+    sharding, filled by :func:`gathered` afterwards. Tied parameters stay tied."""
+    memo = {id(p): nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+            for p in model.parameters()}
+    return copy.deepcopy(model, memo)
+
+
+def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The whole state dict of a sharded ``model``, gathered on the main process in CPU memory (other processes
+    get an empty dict). Every process must call it."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def gathered(model: nn.Module, skeleton: nn.Module, main: bool) -> nn.Module | None:
+    """The whole ``model`` on the main process: ``skeleton`` (:func:`empty_copy` of it before sharding) holding
+    the gathered weights, on CPU; None elsewhere. Every process must call it."""
+    state = full_state_dict(model)
+    if not main:
+        return None
+    shapes = {name: tensor.shape for name, tensor in skeleton.state_dict().items()}
+    state = {name: tensor.reshape(shapes[name]) if name in shapes and tensor.numel() == 1 else tensor
+             for name, tensor in state.items()}  # the scalars of vectors_for_scalars
+    buffers = {name for name, _ in skeleton.named_buffers()}
+    missing, unexpected = skeleton.load_state_dict(state, strict=False, assign=True)
+    missing = [n for n in missing if n not in buffers]
+    if missing or unexpected:
+        raise RuntimeError(f"the gathered state dict does not fit the model: missing {missing[:3]}, "
+                           f"unexpected {unexpected[:3]}")
+    if hasattr(skeleton, "tie_weights"):
+        skeleton.tie_weights()
+    return skeleton
+
+
+class ShardingLog(TrainerCallback):
+    """Prints, once the student is sharded (training begins), how both models are sharded: a sharded run states
+    it, and a DDP run cannot pass for one."""
+
+    def __init__(self, teacher: nn.Module | None):
+        self.teacher = teacher
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        if state.is_world_process_zero:
+            teacher = "none" if self.teacher is None else (
+                describe(self.teacher) if is_sharded(self.teacher) else "whole on every process")
+            print(f"[sharding] FSDP2: student {describe(model)}; teacher {teacher}", flush=True)
+
+
+def release(model: nn.Module) -> None:
+    """Free a sharded model's memory on every process once its whole copy is gathered (training is over): FSDP2's
+    ``_apply`` re-points its shards at the moved parameters, so moving them to the meta device drops them."""
+    model.to("meta")

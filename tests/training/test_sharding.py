@@ -1,0 +1,125 @@
+"""recipes/finetune.py sharded with FSDP2 (recipes/accelerate_configs/fsdp2.yaml) on 2 CPU processes over gloo.
+
+accelerate 1.15 would run DDP here (hf_normswap/training/sharding.py says why); the runs below must log their shard
+units, so a DDP run cannot pass. A tiny llama with tied embeddings (as SmolLM2), every weight trained, with the
+logit KL through the chunked head loss and the layer-wise term: the same global batch of 4 rows trains to the same
+weights on one process and on two sharded ones, a launch resumed from the halfway checkpoint ends where the
+uninterrupted one does, and the gathered checkpoint reloads with identical logits.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import hf_normswap
+from test_finetune_recipe import RECIPE, ROOT, WORDS, tiny_tokenizer, write_config
+from tiny_models import tiny_model
+
+FSDP2 = ROOT / "recipes" / "accelerate_configs" / "fsdp2.yaml"
+ENV = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1",
+           CUDA_VISIBLE_DEVICES="", PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+# fp32 sums in another order (a reduce-scatter of two halves against one process's batch of 4), through 4 AdamW
+# steps: 7.5e-9 at most measured, where training moved the weights by up to 0.04
+TOLERANCE = 1e-6
+
+
+def run(command: list[str]) -> str:
+    result = subprocess.run(command, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, f"failed:\n{result.stdout[-4000:]}\n{result.stderr[-6000:]}"
+    return result.stdout
+
+
+def sharded_launch(config: Path, *overrides: str) -> str:
+    out = run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(FSDP2), "--num_processes",
+               "2", "--mixed_precision", "no", "--main_process_port", "0", str(RECIPE), "--config", str(config),
+               *overrides])
+    assert "[sharding] FSDP2: student 4 units over 2 processes: 2 x LlamaDecoderLayer" in out, out[-3000:]
+    return out
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    """A converted tiny llama (no calibration: every run starts from the same weights), its original, and the
+    uninterrupted sharded run (4 steps, checkpoints at 2 and 4)."""
+    root = tmp_path_factory.mktemp("sharding")
+    rng = random.Random(0)
+    lines = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(8, 20))) + " ." for _ in range(400)]
+    (root / "train.txt").write_text("\n".join(lines[:300]))
+    (root / "eval.txt").write_text("\n".join(lines[300:]))
+    original = root / "tiny-llama"
+    tiny_model("llama", tie_word_embeddings=True).save_pretrained(original)
+    tokenizer = tiny_tokenizer(original, "\n".join(lines))
+    converted = tiny_model("llama", tie_word_embeddings=True)
+    hf_normswap.convert(converted, to="eln")
+    hf_normswap.save_pretrained(converted, root / "converted", tokenizer=tokenizer)
+    settings = dict(original=str(original), trainable="all", progressive={"enabled": False}, precision="fp32",
+                    distill={"weight": 0.5, "temperature": 2.0, "hidden": 1.0})
+    config = write_config(root, root / "converted", root / "fsdp", **settings)
+    log = sharded_launch(config)
+    return root, config, log
+
+
+def weights(directory: Path) -> dict[str, torch.Tensor]:
+    return dict(hf_normswap.load(directory).named_parameters())
+
+
+def test_fsdp2_on_two_processes_trains_to_the_weights_of_one_process_at_the_same_global_batch(setup):
+    root, config, log = setup
+    assert "teacher 3 units over 2 processes: 2 x LlamaDecoderLayer, [root]" in log
+    run([sys.executable, str(RECIPE), "--config", str(config), f"output_dir={root / 'single'}",
+         "training.per_device_train_batch_size=4"])
+    sharded, single = weights(root / "fsdp" / "final"), weights(root / "single" / "final")
+    start = weights(root / "converted")
+    assert sharded.keys() == single.keys()
+    for name, value in single.items():
+        assert not torch.equal(value, start[name]), f"{name} did not train"
+        torch.testing.assert_close(sharded[name], value, rtol=0, atol=TOLERANCE, msg=name)
+    for run_dir in ("fsdp", "single"):
+        summary = json.loads((root / run_dir / "summary.json").read_text())
+        assert summary["training"]["tokens_seen"] == 4 * 4 * 32  # steps x global batch x block length
+    assert json.loads((root / "fsdp" / "summary.json").read_text())["training"]["world_size"] == 2
+
+
+def test_a_sharded_run_resumed_from_its_halfway_checkpoint_ends_with_the_same_weights(setup):
+    root, config, _ = setup
+    resumed = root / "resumed"
+    resumed.mkdir()
+    shutil.copytree(root / "fsdp" / "checkpoint-2", resumed / "checkpoint-2")
+    log = sharded_launch(config, f"output_dir={resumed}")
+    assert "resuming from" in log and "checkpoint-2" in log
+    uninterrupted = weights(root / "fsdp" / "final")
+    for name, value in weights(resumed / "final").items():
+        assert torch.equal(value, uninterrupted[name]), name
+    summary = json.loads((resumed / "summary.json").read_text())
+    assert summary["launches"][0]["start_step"] == 2 and summary["launches"][0]["start_tokens"] == 2 * 4 * 32
+    assert summary["training"]["tokens_seen"] == 4 * 4 * 32  # counted over both launches
+
+
+def test_the_gathered_checkpoint_reloads_with_identical_logits(setup):
+    """The recipe compares the gathered model in memory with hf_normswap.load of what it saved (bit for bit);
+    plain transformers with the checkpoint's remote code gives the same logits."""
+    from transformers import AutoModelForCausalLM
+
+    root, _, _ = setup
+    final = root / "fsdp" / "final"
+    summary = json.loads((root / "fsdp" / "summary.json").read_text())
+    assert summary["reload_identical"] is True
+    ids = torch.randint(0, 120, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        packaged = hf_normswap.load(final)(input_ids=ids).logits
+        remote = AutoModelForCausalLM.from_pretrained(final, trust_remote_code=True).eval()(input_ids=ids).logits
+    torch.testing.assert_close(remote, packaged, rtol=1e-5, atol=1e-5)
+    saved = json.loads((final / "config.json").read_text())["normswap"]
+    assert saved["training"]["steps"] == 4 and saved["training"]["world_size"] == 2
+    assert "## Fine-tuning" in (final / "README.md").read_text()
+    assert {p.name for p in (root / "fsdp").glob("checkpoint-*")} == {"checkpoint-2", "checkpoint-4"}
+    assert (root / "fsdp" / "checkpoint-4" / "pytorch_model_fsdp_0").is_dir()  # sharded Trainer checkpoints
