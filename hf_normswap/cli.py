@@ -30,7 +30,6 @@ from .evaluation.sensitivity import exact
 from .validation import (ValidationError, check_data_files, check_input_scale, check_number, check_output_file,
                          check_output_folder, first_line)
 
-GENERATED_EVAL_TOKENS = 8192  # generated evaluation text when no --max-tokens is given
 USER_ERRORS = (ConversionError, ModelLoadError, PackagedModelMissing, DataError, EvaluationError, CheckpointError,
                PushError, FoldError, ValidationError)
 
@@ -512,11 +511,12 @@ def _original_of(model, against):
 
 
 def evaluation_texts(spec: str, original, tokenizer, max_tokens: int | None):
-    """The evaluation text; ``generated`` text is sampled from ``original`` (the default budget: 8,192 tokens)."""
+    """The evaluation text; ``generated`` text is sampled from ``original`` (by default :data:`EVAL_TOKENS`)."""
     from .data import load_texts
+    from .generated import EVAL_TOKENS
 
     return load_texts(spec, default_split="evaluation", model=original, tokenizer=tokenizer,
-                      max_tokens=max_tokens or GENERATED_EVAL_TOKENS)
+                      max_tokens=max_tokens or EVAL_TOKENS)
 
 
 def _calibration_overlap(calib_spec, recorded, data: str, texts) -> str | None:

@@ -35,6 +35,7 @@ from .model_inputs import text_config
 
 PREFIX = "generated"
 CACHE_ENV = "HF_NORMSWAP_CACHE"
+EVAL_TOKENS = 8192  # generated evaluation text where no token budget is given
 
 
 def is_generated(spec: str | None) -> bool:

@@ -119,33 +119,66 @@ def check_data(config) -> None:
     run at once with one line naming the key that overrides it."""
     from hf_normswap.data import DataError, generation_settings, load_texts
     from hf_normswap.generated import is_generated
+    from hf_normswap.streaming import packed_stream
 
     sources = [("train_data", config.train_data, "calibration"), ("eval_data", config.eval_data, "evaluation")]
     if converted_checkpoint(config) is None:  # a converted checkpoint is calibrated already
         sources.insert(0, ("calibration.data", config.calibration.data, "calibration"))
+    if config.streaming:  # one row read: the stream is opened, not downloaded
+        sources = [s for s in sources if s[0] != "train_data"]
+        try:
+            packed_stream(config.train_data, None, config.block_len)
+        except DataError as error:
+            fail(f"train_data: {error}")
     for key, spec, split in sources:
         try:
             generation_settings(spec) if is_generated(spec) else load_texts(spec, split)  # samples: once loaded
         except DataError as error:
             fail(f"{key}: {error} ({key}=PATH)")
-    if is_generated(config.eval_data) and config.eval_data in (config.train_data, config.calibration.data):
+    same = [spec for spec in (config.train_data, config.calibration.data) if is_generated(spec)
+            and is_generated(config.eval_data) and generation_settings(spec) == generation_settings(config.eval_data)]
+    if same:
         fail(f"eval_data {config.eval_data} samples the same text as the training or calibration data: give it "
              "another seed, e.g. eval_data=generated:seed=1")
 
 
 def block_dataset(tokenizer, spec: str, split: str, block_len: int, max_tokens: int | None = None,
-                  max_blocks: int | None = None):
-    """Packed causal-LM blocks (``input_ids`` = ``labels``) of a text spec, as a ``datasets.Dataset``."""
+                  max_blocks: int | None = None, *, original=None, state=None):
+    """Packed causal-LM blocks (``input_ids`` = ``labels``) of a text spec, as a ``datasets.Dataset``. The original's
+    samples (``generated``) are drawn up to the budget, each process its share (``state``)."""
     import datasets
 
     from hf_normswap.data import DataError, load_texts, token_blocks
 
     limits = [n for n in (max_blocks, None if max_tokens is None else max_tokens // block_len) if n is not None]
+    share = {"rank": state.process_index, "world_size": state.num_processes} if state is not None else {}
     try:
-        blocks = token_blocks(tokenizer, load_texts(spec, split), min(limits) if limits else None, block_len).tolist()
+        texts = load_texts(spec, split, model=original, tokenizer=tokenizer,
+                           max_tokens=min(limits) * block_len if limits else None, **share)
+        blocks = token_blocks(tokenizer, texts, min(limits) if limits else None, block_len).tolist()
     except DataError as error:
         raise SystemExit(f"finetune: {spec}: {error}") from None
     return datasets.Dataset.from_dict({"input_ids": blocks, "labels": blocks})
+
+
+def streamed_dataset(config, tokenizer):
+    """``train_data`` streamed from the Hub, packed into blocks on the fly (``hf_normswap.streaming``)."""
+    from hf_normswap.data import DataError
+    from hf_normswap.streaming import packed_stream
+
+    try:
+        return packed_stream(config.train_data, tokenizer, config.block_len)
+    except DataError as error:
+        raise SystemExit(f"finetune: {config.train_data}: {error}") from None
+
+
+def training_budget(config, world_size: int) -> int:
+    """Tokens the run trains on over every launch: ``train_tokens``, else ``training.max_steps`` global batches,
+    capped by ``max_train_tokens``: how much of the original's samples to draw."""
+    training = config.training
+    budget = config.train_tokens or (training["max_steps"] * training["per_device_train_batch_size"]
+                                     * training.get("gradient_accumulation_steps", 1) * world_size * config.block_len)
+    return min(budget, config.max_train_tokens or budget)
 
 
 def sentence_dataset(tokenizer, spec: str, max_len: int, max_tokens: int | None = None):
@@ -291,11 +324,13 @@ def whole_models(trainer, original, copies, state):
 
 def final_evaluation(model, original, tokenizer, config, name: str):
     from hf_normswap.data import load_texts
+    from hf_normswap.generated import EVAL_TOKENS
     from hf_normswap.evaluation.perplexity import evaluate
     from hf_normswap.evaluation.embeddings import evaluate_embeddings
     from hf_normswap.model_inputs import ends_in_hidden_states
 
-    texts = load_texts(config.eval_data, "evaluation")
+    budget = config.final_eval.max_tokens or EVAL_TOKENS
+    texts = load_texts(config.eval_data, "evaluation", model=original, tokenizer=tokenizer, max_tokens=budget)
     if ends_in_hidden_states(original):  # the embedding its users consume: cosine, neighbours and rank correlation
         return evaluate_embeddings(model, original, tokenizer, texts, data=config.eval_data, **config.final_eval.arguments())
     return evaluate({name: model}, tokenizer, texts, against=original, data=config.eval_data, progress=False,
@@ -312,7 +347,9 @@ def training_precision(config, student, original, train_set, tokenizer, state):
     choice = [None]
     if state.is_main_process or config.precision != "auto":
         distill = config.distill
-        rows = train_set[:config.training["per_device_train_batch_size"]]["input_ids"]
+        count = config.training["per_device_train_batch_size"]
+        rows = ([row["input_ids"] for row in train_set.take(count)] if config.streaming
+                else train_set[:count]["input_ids"])
         batch = tokenizer.pad({"input_ids": rows}, return_tensors="pt")  # sentences differ in length
         choice = [training_step_precision(config.precision, student, original, dict(batch), device=state.device,
                                           head_chunk=config.head_chunk, distill_weight=distill.weight,
@@ -444,13 +481,15 @@ def main(argv=None) -> int:
         train_set = sentence_dataset(tokenizer, config.train_data, config.block_len, config.max_train_tokens)
         eval_set = None
     else:
-        train_set = block_dataset(tokenizer, config.train_data, "calibration", config.block_len,
-                                  config.max_train_tokens)
+        train_set = (streamed_dataset(config, tokenizer) if config.streaming else
+                     block_dataset(tokenizer, config.train_data, "calibration", config.block_len,
+                                   training_budget(config, state.num_processes), original=original, state=state))
         eval_set = block_dataset(tokenizer, config.eval_data, "evaluation", config.block_len,
-                                 max_blocks=config.eval_blocks)
+                                 max_blocks=config.eval_blocks, original=original, state=state)
     if config.train_tokens is not None:  # takes precedence over max_steps
         training = config.training
-        per_step = (tokens_per_row(train_set) * training["per_device_train_batch_size"]
+        per_step = ((config.block_len if config.streaming else tokens_per_row(train_set))
+                    * training["per_device_train_batch_size"]
                     * training.get("gradient_accumulation_steps", 1) * state.num_processes)
         training["max_steps"] = max(1, math.ceil(int(config.train_tokens) / per_step))
     progressive = config.progressive
@@ -472,7 +511,8 @@ def main(argv=None) -> int:
     if config.freeze_embeddings:
         trainable = freeze_embeddings(student)
     rows = f"sentences (at most {config.block_len} tokens)" if encoder else f"blocks of {config.block_len} tokens"
-    log(f"training {trainable:,} parameters ({config.trainable}) on {len(train_set)} {rows}")
+    log(f"training {trainable:,} parameters ({config.trainable}) on "
+        + (f"{config.train_data} streamed in {rows}" if config.streaming else f"{len(train_set)} {rows}"))
 
     precision = training_precision(config, student, original, train_set, tokenizer, state)
     config.training["bf16"] = precision.bf16

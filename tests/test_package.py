@@ -18,6 +18,7 @@ STAGES = [
     ("kernels", "model_inputs", "placement", "precision", "validation"),
     ("generated",),
     ("data",),
+    ("streaming",),
     ("discovery",),
     ("checkpoint",),
     ("calibration",),

@@ -144,6 +144,7 @@ class RecipeConfig:
     method: str = "eln"
     calibration: CalibrationConfig = field(default_factory=lambda: CalibrationConfig(num_blocks=16, block_len=512))
     train_data: str = "builtin:calibration"
+    streaming: bool = False  # read train_data (a Hub dataset) lazily, tokenized and packed on the fly
     eval_data: str = "builtin:evaluation"
     block_len: int = 256  # training sequence length (packed; a sentence encoder: its longest)
     max_train_tokens: int | None = None  # cap on the training text
@@ -188,6 +189,8 @@ class RecipeConfig:
             self.calibration.resolved()
         except ValueError as error:
             raise ValidationError(f"calibration: {error}") from None
+        if self.streaming and self.max_train_tokens is not None:
+            raise ValidationError("a stream is read up to train_tokens (or training.max_steps); drop max_train_tokens")
         if self.progressive.enabled and self.trainable == "lora":
             raise ValidationError("progressive conversion works with trainable: norms or all, not lora")
         output = Path(self.output_dir).absolute()

@@ -414,3 +414,22 @@ def test_a_strategy_set_to_no_stays_no(tmp_path):
     config.write_text("training: {save_strategy: no}\n")
     loaded = recipe.load_config(["--config", str(config), "training.eval_strategy=no"])
     assert loaded.training["eval_strategy"] == loaded.training["save_strategy"] == "no"
+
+
+@pytest.mark.distributed
+def test_two_processes_train_on_the_originals_samples_and_a_second_run_reuses_them(tiny_setup, tmp_path, monkeypatch):
+    """``generated`` training text: each process draws its share of the batches into the cache, both train on the
+    whole sample, and another run with the same settings draws nothing."""
+    root, model_dir = tiny_setup
+    monkeypatch.setenv("HF_NORMSWAP_CACHE", str(tmp_path / "cache"))
+    spec = "generated:length=32,batch_size=2,temperature=1.0"
+    config = write_config(root, model_dir, tmp_path / "gen", train_data=spec, progressive={"enabled": False})
+    first = launch(config, "training.max_steps=2", "training.eval_strategy=no", "training.save_strategy=no")
+    batches = sorted((tmp_path / "cache").rglob("batch-*.safetensors"))
+    assert len(batches) >= 4  # 2 steps x 2 processes x 2 rows x 32 tokens: 4 batches of 2 x 32 at least
+    assert "tokens sampled" in first.stdout
+    mtimes = [b.stat().st_mtime_ns for b in batches]
+    second = launch(write_config(root, model_dir, tmp_path / "gen2", train_data=spec, progressive={"enabled": False}),
+                    "training.max_steps=2", "training.eval_strategy=no", "training.save_strategy=no")
+    assert "tokens sampled" not in second.stdout
+    assert [b.stat().st_mtime_ns for b in sorted((tmp_path / "cache").rglob("batch-*.safetensors"))] == mtimes

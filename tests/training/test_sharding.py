@@ -94,6 +94,7 @@ def test_a_sharded_run_resumed_from_its_halfway_checkpoint_ends_with_the_same_we
     resumed = root / "resumed"
     resumed.mkdir()
     shutil.copytree(root / "fsdp" / "checkpoint-2", resumed / "checkpoint-2")
+    shutil.copy(root / "fsdp" / "run.json", resumed / "run.json")  # the recipe resumes only in a directory it owns
     log = sharded_launch(config, f"output_dir={resumed}")
     assert "resuming from" in log and "checkpoint-2" in log
     uninterrupted = weights(root / "fsdp" / "final")

@@ -1,0 +1,66 @@
+"""Streamed Hub datasets for training: read lazily, tokenized and packed on the fly, split between processes.
+
+The recipe's ``streaming: true`` reads ``train_data: NAME[:config][:split]`` with ``load_dataset(...,
+streaming=True)``, the switch ``datasets`` users know: nothing is downloaded or tokenized ahead, so a run can train
+on a corpus far larger than it could store. Rows are documents, joined by the EOS token and cut into blocks of
+``block_len`` tokens, the remainder carried from row to row, so the blocks are the ones the same rows give when read
+whole (``data.token_blocks``).
+
+The packed stream is one ``datasets.IterableDataset`` shard. Under accelerate the main process reads it and
+dispatches each global batch to the processes (accelerate's default for a stream), so every process trains on other
+blocks and none twice; a resumed run skips the batches it has trained on, so it continues where it stopped. Reading
+each process's own files (``split_dataset_by_node``) would pack the files apart, and accelerate would then split
+the batches a second time.
+"""
+
+from __future__ import annotations
+
+from .data import DataError, hub_reachable, local_paths
+from .validation import first_line
+
+
+def _source(spec: str, default_split: str):
+    import datasets
+    from huggingface_hub import constants
+
+    if local_paths(spec) is not None or spec.startswith(("builtin", "generated")):
+        raise DataError(f"streaming reads a Hub dataset NAME[:config][:split], not {spec!r}: set streaming=false")
+    name, config, split = (spec.split(":") + [None, None])[:3]
+    if not datasets.config.HF_HUB_OFFLINE and not hub_reachable():
+        raise DataError(f"cannot stream dataset {spec!r}: the Hub ({constants.ENDPOINT}) is unreachable")
+    try:
+        source = datasets.load_dataset(name, config or None, split=split or default_split, streaming=True)
+        first = next(iter(source.take(1)), None)
+    except Exception as error:  # datasets raises many types for missing names, configs and network failures
+        raise DataError(f"cannot stream dataset {spec!r} ({first_line(error)})") from None
+    if first is None:
+        raise DataError(f"the stream {spec!r} is empty: name a split with rows")
+    column = "text" if isinstance(first.get("text"), str) else next(
+        (key for key, value in first.items() if isinstance(value, str)), None)
+    if column is None:
+        raise DataError(f"the stream {spec!r} has no text column among {list(first)}")
+    return source, column
+
+
+def _packed(source, column: str, tokenizer, block_len: int):
+    """Blocks of the source's rows, in order, remainders carried from row to row."""
+    separator = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    buffer: list[int] = []
+    for row in source:
+        text = row[column]
+        if not text or not text.strip():
+            continue
+        buffer.extend(tokenizer(text, add_special_tokens=False)["input_ids"] + separator)
+        while len(buffer) >= block_len:
+            block, buffer = buffer[:block_len], buffer[block_len:]
+            yield {"input_ids": block, "labels": block}
+
+
+def packed_stream(spec: str, tokenizer, block_len: int, default_split: str = "train"):
+    """The training blocks of a streamed Hub dataset ``NAME[:config][:split]``; DataError (after reading one row)
+    for a name that does not load or a stream without rows."""
+    import datasets
+
+    source, column = _source(spec, default_split)
+    return datasets.IterableDataset.from_generator(
+        _packed, gen_kwargs={"source": source, "column": column, "tokenizer": tokenizer, "block_len": block_len})
