@@ -15,6 +15,8 @@ slows all candidates alike and the ratios stay meaningful. Sections:
 * head: the distillation loss alone (CE + KL over the vocabulary, forward + backward) for tokens x C hidden states
   through a V x C head: from full logits against chunked (``hf_normswap.training.head_loss``); time interleaved in one
   process, peak RSS above the inputs in a fresh process each;
+* sampling: the original's own samples (batched ``generate``, ``hf_normswap.generated``) against the recipe's
+  training step, tokens/s of each interleaved: the cost of a sampled token in training time;
 * train: one optimizer step of the converted model (all weights train), batch x seq tokens, as the recipe takes it
   (``NormSwapTrainer``: distillation from the original, chunked head loss, the precision ``auto`` picks by its probe)
   against the baseline, a plain ``transformers.Trainer`` step in fp32 with full logits (cross-entropy only). Tokens/s
@@ -610,6 +612,51 @@ def train_section(args) -> list[dict]:
     return rows
 
 
+def sampling_section(args) -> list[dict]:
+    """The original's samples (``hf_normswap.generated``) against the recipe's training step: tokens/s of each,
+    interleaved in one process, sampling in the precision the recipe's probe chose for training. A sample costs
+    ``train tokens/s / sample tokens/s`` of a training step on the same number of tokens."""
+    import tempfile
+    import types
+
+    from hf_normswap.generated import SampleCache, SamplingSettings, draw
+    from hf_normswap.precision import autocast
+
+    student, teacher, inputs = train_setup(args)
+    teacher.config.use_cache = True
+    bos = teacher.config.bos_token_id
+    bos = bos if bos is not None and bos < teacher.get_input_embeddings().num_embeddings else 0
+    tokenizer = types.SimpleNamespace(bos_token_id=bos, eos_token_id=None)  # no EOS: every sequence at full length
+    with tempfile.TemporaryDirectory() as directory:
+        steps, choices = train_steps(["recipe"], student, teacher, inputs, directory)
+        bf16 = choices["recipe"].bf16
+        counter = iter(range(10 ** 6))
+
+        def sampler(batch):
+            settings = SamplingSettings(length=args.seq, batch_size=batch)
+            cache = SampleCache(teacher, settings, Path(directory) / "samples")
+
+            def sample():
+                with autocast(bf16):
+                    draw(teacher, tokenizer, settings, cache, [next(counter)], progress=False)
+            return sample
+
+        candidates = {"recipe": steps["recipe"], **{f"sample-{b}": sampler(b) for b in args.sample_batches}}
+        med = interleaved(candidates, args.train_reps)
+    train_tok_s = inputs["input_ids"].numel() / med["recipe"]
+    rows = [dict(section="sampling", model=args.models[0], variant="recipe", precision=choices["recipe"].precision,
+                 tokens=inputs["input_ids"].numel(), seconds=med["recipe"], tokens_per_s=train_tok_s)]
+    for batch in args.sample_batches:
+        tokens, seconds = batch * args.seq, med[f"sample-{batch}"]
+        rows.append(dict(section="sampling", model=args.models[0], variant=f"sample-{batch}",
+                         precision=choices["recipe"].precision, tokens=tokens, seconds=seconds,
+                         tokens_per_s=tokens / seconds, cost_of_training=train_tok_s / (tokens / seconds)))
+    for row in rows:
+        log(f"sampling {row['variant']:<10} {row['precision']}: {row['tokens_per_s']:.1f} tok/s"
+            + (f", {row['cost_of_training']:.2f}x the training time of its tokens" if "cost_of_training" in row else ""))
+    return rows
+
+
 def train_summary(rows: list[dict]) -> dict:
     """The keys a script checks: baseline and recipe tokens/s and peak RSS (MiB)."""
     by = {r["variant"]: r for r in rows if r["section"] == "train"}
@@ -665,6 +712,7 @@ def parse_args(argv=None):
                         help=f"train section, comma-separated: {', '.join(TRAIN_VARIANTS)}")
     parser.add_argument("--train-job", help=argparse.SUPPRESS)  # internal: one variant's peak RSS (a child)
     parser.add_argument("--train-precision", help=argparse.SUPPRESS)  # internal: the child's precision
+    parser.add_argument("--sample-batches", default="8,32", help="sampling section: sequences a generate call")
     parser.add_argument("--head-dims", default="576,49152", help="head section: hidden size, vocabulary (SmolLM2)")
     parser.add_argument("--head-job", help=argparse.SUPPRESS)  # internal: one loss variant's peak RSS (a child)
     parser.add_argument("--json", help="write all rows to this file")
@@ -676,6 +724,7 @@ def parse_args(argv=None):
         setattr(args, name, [s.strip() for s in getattr(args, name).split(",") if s.strip()])
     args.sizes = [int(s) for s in args.sizes.split(",")]
     args.head_dims = [int(s) for s in args.head_dims.split(",")]
+    args.sample_batches = [int(s) for s in args.sample_batches.split(",")]
     try:
         check_device(args.device, "--device")
     except ValueError as error:
@@ -703,7 +752,7 @@ def main(argv=None) -> int:
     log(f"command: python scripts/bench_speed.py {' '.join(sys.argv[1:] if argv is None else argv)}")
     rows = []
     sections = {"module": module_section, "model": model_section, "calibration": calibration_section,
-                "head": head_section, "train": train_section}
+                "head": head_section, "train": train_section, "sampling": sampling_section}
     for name in args.sections:
         start = time.perf_counter()
         rows += sections[name](args)

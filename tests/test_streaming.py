@@ -9,7 +9,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 from hub_mirror import HubMirror
 from tiny_models import tiny_tokenizer
 
