@@ -513,10 +513,11 @@ def _original_of(model, against):
 def evaluation_texts(spec: str, original, tokenizer, max_tokens: int | None):
     """The evaluation text; ``generated`` text is sampled from ``original`` (by default :data:`EVAL_TOKENS`)."""
     from .data import load_texts
-    from .generated import EVAL_TOKENS
+    from .generated import EVAL_TOKENS, is_generated
 
-    return load_texts(spec, default_split="evaluation", model=original, tokenizer=tokenizer,
-                      max_tokens=max_tokens or EVAL_TOKENS)
+    if max_tokens is None and is_generated(spec):
+        max_tokens = EVAL_TOKENS
+    return load_texts(spec, default_split="evaluation", model=original, tokenizer=tokenizer, max_tokens=max_tokens)
 
 
 def _calibration_overlap(calib_spec, recorded, data: str, texts) -> str | None:

@@ -26,6 +26,10 @@ BUILTIN = "builtin"
 BUILTIN_SPLITS = ("calibration", "evaluation")
 LOADERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 HUB_PROBE_TIMEOUT = 3.0  # seconds
+# Text files above LAZY_BYTES are read only up to a token budget where one is given; no tokenizer makes a token of
+# more than CHARS_PER_TOKEN characters of ordinary text, so the prefix holds the budget's tokens.
+LAZY_BYTES = 4 << 20
+CHARS_PER_TOKEN = 32
 
 
 class DataError(ValueError):
@@ -55,7 +59,23 @@ def _text_column(dataset) -> str:
     raise DataError(f"no text column among {dataset.column_names}: the data needs a 'text' column")
 
 
-def _local(paths: list[Path]) -> list[str]:
+def _prefix(files: list[Path], chars: int) -> list[str]:
+    """The first ``chars`` characters of the files in turn, each cut at a line end: one text per file read."""
+    texts = []
+    for file in files:
+        if chars <= 0:
+            break
+        with open(file, encoding="utf-8", errors="strict") as handle:
+            text = handle.read(chars)
+            if len(text) == chars:  # more follows: end at the last whole line
+                text = text[: text.rfind("\n") + 1] or text
+        chars -= len(text)
+        if text.strip():
+            texts.append(text)
+    return texts
+
+
+def _local(paths: list[Path], max_tokens: int | None = None) -> list[str]:
     import datasets
 
     files = [f for p in paths for f in (sorted(x for x in p.rglob("*") if x.is_file()) if p.is_dir() else [p])]
@@ -65,6 +85,11 @@ def _local(paths: list[Path]) -> list[str]:
     if len(loaders) > 1:
         raise DataError("mixed file types: pass text, json/jsonl or parquet files, one kind at a time")
     loader = loaders.pop()
+    if loader == "text" and max_tokens is not None and sum(f.stat().st_size for f in files) > LAZY_BYTES:
+        try:  # a large file read up to the budget: its first CHARS_PER_TOKEN characters a token at most
+            return _prefix(files, max_tokens * CHARS_PER_TOKEN)
+        except UnicodeDecodeError:
+            raise DataError(_decode_problem(None, files, loader)) from None
     kwargs = {"sample_by": "document"} if loader == "text" else {}  # one text per file
     try:
         dataset = datasets.load_dataset(loader, data_files=[str(f) for f in files], split="train", **kwargs)
@@ -153,7 +178,8 @@ def load_texts(spec: str | None, default_split: str = "calibration", *, model=No
                max_tokens: int | None = None, rank: int = 0, world_size: int = 1) -> list[str]:
     """Documents of a text source. ``default_split`` picks the builtin half (and the Hub split, as train/test).
     ``generated`` text is sampled from ``model`` (the original) with ``tokenizer``, at least ``max_tokens`` tokens;
-    process ``rank`` of ``world_size`` draws its share and reads the others'."""
+    process ``rank`` of ``world_size`` draws its share and reads the others'. A large local text file is read only
+    up to ``max_tokens`` (:data:`LAZY_BYTES`)."""
     spec = spec or BUILTIN
     if is_generated(spec):
         return _generated(spec, model, tokenizer, max_tokens, rank, world_size)
@@ -161,7 +187,7 @@ def load_texts(spec: str | None, default_split: str = "calibration", *, model=No
         return _builtin(spec.partition(":")[2] or default_split)
     paths = local_paths(spec)
     if paths is not None:
-        return _local(paths)
+        return _local(paths, max_tokens)
     hub_split = {"calibration": "train", "evaluation": "test"}.get(default_split, default_split)
     return _hub(spec, hub_split)
 

@@ -324,12 +324,12 @@ def whole_models(trainer, original, copies, state):
 
 def final_evaluation(model, original, tokenizer, config, name: str):
     from hf_normswap.data import load_texts
-    from hf_normswap.generated import EVAL_TOKENS
+    from hf_normswap.generated import EVAL_TOKENS, is_generated
     from hf_normswap.evaluation.perplexity import evaluate
     from hf_normswap.evaluation.embeddings import evaluate_embeddings
     from hf_normswap.model_inputs import ends_in_hidden_states
 
-    budget = config.final_eval.max_tokens or EVAL_TOKENS
+    budget = config.final_eval.max_tokens or (EVAL_TOKENS if is_generated(config.eval_data) else None)
     texts = load_texts(config.eval_data, "evaluation", model=original, tokenizer=tokenizer, max_tokens=budget)
     if ends_in_hidden_states(original):  # the embedding its users consume: cosine, neighbours and rank correlation
         return evaluate_embeddings(model, original, tokenizer, texts, data=config.eval_data, **config.final_eval.arguments())

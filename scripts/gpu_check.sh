@@ -13,7 +13,8 @@
 #   recovery      recipes/finetune.py with recipes/configs/smollm2-eln.yaml for 5 minutes, offline data, when the
 #                 config exists and SmolLM2 can load: offline:smollm2 (needs `gguf`), or SMOLLM2_DIR, the folder of
 #                 scripts/export_smollm2_safetensors.py's parts
-#   fsdp          skipped: FSDP is not built
+#   fsdp          3 recipe steps under recipes/accelerate_configs/fsdp2.yaml on the one GPU (fsdp.log names the shard
+#                 units)
 # OUT_DIR/summary.json: each step's status ("passed", "failed: exit N", "timed out: after N s", "skipped: REASON")
 # and seconds. One call to the GPU machine runs at most 10 minutes: run the recovery step in a call of its own
 # (--steps recovery) and the rest in another.
@@ -119,7 +120,16 @@ else
   step recovery 570 "$PYTHON" recipes/finetune.py --config "$CONFIG" max_minutes=5 output_dir="$OUT/recovery" \
     model="$SPEC" calibration.data=builtin train_data=builtin:calibration eval_data=builtin:evaluation
 fi
-skip fsdp "FSDP is not built (no FSDP path in the recipe or its accelerate configs)"
+if [ ! -f "$CONFIG" ] || [ -n "$REASON" ]; then
+  skip fsdp "${REASON:-$CONFIG does not exist}"
+elif [ $DRY = 1 ]; then
+  skip fsdp "dry run: left to the GPU (tests/training/test_sharding.py runs FSDP2 on 2 CPU processes)"
+else  # a few recipe steps under accelerate's FSDP2 plugin on the one GPU; the log names the shard units
+  step fsdp 300 "$PYTHON" -m accelerate.commands.launch --config_file recipes/accelerate_configs/fsdp2.yaml \
+    --num_processes 1 recipes/finetune.py --config "$CONFIG" output_dir="$OUT/fsdp" model="$SPEC" \
+    calibration.data=builtin calibration.strategy=fast calibration.num_blocks=4 train_data=builtin:calibration \
+    eval_data=builtin:evaluation training.max_steps=3 training.eval_strategy=no training.save_strategy=no
+fi
 
 "$PYTHON" - "$OUT" $DRY <<'EOF'
 """summary.json from steps.tsv; the CUDA tests' counts from their junit xml (all of them skipped: the step skipped)."""

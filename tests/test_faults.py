@@ -20,6 +20,7 @@ import hf_normswap
 from hf_normswap import cli
 from hf_normswap.checkpoint import save_load
 from hf_normswap.validation import ValidationError
+from cli_runs import run_cli as _cli
 from tiny_models import tiny_model
 
 PAYLOAD = "LlamaConfig, LlamaForCausalLM #\n-__import__('os').system('touch PWNED')"
@@ -48,18 +49,6 @@ def _edit_config(directory: Path, edit) -> None:
     config = json.loads(path.read_text())
     edit(config)
     path.write_text(json.dumps(config))
-
-
-def _cli(argv, capsys) -> tuple[int, str]:
-    """Exit code and the error line (one line, no traceback) of a CLI run."""
-    try:
-        code = cli.main([str(a) for a in argv])
-    except SystemExit as exit:
-        code = exit.code
-    err = capsys.readouterr().err
-    assert "Traceback" not in err
-    lines = err.strip().splitlines()
-    return code, lines[-1] if lines else ""
 
 
 # ---------------------------------------------------------------------------------- code from a config.json

@@ -18,23 +18,12 @@ from safetensors import SafetensorError
 import hf_normswap
 from hf_normswap import cli
 from hf_normswap.checkpoint import save_load
+from cli_runs import run_cli as _cli
 from tiny_models import tiny_model, tiny_tokenizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 TEXT = "The model reads the text. The norm of the data is the scale of the model.\n" * 40
-
-
-def _cli(argv, capsys) -> tuple[int, str]:
-    """Exit code and the last stderr line (no traceback) of a CLI run."""
-    try:
-        code = cli.main([str(a) for a in argv])
-    except SystemExit as exit:
-        code = exit.code
-    err = capsys.readouterr().err
-    assert "Traceback" not in err
-    lines = err.strip().splitlines()
-    return code, lines[-1] if lines else ""
 
 
 def _tree(root: Path) -> dict:
@@ -361,3 +350,23 @@ def test_a_norm_epsilon_that_is_not_a_small_positive_number_is_refused(source, t
     code, line = _cli(["convert", model, "--to", "eln", "--output", tmp_path / "out"], capsys)
     assert code == 2 and "config.json rms_norm_eps is" in line and "small positive number" in line, line
     assert not (tmp_path / "out").exists()
+
+
+def test_a_large_text_file_is_read_only_up_to_the_token_budget(tmp_path, monkeypatch):
+    """Case: calibration asking for 32 tokens of a large file read and tokenized all of it (104 s, 8.2 GB on 32 MB).
+    Now a text file above data.LAZY_BYTES is read up to CHARS_PER_TOKEN characters a token of the budget."""
+    import datasets
+
+    from hf_normswap import CalibrationConfig
+    from hf_normswap import data
+
+    big = tmp_path / "big.txt"
+    line = "the norm of the data is the scale of the model and the text reads the block\n"
+    big.write_text(line * (data.LAZY_BYTES // len(line) + 1000))
+    monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: pytest.fail("the whole file was loaded"))
+    texts = data.load_texts(str(big), max_tokens=64)
+    assert len(texts) == 1 and len(texts[0]) <= 64 * data.CHARS_PER_TOKEN and texts[0].endswith("\n")
+    model = tiny_model("llama")
+    report = hf_normswap.convert(model, "eln", calibration=CalibrationConfig(
+        data=str(big), tokenizer=tiny_tokenizer(), num_blocks=2, block_len=16, strategy="fast", progress=False))
+    assert report.calibration["tokens"] == 32

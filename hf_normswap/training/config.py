@@ -213,6 +213,7 @@ class RecipeConfig:
                 raise ValidationError(f"training.{key} is refused: the Trainer would upload all of output_dir "
                                       "(optimizer states, training_args.bin holding the token); set push_to_hub: "
                                       "OWNER/NAME to push the final checkpoint alone, with the token of HF_TOKEN")
+
         class Checked(TrainingArguments):
             """TrainingArguments' checks of its fields (scheduler and optimizer names ...) without the device set-up
             that building one also does: that starts accelerate's distributed state, which the recipe creates

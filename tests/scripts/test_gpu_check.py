@@ -35,7 +35,7 @@ def test_dry_run_records_every_step(tmp_path):
     pytest_step = steps["pytest"]  # every CUDA test skipped on the CPU: the step did not run, so it is no pass
     assert pytest_step["status"].startswith("skipped: all") and pytest_step["tests"] == pytest_step["skipped"] > 0
     assert steps["recovery"]["status"].startswith("skipped: ")
-    assert steps["fsdp"]["status"].startswith("skipped: FSDP is not built")
+    assert steps["fsdp"]["status"].startswith("skipped: dry run: left to the GPU")
     assert all(isinstance(entry["seconds"], int) for entry in steps.values())
 
 
