@@ -29,7 +29,8 @@ slows all candidates alike and the ratios stay meaningful. Sections:
     python scripts/bench_speed.py --device cuda --sections module,model --sizes 576,4096 --dtypes bf16 \
         --models smollm2-random --model-dtype bf16   # on a GPU (scripts/gpu_check.sh)
 
-``--device cuda`` times the module and model sections on the GPU, waiting for its queued work after every call.
+``--device cuda`` times the module, model and train sections on the GPU, waiting for its queued work after every
+call (the train section then compares the recipe's step with a plain Trainer step, ``--train-precision bf16``).
 """
 
 from __future__ import annotations
@@ -362,7 +363,8 @@ def calibration_job(args) -> dict:
 
     from hf_normswap.calibration.calibrate import CalibrationConfig
 
-    original, vocab = {"smollm2": smollm2_model, "gpt2": gpt2_model}[args.models[0]]()
+    original, vocab = {"smollm2": smollm2_model, "gpt2": gpt2_model,
+                       "smollm2-random": lambda: smollm2_random_model(args.layers)}[args.models[0]]()
     original.config.use_cache = False
     torch.manual_seed(2)
     ids = torch.randint(0, vocab, (args.calib_blocks, args.seq))
@@ -498,12 +500,14 @@ def _trainable_dense():
 
 def train_setup(args):
     """(student, teacher, inputs): the converted model (a calibrated start), the original, one batch."""
-    original, vocab = {"smollm2": smollm2_model, "gpt2": gpt2_model}[args.models[0]]()
+    original, vocab = {"smollm2": smollm2_model, "gpt2": gpt2_model,
+                       "smollm2-random": lambda: smollm2_random_model(args.layers)}[args.models[0]]()
     original.config.use_cache = False
     student = _trainable_dense()(model_variants(original, args.methods[0], args.model_calib, vocab, args.seq)[0])
     original.requires_grad_(False)
     ids = torch.randint(0, vocab, (args.train_batch, args.seq), generator=torch.Generator().manual_seed(4))
-    return student, original, dict(input_ids=ids, labels=ids)
+    device = torch.device(args.device)
+    return student.to(device), original.to(device), dict(input_ids=ids.to(device), labels=ids.to(device))
 
 
 def train_steps(variants, student, teacher, inputs, directory: str, precision: str | None = None) -> tuple[dict, dict]:
@@ -541,7 +545,8 @@ def train_steps(variants, student, teacher, inputs, directory: str, precision: s
             choices[name] = choose_precision("auto", probe_step, repetitions=2)
         else:
             choices[name] = choose_precision(variant_precision)
-        training = TrainingArguments(output_dir=directory, use_cpu=True, report_to="none", bf16=choices[name].bf16,
+        training = TrainingArguments(output_dir=directory, use_cpu=student.device.type == "cpu", report_to="none",
+                                     bf16=choices[name].bf16,
                                      per_device_train_batch_size=inputs["input_ids"].shape[0])
         trainer = (NormSwapTrainer(model=student, args=training, teacher=teacher, distill_weight=0.5, head_chunk=chunk,
                                    hidden_weight=hidden) if distill else Trainer(model=student, args=training))
@@ -589,7 +594,7 @@ def train_section(args) -> list[dict]:
     student, teacher, inputs = train_setup(args)
     tokens = inputs["input_ids"].numel()
     with tempfile.TemporaryDirectory() as directory:
-        steps, choices = train_steps(args.train_variants, student, teacher, inputs, directory)
+        steps, choices = train_steps(args.train_variants, student, teacher, inputs, directory, args.train_precision)
         for name, choice in choices.items():
             log(f"train {name}: {choice.describe()}")
         med = interleaved(steps, args.train_reps)
@@ -597,7 +602,8 @@ def train_section(args) -> list[dict]:
         f"{name} {seconds:.2f}s/step ({med['baseline'] / seconds:.2f}x)" for name, seconds in med.items()))
     del student, teacher, steps  # the children below measure memory: leave them the RAM
     gc.collect()
-    memory = {name: run_train_job(args, name, choices[name].precision)["peak_rss_mib"] for name in args.train_variants}
+    memory = {name: run_train_job(args, name, choices[name].precision)["peak_rss_mib"] if args.device == "cpu"
+              else float("nan") for name in args.train_variants}  # host memory says nothing of a GPU run
     base = med["baseline"]
     rows = [dict(section="train", model=args.models[0], variant=name, tokens=tokens, seconds=seconds,
                  tokens_per_s=tokens / seconds, speedup=base / seconds, precision=choices[name].precision,
@@ -711,7 +717,8 @@ def parse_args(argv=None):
     parser.add_argument("--train-variants", default="baseline,recipe",
                         help=f"train section, comma-separated: {', '.join(TRAIN_VARIANTS)}")
     parser.add_argument("--train-job", help=argparse.SUPPRESS)  # internal: one variant's peak RSS (a child)
-    parser.add_argument("--train-precision", help=argparse.SUPPRESS)  # internal: the child's precision
+    parser.add_argument("--train-precision", choices=("fp32", "bf16"),
+                        help="train section: every variant in this precision instead of its own (bf16 on a GPU)")
     parser.add_argument("--sample-batches", default="8,32", help="sampling section: sequences a generate call")
     parser.add_argument("--head-dims", default="576,49152", help="head section: hidden size, vocabulary (SmolLM2)")
     parser.add_argument("--head-job", help=argparse.SUPPRESS)  # internal: one loss variant's peak RSS (a child)
@@ -729,8 +736,8 @@ def parse_args(argv=None):
         check_device(args.device, "--device")
     except ValueError as error:
         parser.error(str(error))
-    if args.device != "cpu" and set(args.sections) - {"module", "model"}:
-        parser.error("--device applies to the module and model sections; time the others on the cpu")
+    if args.device != "cpu" and set(args.sections) - {"module", "model", "train"}:
+        parser.error("--device applies to the module, model and train sections; time the others on the cpu")
     return args
 
 

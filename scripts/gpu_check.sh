@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU check: every stage where a user puts the model, on CUDA, each result written into OUT_DIR.
 #
-#   bash scripts/gpu_check.sh OUT_DIR [--dry-run] [--steps imports,pytest,bench_module,bench_model,recovery,fsdp]
+#   bash scripts/gpu_check.sh OUT_DIR [--dry-run] [--steps imports,pytest,bench_module,bench_model,bench_train,recovery,fsdp]
 #
 # Steps, in order, each under its own time limit (`timeout`); a failing step is recorded and the next one runs:
 #   imports       hf_normswap.cli and the benchmark import without `datasets` and `gguf` (the GPU machine has neither)
@@ -10,6 +10,8 @@
 #                 path and plain formula (bench_module.json)
 #   bench_model   SmolLM2-135M's shapes with random weights, bf16: the converted model's forward (and training step)
 #                 against the original's (bench_model.json)
+#   bench_train   the recipe's training step (student forward + backward, teacher forward) against a plain bf16
+#                 Trainer step of the same student, tokens/s (bench_train.json)
 #   recovery      recipes/finetune.py with recipes/configs/smollm2-eln.yaml for 5 minutes, offline data, when the
 #                 config exists and SmolLM2 can load: offline:smollm2 (needs `gguf`), or SMOLLM2_DIR, the folder of
 #                 scripts/export_smollm2_safetensors.py's parts
@@ -28,7 +30,7 @@ usage() { echo "usage: bash scripts/gpu_check.sh OUT_DIR [--dry-run] [--steps a,
 [ $# -ge 1 ] || usage
 OUT=$1; shift
 DRY=0
-STEPS=imports,pytest,bench_module,bench_model,recovery,fsdp
+STEPS=imports,pytest,bench_module,bench_model,bench_train,recovery,fsdp
 while [ $# -gt 0 ]; do
   case $1 in
     --dry-run) DRY=1 ;;
@@ -71,10 +73,12 @@ if [ $DRY = 1 ]; then
   DEVICE=cpu
   MODULE=(--sizes 64 --tokens 256 --reps 2)
   MODEL=(--layers 2 --batch 1 --seq 32 --model-reps 2 --train-reps 1)
+  TRAIN=(--layers 2 --seq 32 --train-batch 2 --train-reps 1)
 else
   DEVICE=cuda
   MODULE=(--sizes 576,4096 --tokens 8192 --reps 15)
   MODEL=(--batch 8 --seq 512 --model-reps 10 --train-reps 5)
+  TRAIN=(--seq 512 --train-batch 8 --train-reps 5)
 fi
 
 step imports 120 "$PYTHON" -c "import sys; sys.modules['datasets'] = sys.modules['gguf'] = None
@@ -84,6 +88,8 @@ step bench_module 240 "$PYTHON" scripts/bench_speed.py --device $DEVICE --sectio
   --json "$OUT/bench_module.json"
 step bench_model 300 "$PYTHON" scripts/bench_speed.py --device $DEVICE --sections model --models smollm2-random \
   --model-dtype bf16 --no-compile "${MODEL[@]}" --json "$OUT/bench_model.json"
+step bench_train 240 "$PYTHON" scripts/bench_speed.py --device $DEVICE --sections train --models smollm2-random \
+  --train-precision bf16 --no-model-calib "${TRAIN[@]}" --json "$OUT/bench_train.json"
 
 # recovery: the recipe's own config, SmolLM2 from the packaged GGUF or from the exported parts, offline data
 CONFIG=recipes/configs/smollm2-eln.yaml

@@ -173,3 +173,32 @@ def test_cli_eval_of_an_encoder_on_cuda(saved, capsys):
     result = _eval(capsys, bert, "--against", bert, "--device", "cuda", "--dtype", "bfloat16", "--max-length", "64",
                    "--max-tokens", "2000")
     assert result["results"]["converted"]["cosine"] == pytest.approx(1.0, abs=1e-3)
+
+
+def test_one_recipe_step_on_cuda_in_bf16(tmp_path):
+    """recipes/finetune.py on the GPU: calibration, a bf16 autocast training step (student forward and backward, the
+    teacher's forward), the final evaluation and the reload check, in one process."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import yaml
+
+    root = Path(__file__).resolve().parents[1]
+    model_dir = tmp_path / "tiny-llama"
+    tokenizer = tiny_tokenizer()
+    tiny_model("llama", bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id).save_pretrained(
+        model_dir)
+    tokenizer.save_pretrained(model_dir)
+    config = {"model": str(model_dir), "method": "eln", "precision": "bf16", "block_len": 32, "eval_blocks": 1,
+              "calibration": {"data": "builtin", "num_blocks": 4, "block_len": 32, "progress": False},
+              "final_eval": {"max_tokens": 256, "max_length": 32}, "output_dir": str(tmp_path / "run"),
+              "training": {"max_steps": 1, "per_device_train_batch_size": 2, "eval_strategy": "no",
+                           "save_strategy": "no", "report_to": "none", "disable_tqdm": True}}
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(config))
+    result = subprocess.run([sys.executable, str(root / "recipes" / "finetune.py"), "--config",
+                             str(tmp_path / "c.yaml")], cwd=root, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["training"]["precision"]["precision"] == "bf16" and summary["reload_identical"]
+    assert summary["training"]["steps"] == 1

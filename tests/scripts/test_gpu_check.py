@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-STEPS = ["imports", "pytest", "bench_module", "bench_model", "recovery", "fsdp"]
+STEPS = ["imports", "pytest", "bench_module", "bench_model", "bench_train", "recovery", "fsdp"]
 
 
 def _check(out: Path, *options: str) -> dict:
@@ -25,13 +25,15 @@ def _check(out: Path, *options: str) -> dict:
 
 def test_dry_run_records_every_step(tmp_path):
     steps = _check(tmp_path)
-    for name in ("imports", "bench_module", "bench_model"):
+    for name in ("imports", "bench_module", "bench_model", "bench_train"):
         assert steps[name]["status"] == "passed", (name, (tmp_path / steps[name]["log"]).read_text()[-2000:])
     module = json.loads((tmp_path / "bench_module.json").read_text())["rows"]
     assert {"copy", "eln", "eln-eager", "dyt", "dyt-eager"} <= {row["impl"] for row in module}
     assert {row["mode"] for row in module} == {"forward", "forward+backward"}
     model = json.loads((tmp_path / "bench_model.json").read_text())["rows"]
     assert {"original", "eln"} <= {row["variant"] for row in model}
+    train = json.loads((tmp_path / "bench_train.json").read_text())["rows"]
+    assert {row["variant"] for row in train} == {"baseline", "recipe"} and {row["precision"] for row in train} == {"bf16"}
     pytest_step = steps["pytest"]  # every CUDA test skipped on the CPU: the step did not run, so it is no pass
     assert pytest_step["status"].startswith("skipped: all") and pytest_step["tests"] == pytest_step["skipped"] > 0
     assert steps["recovery"]["status"].startswith("skipped: ")
