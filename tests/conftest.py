@@ -14,3 +14,16 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    """A tiny Llama converted to ELN and saved once a module; the fault tests copy it before tampering."""
+    import hf_normswap
+    from tiny_models import tiny_model
+
+    model = tiny_model("llama")
+    hf_normswap.convert(model, to="eln")
+    directory = tmp_path_factory.mktemp("converted") / "llama-eln"
+    hf_normswap.save_pretrained(model, directory)
+    return directory

@@ -29,16 +29,6 @@ PAYLOAD = "LlamaConfig, LlamaForCausalLM #\n-__import__('os').system('touch PWNE
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-@pytest.fixture(scope="module")
-def converted(tmp_path_factory):
-    """A converted tiny Llama saved once; tests copy it before tampering."""
-    model = tiny_model("llama")
-    hf_normswap.convert(model, to="eln")
-    directory = tmp_path_factory.mktemp("converted") / "llama-eln"
-    hf_normswap.save_pretrained(model, directory)
-    return directory
-
-
 def _copy(source: Path, target: Path) -> Path:
     shutil.copytree(source, target)
     return target

@@ -40,15 +40,6 @@ def source(tmp_path_factory):
     return root
 
 
-@pytest.fixture(scope="module")
-def converted(tmp_path_factory):
-    model = tiny_model("llama")
-    hf_normswap.convert(model, to="eln")
-    directory = tmp_path_factory.mktemp("converted") / "llama-eln"
-    hf_normswap.save_pretrained(model, directory)
-    return directory
-
-
 @pytest.fixture
 def temp_dir(tmp_path, monkeypatch):
     """TMPDIR of the command: what it keeps there, or leaves behind, is seen."""
