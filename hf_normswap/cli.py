@@ -505,29 +505,29 @@ def _run_evaluation(args, prefix: str, models, tokenizer, against, data: str, te
 def _original_of(model, against):
     """The model generated evaluation text is sampled from: ``--against``, or the model itself when it is an
     original (a converted model's samples would score it on its own text)."""
-    if against is not None or not isinstance(getattr(getattr(model, "config", None), "normswap", None), dict):
-        return against if against is not None else model
-    return None
+    if against is not None:
+        return against
+    converted = isinstance(getattr(getattr(model, "config", None), "normswap", None), dict)
+    return None if converted else model
 
 
 def evaluation_texts(spec: str, original, tokenizer, max_tokens: int | None):
-    """The evaluation text; ``generated`` text is sampled from ``original`` (by default :data:`EVAL_TOKENS`)."""
+    """The evaluation text; ``generated`` text is sampled from ``original``."""
     from .data import load_texts
-    from .generated import EVAL_TOKENS, is_generated
 
-    if max_tokens is None and is_generated(spec):
-        max_tokens = EVAL_TOKENS
     return load_texts(spec, default_split="evaluation", model=original, tokenizer=tokenizer, max_tokens=max_tokens)
 
 
 def _calibration_overlap(calib_spec, recorded, data: str, texts) -> str | None:
     """Warning text when the evaluation data overlaps the calibration data (given, or recorded in the model)."""
     from .data import load_texts
+    from .data import same_sample
     from .evaluation.perplexity import overlap_warning
     from .generated import is_generated
 
-    if is_generated(calib_spec) or is_generated(recorded.get("data") if isinstance(recorded, dict) else None):
-        if calib_spec == data or (isinstance(recorded, dict) and recorded.get("data") == data):
+    recorded_spec = recorded.get("data") if isinstance(recorded, dict) else None
+    if is_generated(calib_spec) or is_generated(recorded_spec):
+        if same_sample(calib_spec, data) or same_sample(recorded_spec, data):
             return (f"the evaluation text {data} is the calibration's own sample (the same settings draw the same "
                     "batches): set another seed, e.g. generated:seed=1")
         return None

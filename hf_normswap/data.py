@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from huggingface_hub import constants, get_session
 
-from .generated import SamplingSettings, is_generated, sample_texts
+from .generated import DEFAULT_TOKENS, SamplingSettings, is_generated, sample_texts
 from .validation import first_line
 
 BUILTIN = "builtin"
@@ -51,9 +51,9 @@ def _builtin(split: str) -> list[str]:
 
 
 def _text_column(dataset) -> str:
-    if "text" in dataset.column_names:
+    if "text" in (dataset.column_names or ()):  # a stream of unknown features has no names
         return "text"
-    for name, feature in dataset.features.items():
+    for name, feature in (dataset.features or {}).items():
         if getattr(feature, "dtype", None) == "string":
             return name
     raise DataError(f"no text column among {dataset.column_names}: the data needs a 'text' column")
@@ -110,7 +110,9 @@ def _decode_problem(error: BaseException, files: list[Path], loader: str) -> str
     return first_line(error)
 
 
-def _hub(spec: str, default_split: str) -> list[str]:
+def hub_dataset(spec: str, default_split: str, streaming: bool = False):
+    """``(dataset, text column)`` of a Hub spec ``name[:config][:split]``, read whole or as a ``datasets`` stream;
+    DataError in seconds when the Hub is unreachable, or when the name, config or split does not load."""
     import datasets
 
     name, config, split = (spec.split(":") + [None, None])[:3]
@@ -119,11 +121,16 @@ def _hub(spec: str, default_split: str) -> list[str]:
         raise DataError(f"cannot load dataset {spec!r}: the Hub ({constants.ENDPOINT}) is unreachable; name a local "
                         "text file instead, or set HF_HUB_OFFLINE=1 to read the datasets cache")
     try:
-        dataset = datasets.load_dataset(name, config or None, split=split or default_split)
+        dataset = datasets.load_dataset(name, config or None, split=split or default_split, streaming=streaming)
     except Exception as error:  # datasets raises many types for missing names, configs and network failures
         raise DataError(f"cannot load dataset {spec!r} ({first_line(error)}): offline, name a local text file "
                         "instead") from None
-    rows = dataset[_text_column(dataset)]
+    return dataset, _text_column(dataset)
+
+
+def _hub(spec: str, default_split: str) -> list[str]:
+    dataset, column = hub_dataset(spec, default_split)
+    rows = dataset[column]
     if "" in rows:  # one line per row, blank lines kept (WikiText): the split is one text, as its raw file reads
         return ["\n".join(rows)]
     return [t for t in rows if t and t.strip()]
@@ -146,13 +153,16 @@ def check_spec(spec: str) -> list[Path] | None:
     return local_paths(spec)
 
 
+def same_sample(spec: str | None, other: str | None) -> bool:
+    """Whether two specs name the same samples of the original (same settings: the same batches)."""
+    return is_generated(spec) and is_generated(other) and generation_settings(spec) == generation_settings(other)
+
+
 def _generated(spec: str, model, tokenizer, max_tokens: int | None, rank: int, world_size: int) -> list[str]:
     settings = generation_settings(spec)
-    if max_tokens is None:
-        raise DataError("generated text needs a token budget here; this command reads its text whole")
     prompts = None if settings.prompt == "bos" else load_texts(settings.prompt, "calibration")
     try:
-        return sample_texts(model, tokenizer, settings, max_tokens, prompt_texts=prompts, rank=rank,
+        return sample_texts(model, tokenizer, settings, max_tokens or DEFAULT_TOKENS, prompt_texts=prompts, rank=rank,
                             world_size=world_size, progress=rank == 0)
     except ValueError as error:
         raise DataError(str(error)) from None
@@ -177,7 +187,8 @@ def local_paths(spec: str) -> list[Path] | None:
 def load_texts(spec: str | None, default_split: str = "calibration", *, model=None, tokenizer=None,
                max_tokens: int | None = None, rank: int = 0, world_size: int = 1) -> list[str]:
     """Documents of a text source. ``default_split`` picks the builtin half (and the Hub split, as train/test).
-    ``generated`` text is sampled from ``model`` (the original) with ``tokenizer``, at least ``max_tokens`` tokens;
+    ``generated`` text is sampled from ``model`` (the original) with ``tokenizer``, at least ``max_tokens`` tokens
+    (default: :data:`generated.DEFAULT_TOKENS`);
     process ``rank`` of ``world_size`` draws its share and reads the others'. A large local text file is read only
     up to ``max_tokens`` (:data:`LAZY_BYTES`)."""
     spec = spec or BUILTIN

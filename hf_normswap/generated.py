@@ -32,10 +32,11 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from .model_inputs import text_config
+from .placement import model_device
 
 PREFIX = "generated"
 CACHE_ENV = "HF_NORMSWAP_CACHE"
-EVAL_TOKENS = 8192  # generated evaluation text where no token budget is given
+DEFAULT_TOKENS = 8192  # tokens sampled where the caller names no budget (an evaluation without --max-tokens)
 
 
 def is_generated(spec: str | None) -> bool:
@@ -102,7 +103,7 @@ def _split_prompt(options: str) -> list[str]:
     return [*filter(None, head.split(",")), "prompt=" + prompt]
 
 
-def model_identity(model: nn.Module) -> str:
+def weights_digest(model: nn.Module) -> str:
     """The model's name and a hash of every weight's name, shape, dtype and a strided sample of its values: a
     changed weight changes it, at the cost of a few thousand values a tensor, not the whole model."""
     digest = hashlib.sha256(str(getattr(model.config, "name_or_path", "")).encode())
@@ -122,7 +123,7 @@ class SampleCache:
     """The batches of one (model, settings) pair: ``batch-000012.safetensors``, written atomically."""
 
     def __init__(self, model: nn.Module, settings: SamplingSettings, root: Path | None = None):
-        key = {"model": model_identity(model), **dataclasses.asdict(settings)}
+        key = {"model": weights_digest(model), **dataclasses.asdict(settings)}
         name = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
         self.directory = (root or cache_root()) / name
         self.key = key
@@ -176,7 +177,7 @@ def draw(model: nn.Module, tokenizer, settings: SamplingSettings, cache: SampleC
     missing = [i for i in indices if not cache.has(i)]
     if not missing:
         return 0
-    device = next(model.parameters()).device
+    device = model_device(model)
     eos = tokenizer.eos_token_id
     was_training = model.training
     model.eval()
@@ -223,19 +224,18 @@ def sample_texts(model: nn.Module, tokenizer, settings: SamplingSettings, max_to
     settings.check_model(model)
     cache = SampleCache(model, settings, cache_dir)
     wait = wait_seconds if wait_seconds is not None else (0.0 if world_size == 1 else 6 * 3600.0)
-    count, have, rows = batches_for(max_tokens, settings), 0, []
+    rows, have, read, count = [], 0, 0, batches_for(max_tokens, settings)
     start, drawn = time.time(), 0
-    while True:
-        needed = range(len(rows) // settings.batch_size, count)
+    while have < max_tokens:
+        needed = range(read, count)
         mine = [i for i in needed if i % world_size == rank]
         drawn += draw(model, tokenizer, settings, cache, mine, prompt_texts=prompt_texts, progress=progress)
         _wait_for(cache, needed, wait)
         for index in needed:
-            rows.extend(cache.read(index))
-        have = sum(map(len, rows))
-        if have >= max_tokens:
-            break
-        count += math.ceil((max_tokens - have) / (settings.length * settings.batch_size))
+            batch = cache.read(index)
+            rows.extend(batch)
+            have += sum(map(len, batch))
+        read, count = count, count + batches_for(max_tokens - have, settings)
     if drawn and progress:
         print(f"[generated] {drawn * settings.batch_size * settings.length:,} tokens sampled in "
               f"{time.time() - start:.0f} s into {cache.directory}", flush=True)

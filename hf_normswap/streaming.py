@@ -15,30 +15,20 @@ the batches a second time.
 
 from __future__ import annotations
 
-from .data import DataError, hub_reachable, local_paths
+from .data import DataError, hub_dataset, local_paths
 from .validation import first_line
 
 
 def _source(spec: str, default_split: str):
-    import datasets
-    from huggingface_hub import constants
-
     if local_paths(spec) is not None or spec.startswith(("builtin", "generated")):
         raise DataError(f"streaming reads a Hub dataset NAME[:config][:split], not {spec!r}: set streaming=false")
-    name, config, split = (spec.split(":") + [None, None])[:3]
-    if not datasets.config.HF_HUB_OFFLINE and not hub_reachable():
-        raise DataError(f"cannot stream dataset {spec!r}: the Hub ({constants.ENDPOINT}) is unreachable")
+    source, column = hub_dataset(spec, default_split, streaming=True)
     try:
-        source = datasets.load_dataset(name, config or None, split=split or default_split, streaming=True)
         first = next(iter(source.take(1)), None)
-    except Exception as error:  # datasets raises many types for missing names, configs and network failures
+    except Exception as error:  # a stream reports a missing split or file only when it is read
         raise DataError(f"cannot stream dataset {spec!r} ({first_line(error)})") from None
     if first is None:
         raise DataError(f"the stream {spec!r} is empty: name a split with rows")
-    column = "text" if isinstance(first.get("text"), str) else next(
-        (key for key, value in first.items() if isinstance(value, str)), None)
-    if column is None:
-        raise DataError(f"the stream {spec!r} has no text column among {list(first)}")
     return source, column
 
 

@@ -117,7 +117,7 @@ def check_calibration_cache(config) -> None:
 def check_data(config) -> None:
     """Read every text source before any model loads, so a missing file or an unreachable Hub dataset stops the
     run at once with one line naming the key that overrides it."""
-    from hf_normswap.data import DataError, generation_settings, load_texts
+    from hf_normswap.data import DataError, generation_settings, load_texts, same_sample
     from hf_normswap.generated import is_generated
     from hf_normswap.streaming import packed_stream
 
@@ -132,12 +132,13 @@ def check_data(config) -> None:
             fail(f"train_data: {error}")
     for key, spec, split in sources:
         try:
-            generation_settings(spec) if is_generated(spec) else load_texts(spec, split)  # samples: once loaded
+            if is_generated(spec):
+                generation_settings(spec)  # sampled once the original is loaded
+            else:  # a token budget of 1: a large local file is opened, not read whole (data.LAZY_BYTES)
+                load_texts(spec, split, max_tokens=1)
         except DataError as error:
             fail(f"{key}: {error} ({key}=PATH)")
-    same = [spec for spec in (config.train_data, config.calibration.data) if is_generated(spec)
-            and is_generated(config.eval_data) and generation_settings(spec) == generation_settings(config.eval_data)]
-    if same:
+    if any(same_sample(spec, config.eval_data) for spec in (config.train_data, config.calibration.data)):
         fail(f"eval_data {config.eval_data} samples the same text as the training or calibration data: give it "
              "another seed, e.g. eval_data=generated:seed=1")
 
@@ -324,13 +325,12 @@ def whole_models(trainer, original, copies, state):
 
 def final_evaluation(model, original, tokenizer, config, name: str):
     from hf_normswap.data import load_texts
-    from hf_normswap.generated import EVAL_TOKENS, is_generated
     from hf_normswap.evaluation.perplexity import evaluate
     from hf_normswap.evaluation.embeddings import evaluate_embeddings
     from hf_normswap.model_inputs import ends_in_hidden_states
 
-    budget = config.final_eval.max_tokens or (EVAL_TOKENS if is_generated(config.eval_data) else None)
-    texts = load_texts(config.eval_data, "evaluation", model=original, tokenizer=tokenizer, max_tokens=budget)
+    texts = load_texts(config.eval_data, "evaluation", model=original, tokenizer=tokenizer,
+                       max_tokens=config.final_eval.max_tokens)
     if ends_in_hidden_states(original):  # the embedding its users consume: cosine, neighbours and rank correlation
         return evaluate_embeddings(model, original, tokenizer, texts, data=config.eval_data, **config.final_eval.arguments())
     return evaluate({name: model}, tokenizer, texts, against=original, data=config.eval_data, progress=False,

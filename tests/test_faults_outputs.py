@@ -361,3 +361,20 @@ def test_a_large_text_file_is_read_only_up_to_the_token_budget(tmp_path, monkeyp
     report = hf_normswap.convert(model, "eln", calibration=CalibrationConfig(
         data=str(big), tokenizer=tiny_tokenizer(), num_blocks=2, block_len=16, strategy="fast", progress=False))
     assert report.calibration["tokens"] == 32
+
+
+def test_the_recipe_checks_a_large_text_file_without_reading_it_whole(tmp_path, monkeypatch):
+    """The recipe's pre-check of its text sources opens a large file up to a token, as the run reads it up to its
+    budget; before, the check itself read and tokenized all of it."""
+    import datasets
+
+    from file_modules import import_file
+    from hf_normswap import data
+
+    big = tmp_path / "big.txt"
+    line = "the norm of the data is the scale of the model and the text reads the block\n"
+    big.write_text(line * (data.LAZY_BYTES // len(line) + 1000))
+    monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: pytest.fail("the whole file was loaded"))
+    recipe = import_file("recipes/finetune.py")
+    recipe.check_data(recipe.load_config([f"calibration.data={big}", f"train_data={big}", f"eval_data={big}",
+                                          f"output_dir={tmp_path / 'run'}"]))
