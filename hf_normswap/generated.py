@@ -30,13 +30,21 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 from tqdm.auto import tqdm
+from transformers import DynamicCache, GenerationConfig, LogitsProcessor, LogitsProcessorList
+from transformers.cache_utils import DynamicLayer
+from transformers.generation import TemperatureLogitsWarper, TopPLogitsWarper
 
 from .model_inputs import text_config
 from .placement import model_device
+from .precision import matmul_speedup, weights_in
 
 PREFIX = "generated"
 CACHE_ENV = "HF_NORMSWAP_CACHE"
 DEFAULT_TOKENS = 8192  # tokens sampled where the caller names no budget (an evaluation without --max-tokens)
+
+
+SAMPLER = "inverse-cdf"  # how a token is drawn (InverseCdfSampler): part of the cache key
+WEIGHT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def is_generated(spec: str | None) -> bool:
@@ -54,6 +62,7 @@ class SamplingSettings:
     prompt: str = "bos"  # bos, or a text spec whose documents' first prompt_tokens tokens start the sequences
     prompt_tokens: int = 8
     seed: int = 0
+    precision: str = "auto"  # fp32 or bf16 weights while sampling; auto: see sampling_precision
 
     def __post_init__(self):
         if not (isinstance(self.temperature, (int, float)) and self.temperature > 0 and math.isfinite(self.temperature)):
@@ -64,6 +73,8 @@ class SamplingSettings:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"generated: {name} must be a whole number of at least 1, got {value!r}")
+        if self.precision not in ("auto", *WEIGHT_DTYPES):
+            raise ValueError(f"generated: precision must be auto, {' or '.join(WEIGHT_DTYPES)}, got {self.precision!r}")
         if self.prompt != "bos" and self.prompt_tokens >= self.length:
             raise ValueError(f"generated: prompt_tokens ({self.prompt_tokens}) must be below length ({self.length})")
 
@@ -115,6 +126,18 @@ def weights_digest(model: nn.Module) -> str:
     return digest.hexdigest()[:16]
 
 
+def sampling_precision(model: nn.Module, requested: str) -> str:
+    """The weights' precision while sampling. ``auto``: a bf16 model as it is; an fp32 model cast to bf16 for the
+    duration (:func:`precision.weights_in`) where a bf16 matmul runs faster than fp32 on its device
+    (:func:`precision.matmul_speedup`, under a second), else fp32. Part of the cache key: the samples differ."""
+    if requested != "auto":
+        return requested
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    if dtype == torch.bfloat16:
+        return "bf16"
+    return "bf16" if dtype == torch.float32 and matmul_speedup(model_device(model)) > 1 else "fp32"
+
+
 def cache_root() -> Path:
     return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "hf_normswap") / PREFIX
 
@@ -123,7 +146,8 @@ class SampleCache:
     """The batches of one (model, settings) pair: ``batch-000012.safetensors``, written atomically."""
 
     def __init__(self, model: nn.Module, settings: SamplingSettings, root: Path | None = None):
-        key = {"model": weights_digest(model), **dataclasses.asdict(settings)}
+        self.settings = dataclasses.replace(settings, precision=sampling_precision(model, settings.precision))
+        key = {"model": weights_digest(model), "sampler": SAMPLER, **dataclasses.asdict(self.settings)}
         name = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
         self.directory = (root or cache_root()) / name
         self.key = key
@@ -144,6 +168,57 @@ class SampleCache:
     def read(self, index: int) -> list[list[int]]:
         batch = load_file(self.path(index))
         return [row[:n].tolist() for row, n in zip(batch["input_ids"], batch["lengths"].tolist())]
+
+
+class InverseCdfSampler(LogitsProcessor):
+    """Draws each row's token from ``softmax(scores)`` by the inverse of its cumulative distribution (one uniform
+    variate a row) and leaves only that token finite, so that generate's argmax returns the sample. generate's own
+    sampling (``torch.multinomial``) draws an exponential variate for every vocabulary entry, which took longer on
+    the CPU than the model's matmuls (BENCHMARKS.md, "The original's samples")."""
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        cumulative = torch.softmax(scores.float(), dim=-1).cumsum_(dim=-1)
+        targets = torch.rand(scores.shape[0], 1, device=scores.device) * cumulative[:, -1:]
+        tokens = torch.searchsorted(cumulative, targets, right=True).clamp_(max=scores.shape[-1] - 1)
+        return scores.fill_(float("-inf")).scatter_(1, tokens, 0.0)
+
+
+class PreallocatedLayer(DynamicLayer):
+    """A KV-cache layer that writes each step into a buffer of the sequence's final length and hands attention a
+    view of the filled part. transformers' DynamicLayer concatenates the whole cache at every step, which grows
+    with the square of the length."""
+
+    def __init__(self, capacity: int):
+        super().__init__()
+        self.capacity, self.filled = capacity, 0
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.device = key_states.device
+        self.key_buffer = key_states.new_empty(*key_states.shape[:2], self.capacity, key_states.shape[-1])
+        self.value_buffer = value_states.new_empty(*value_states.shape[:2], self.capacity, value_states.shape[-1])
+        self.keys, self.values = self.key_buffer[..., :0, :], self.value_buffer[..., :0, :]
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        end = self.filled + key_states.shape[-2]
+        self.key_buffer[..., self.filled:end, :].copy_(key_states)
+        self.value_buffer[..., self.filled:end, :].copy_(value_states)
+        self.filled = end
+        self.keys, self.values = self.key_buffer[..., :end, :], self.value_buffer[..., :end, :]
+        return self.keys, self.values
+
+
+def preallocated_cache(model: nn.Module, length: int) -> DynamicCache | None:
+    """The model's own cache with its full-attention layers preallocated to ``length`` tokens (sliding-window and
+    other layer kinds stay as they are); None where the model has no such cache (generate picks its own)."""
+    try:
+        cache = DynamicCache(config=model.config)
+    except (AttributeError, KeyError, TypeError, ValueError):
+        return None
+    cache.layers = [PreallocatedLayer(length) if type(layer) is DynamicLayer else layer for layer in cache.layers]
+    return cache
 
 
 def batches_for(max_tokens: int, settings: SamplingSettings) -> int:
@@ -170,33 +245,49 @@ def _prompts(settings: SamplingSettings, tokenizer, prompt_texts: list[str] | No
     return torch.tensor([starts[(start + i) % len(starts)] for i in range(count)], dtype=torch.long)
 
 
+def sampling_config(settings: SamplingSettings, eos: int | None) -> tuple[GenerationConfig, LogitsProcessorList]:
+    """generate's settings for a sample at ``settings.temperature`` and ``top_p`` of the model's distribution, and
+    nothing of the model's own generation defaults (repetition penalties, top-k): the argmax of what
+    :class:`InverseCdfSampler` leaves finite is the sample."""
+    new_tokens = settings.length - (1 if settings.prompt == "bos" else settings.prompt_tokens)
+    config = GenerationConfig(do_sample=False, max_new_tokens=new_tokens, min_new_tokens=new_tokens if eos is None
+                              else 0, eos_token_id=eos, pad_token_id=eos if eos is not None else 0, use_cache=True)
+    sampler = LogitsProcessorList([TemperatureLogitsWarper(settings.temperature)] if settings.temperature != 1 else [])
+    if settings.top_p < 1:
+        sampler.append(TopPLogitsWarper(settings.top_p))
+    sampler.append(InverseCdfSampler())
+    return config, sampler
+
+
 @torch.no_grad()
-def draw(model: nn.Module, tokenizer, settings: SamplingSettings, cache: SampleCache, indices: list[int], *,
+def draw(model: nn.Module, tokenizer, cache: SampleCache, indices: list[int], *,
          prompt_texts: list[str] | None = None, progress: bool = True) -> int:
-    """Sample and cache the batches ``indices`` that are not cached yet; returns how many were drawn."""
+    """Sample and cache the batches ``indices`` that are not cached yet (the settings are the cache's); returns how
+    many were drawn."""
+    settings = cache.settings
     missing = [i for i in indices if not cache.has(i)]
     if not missing:
         return 0
     device = model_device(model)
     eos = tokenizer.eos_token_id
+    generation_config, sampler = sampling_config(settings, eos)
     was_training = model.training
     model.eval()
     bar = tqdm(total=len(missing) * settings.batch_size * settings.length, unit="tok", unit_scale=True,
                desc="sampling the original", disable=not progress)
     try:
-        for index in missing:
-            prompts = _prompts(settings, tokenizer, prompt_texts, settings.batch_size, index * settings.batch_size)
-            prompts = prompts.to(device)
-            with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-                torch.manual_seed(settings.seed * 1_000_003 + index)
-                out = model.generate(input_ids=prompts, attention_mask=torch.ones_like(prompts), do_sample=True,
-                                     temperature=settings.temperature, top_p=settings.top_p, top_k=0,
-                                     max_new_tokens=settings.length - prompts.shape[1],
-                                     min_new_tokens=settings.length - prompts.shape[1] if eos is None else 0,
-                                     pad_token_id=eos if eos is not None else 0)
-            lengths = _lengths(out, prompts.shape[1], eos)
-            cache.write(index, out.cpu(), lengths.cpu())
-            bar.update(settings.batch_size * settings.length)
+        with weights_in(model, WEIGHT_DTYPES[settings.precision]):
+            for index in missing:
+                prompts = _prompts(settings, tokenizer, prompt_texts, settings.batch_size, index * settings.batch_size)
+                prompts = prompts.to(device)
+                with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+                    torch.manual_seed(settings.seed * 1_000_003 + index)
+                    out = model.generate(input_ids=prompts, attention_mask=torch.ones_like(prompts),
+                                         generation_config=generation_config, logits_processor=sampler,
+                                         cache=preallocated_cache(model, settings.length))
+                lengths = _lengths(out, prompts.shape[1], eos)
+                cache.write(index, out.cpu(), lengths.cpu())
+                bar.update(settings.batch_size * settings.length)
     finally:
         bar.close()
         model.train(was_training)
@@ -229,7 +320,7 @@ def sample_texts(model: nn.Module, tokenizer, settings: SamplingSettings, max_to
     while have < max_tokens:
         needed = range(read, count)
         mine = [i for i in needed if i % world_size == rank]
-        drawn += draw(model, tokenizer, settings, cache, mine, prompt_texts=prompt_texts, progress=progress)
+        drawn += draw(model, tokenizer, cache, mine, prompt_texts=prompt_texts, progress=progress)
         _wait_for(cache, needed, wait)
         for index in needed:
             batch = cache.read(index)

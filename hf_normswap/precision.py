@@ -71,6 +71,20 @@ def autocast(bf16: bool, device: torch.device | str = "cpu"):
     return torch.autocast(device_type=device_type, dtype=torch.bfloat16)
 
 
+@contextlib.contextmanager
+def weights_in(model: torch.nn.Module, dtype: torch.dtype):
+    """The model's floating-point parameters in ``dtype`` for the duration: the originals are kept aside and put
+    back afterwards, so nothing is rounded (memory: the originals plus the cast copies)."""
+    kept = [(p, p.data) for p in model.parameters() if p.is_floating_point() and p.dtype != dtype]
+    try:
+        for parameter, data in kept:
+            parameter.data = data.to(dtype)
+        yield model
+    finally:
+        for parameter, data in kept:
+            parameter.data = data
+
+
 def _synchronized(device_type: str, timer: Callable[[], float]) -> Callable[[], float]:
     if device_type == "cuda":
         return lambda: (torch.cuda.synchronize(), timer())[1]

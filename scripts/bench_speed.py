@@ -618,15 +618,17 @@ def train_section(args) -> list[dict]:
     return rows
 
 
+SAMPLING_TRAIN = ["recipe", "recipe-layerwise"]  # logit KL alone; with the layer-wise term (the SmolLM2 configs)
+
+
 def sampling_section(args) -> list[dict]:
     """The original's samples (``hf_normswap.generated``) against the recipe's training step: tokens/s of each,
-    interleaved in one process, sampling in the precision the recipe's probe chose for training. A sample costs
+    interleaved in one process, sampling in the precision ``generated`` chooses (``precision=auto``). A sample costs
     ``train tokens/s / sample tokens/s`` of a training step on the same number of tokens."""
     import tempfile
     import types
 
     from hf_normswap.generated import SampleCache, SamplingSettings, draw
-    from hf_normswap.precision import autocast
 
     student, teacher, inputs = train_setup(args)
     teacher.config.use_cache = True
@@ -634,32 +636,31 @@ def sampling_section(args) -> list[dict]:
     bos = bos if bos is not None and bos < teacher.get_input_embeddings().num_embeddings else 0
     tokenizer = types.SimpleNamespace(bos_token_id=bos, eos_token_id=None)  # no EOS: every sequence at full length
     with tempfile.TemporaryDirectory() as directory:
-        steps, choices = train_steps(["recipe"], student, teacher, inputs, directory)
-        bf16 = choices["recipe"].bf16
-        counter = iter(range(10 ** 6))
+        steps, choices = train_steps(SAMPLING_TRAIN, student, teacher, inputs, directory)
+        counter, caches = iter(range(10 ** 6)), {}
 
         def sampler(batch):
-            settings = SamplingSettings(length=args.seq, batch_size=batch)
-            cache = SampleCache(teacher, settings, Path(directory) / "samples")
+            caches[batch] = SampleCache(teacher, SamplingSettings(length=args.seq, batch_size=batch),
+                                        Path(directory) / "samples")
+            return lambda: draw(teacher, tokenizer, caches[batch], [next(counter)], progress=False)
 
-            def sample():
-                with autocast(bf16):
-                    draw(teacher, tokenizer, settings, cache, [next(counter)], progress=False)
-            return sample
-
-        candidates = {"recipe": steps["recipe"], **{f"sample-{b}": sampler(b) for b in args.sample_batches}}
+        candidates = {**{name: steps[name] for name in SAMPLING_TRAIN},
+                      **{f"sample-{b}": sampler(b) for b in args.sample_batches}}
         med = interleaved(candidates, args.train_reps)
-    train_tok_s = inputs["input_ids"].numel() / med["recipe"]
-    rows = [dict(section="sampling", model=args.models[0], variant="recipe", precision=choices["recipe"].precision,
-                 tokens=inputs["input_ids"].numel(), seconds=med["recipe"], tokens_per_s=train_tok_s)]
+    train_tok_s = {name: inputs["input_ids"].numel() / med[name] for name in SAMPLING_TRAIN}
+    rows = [dict(section="sampling", model=args.models[0], variant=name, precision=choices[name].precision,
+                 tokens=inputs["input_ids"].numel(), seconds=med[name], tokens_per_s=train_tok_s[name])
+            for name in SAMPLING_TRAIN]
     for batch in args.sample_batches:
         tokens, seconds = batch * args.seq, med[f"sample-{batch}"]
         rows.append(dict(section="sampling", model=args.models[0], variant=f"sample-{batch}",
-                         precision=choices["recipe"].precision, tokens=tokens, seconds=seconds,
-                         tokens_per_s=tokens / seconds, cost_of_training=train_tok_s / (tokens / seconds)))
+                         precision=caches[batch].settings.precision, tokens=tokens, seconds=seconds,
+                         tokens_per_s=tokens / seconds,
+                         **{f"cost_of_{name}": rate / (tokens / seconds) for name, rate in train_tok_s.items()}))
     for row in rows:
-        log(f"sampling {row['variant']:<10} {row['precision']}: {row['tokens_per_s']:.1f} tok/s"
-            + (f", {row['cost_of_training']:.2f}x the training time of its tokens" if "cost_of_training" in row else ""))
+        costs = ", ".join(f"{row[f'cost_of_{name}']:.2f}x {name}" for name in SAMPLING_TRAIN if f"cost_of_{name}" in row)
+        log(f"sampling {row['variant']:<16} {row['precision']}: {row['tokens_per_s']:.1f} tok/s"
+            + (f" ({costs}: the training time of its tokens)" if costs else ""))
     return rows
 
 

@@ -13,6 +13,14 @@ SETTINGS = SamplingSettings(length=12, batch_size=3, seed=1)
 BUDGET = 12 * 3 * 3  # three batches
 
 
+def full_length_tokenizer():
+    """The tiny tokenizer without an EOS token: every sequence runs to its full length, so batch counts are exact
+    (with EOS, a sequence that samples it early is topped up by a further batch)."""
+    tokenizer = tiny_tokenizer()
+    tokenizer.eos_token = None
+    return tokenizer
+
+
 def _counting(model, calls: list):
     """``model`` with its generate calls recorded in ``calls``."""
     generate = model.generate
@@ -28,7 +36,7 @@ def counted():
 
 def test_a_second_call_reads_the_cache_without_sampling(counted, tmp_path):
     model, calls = counted
-    tokenizer = tiny_tokenizer()
+    tokenizer = full_length_tokenizer()
     first = sample_texts(model, tokenizer, SETTINGS, BUDGET, cache_dir=tmp_path, progress=False)
     assert len(calls) == 3 and len(first) == 9 and len(set(first)) == 9
     assert sample_texts(model, tokenizer, SETTINGS, BUDGET, cache_dir=tmp_path, progress=False) == first
@@ -46,7 +54,7 @@ def test_a_changed_setting_or_model_makes_a_new_cache(tmp_path):
 
 def test_an_interrupted_draw_resumes_where_it_stopped_and_repeats_nothing(counted, tmp_path):
     model, calls = counted
-    tokenizer = tiny_tokenizer()
+    tokenizer = full_length_tokenizer()
     part = sample_texts(model, tokenizer, SETTINGS, 12 * 3, cache_dir=tmp_path, progress=False)  # one batch
     whole = sample_texts(model, tokenizer, SETTINGS, BUDGET, cache_dir=tmp_path, progress=False)
     assert len(calls) == 3 and whole[:3] == part and len(set(whole)) == 9  # only the two missing batches drawn
@@ -58,7 +66,7 @@ def test_an_interrupted_draw_resumes_where_it_stopped_and_repeats_nothing(counte
 def test_two_processes_draw_different_shares_of_one_text(tmp_path):
     """Rank 0 of 2 draws batches 0 and 2 and finds batch 1 missing; rank 1 draws only batch 1, then both read the
     same text, the text one process alone would have drawn."""
-    tokenizer = tiny_tokenizer()
+    tokenizer = full_length_tokenizer()
     first, second = [], []
     with pytest.raises(ValueError, match="1 of 3 batches .* were not drawn by the other processes"):
         sample_texts(_counting(tiny_model("llama"), first), tokenizer, SETTINGS, BUDGET, rank=0, world_size=2,
@@ -111,3 +119,62 @@ def test_calibration_reads_the_originals_samples(tmp_path, monkeypatch):
     assert drawn and torch.isfinite(model(input_ids=torch.tensor([[1, 5, 9]])).logits).all()
     hf_normswap.convert(tiny_model("llama"), "eln", calibration=config)  # another conversion reads the same samples
     assert sorted(tmp_path.rglob("batch-*.safetensors")) == drawn
+
+
+def test_the_sampler_draws_from_the_softmax_and_never_a_masked_token():
+    from hf_normswap.generated import InverseCdfSampler
+
+    scores = torch.tensor([0.0, 1.0, float("-inf"), 2.0, float("-inf")]).expand(40_000, 5).contiguous()
+    torch.manual_seed(0)
+    drawn = InverseCdfSampler()(None, scores.clone()).argmax(dim=-1)
+    share = torch.bincount(drawn, minlength=5) / len(drawn)
+    expected = torch.softmax(scores[0], dim=-1)
+    assert share[2] == 0 and share[4] == 0
+    assert torch.allclose(share, expected, atol=0.01)  # 3 standard errors of a share near 0.5 at 40,000 draws: 0.0075
+
+
+def test_the_preallocated_cache_generates_what_the_default_cache_does():
+    from hf_normswap.generated import PreallocatedLayer, preallocated_cache
+
+    model = tiny_model("llama").eval()
+    prompts = torch.tensor([[1, 5, 9], [1, 7, 3]])
+    kwargs = dict(input_ids=prompts, attention_mask=torch.ones_like(prompts), do_sample=False, max_new_tokens=20,
+                  min_new_tokens=20, pad_token_id=0)
+    cache = preallocated_cache(model, 23)
+    assert all(isinstance(layer, PreallocatedLayer) for layer in cache.layers)
+    assert torch.equal(model.generate(**kwargs, cache=cache), model.generate(**kwargs))
+    assert cache.layers[0].key_buffer.shape[-2] == 23 and cache.get_seq_length() == 22
+
+
+def test_sliding_window_layers_keep_their_own_cache():
+    from transformers.cache_utils import DynamicSlidingWindowLayer
+
+    from hf_normswap.generated import preallocated_cache
+
+    model = tiny_model("mistral")
+    model.config.sliding_window = 4
+    assert all(type(layer) is DynamicSlidingWindowLayer for layer in preallocated_cache(model, 16).layers)
+
+
+def test_weights_are_cast_for_sampling_and_put_back_unrounded():
+    from hf_normswap.precision import weights_in
+
+    model = tiny_model("llama")
+    before = {name: p.clone() for name, p in model.named_parameters()}
+    with weights_in(model, torch.bfloat16):
+        assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+        model(input_ids=torch.tensor([[1, 5, 9]]))
+    assert all(torch.equal(p, before[name]) and p.dtype == torch.float32 for name, p in model.named_parameters())
+
+
+def test_the_sampling_precision_is_part_of_the_cache_key(tmp_path):
+    from hf_normswap.generated import sampling_precision
+
+    model = tiny_model("llama")
+    assert sampling_precision(model, "auto") in ("fp32", "bf16")  # fp32 weights: bf16 where its matmul is faster
+    assert sampling_precision(model.to(torch.bfloat16), "auto") == "bf16"
+    model = tiny_model("llama")
+    directories = {SampleCache(model, SamplingSettings(precision=p), tmp_path).directory for p in ("fp32", "bf16")}
+    assert len(directories) == 2
+    with pytest.raises(ValueError, match="precision must be auto, fp32 or bf16"):
+        SamplingSettings.from_spec("generated:precision=fp16")
