@@ -292,45 +292,47 @@ def trainable_dense(model):
     return model
 
 
-def copies_to_gather(student, original, shard_teacher: bool):
-    """Under FSDP2, parameterless copies of the student and (``shard_teacher``) the original, made before they are
-    sharded, into which the whole models are gathered after training (``whole_models``); None otherwise."""
+def skeleton_to_gather(student):
+    """Under FSDP2, a parameterless copy of the student made before it is sharded, into which the whole model is
+    gathered for the save (``whole_student``); None otherwise."""
     from hf_normswap.training.sharding import empty_copy, fsdp2_requested
 
-    if not fsdp2_requested():
-        return None
-    return empty_copy(student), empty_copy(original) if shard_teacher else None
+    return empty_copy(student) if fsdp2_requested() else None
 
 
-def whole_models(trainer, original, copies, state):
-    """(student, original) whole on the main process after training, for the final evaluation, the save and the
-    reload check: as they are under DDP or one process; gathered from their shards under FSDP2 (every process
-    takes part; the others get None)."""
+def whole_student(trainer, skeleton, original, state):
+    """The trained student whole on the main process, for the save and the reload check: as it is under DDP or one
+    process; under FSDP2 gathered from its shards into ``skeleton`` (every process takes part, the others get None),
+    after which the sharded student and teacher are freed: their evaluation is done, and the main process holds one
+    whole model at a time."""
     from hf_normswap.training.sharding import gathered, is_sharded, release
 
     model = trainer.accelerator.unwrap_model(trainer.model)
-    if copies is None or not is_sharded(model):
-        return model, original
+    if skeleton is None or not is_sharded(model):
+        return model
     optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
-    optimizer.state.clear()  # training is over: its AdamW moments make room for the whole copies
-    sharded = model
-    model = gathered(sharded, copies[0], state.is_main_process)
-    release(sharded)
-    if copies[1] is not None and is_sharded(original):
-        sharded = original
-        original = gathered(sharded, copies[1], state.is_main_process)
-        release(sharded)
-    return model, original
+    optimizer.state.clear()  # training is over: its AdamW moments make room for the whole copy
+    if is_sharded(original):
+        release(original)
+    whole = gathered(model, skeleton, state.is_main_process)
+    release(model)
+    return whole
 
 
-def final_evaluation(model, original, tokenizer, config, name: str):
+def evaluation_texts(config, original, tokenizer) -> list[str]:
     from hf_normswap.data import load_texts
+
+    return load_texts(config.eval_data, "evaluation", model=original, tokenizer=tokenizer,
+                      max_tokens=config.final_eval.max_tokens)
+
+
+def final_evaluation(model, original, tokenizer, texts: list[str], config, name: str):
+    """The converted model against the original on ``texts``. Sharded models are evaluated on every process
+    alike (each forward gathers its units from all of them)."""
     from hf_normswap.evaluation.perplexity import evaluate
     from hf_normswap.evaluation.embeddings import evaluate_embeddings
     from hf_normswap.model_inputs import ends_in_hidden_states
 
-    texts = load_texts(config.eval_data, "evaluation", model=original, tokenizer=tokenizer,
-                       max_tokens=config.final_eval.max_tokens)
     if ends_in_hidden_states(original):  # the embedding its users consume: cosine, neighbours and rank correlation
         return evaluate_embeddings(model, original, tokenizer, texts, data=config.eval_data, **config.final_eval.arguments())
     return evaluate({name: model}, tokenizer, texts, against=original, data=config.eval_data, progress=False,
@@ -409,16 +411,27 @@ def plot_history(history: list[dict], path: Path, original_ppl: float | None, ti
 
 
 @torch.no_grad()
-def reloads_identically(model, directory: Path, tokenizer) -> bool:
-    """Load the saved checkpoint back (hf_normswap.load) and compare logits on a fixed input bit for bit."""
-    import hf_normswap
+def probe_ids(tokenizer, device) -> torch.Tensor:
+    ids = tokenizer("Normalization layers can be replaced by element-wise functions.", return_tensors="pt")
+    return ids["input_ids"].to(device)
+
+
+def probe_logits(model, tokenizer) -> torch.Tensor:
+    """The model's output on a fixed input, for the reload check."""
     from hf_normswap.model_inputs import first_tensor
 
-    reloaded = hf_normswap.load(directory).to(next(model.parameters()).device)
-    ids = tokenizer("Normalization layers can be replaced by element-wise functions.", return_tensors="pt")
-    ids = ids["input_ids"].to(next(model.parameters()).device)
     model.eval()
-    return torch.equal(first_tensor(model(input_ids=ids)), first_tensor(reloaded(input_ids=ids)))
+    with torch.no_grad():
+        return first_tensor(model(input_ids=probe_ids(tokenizer, next(model.parameters()).device)))
+
+
+def reloads_identically(expected: torch.Tensor, directory: Path, tokenizer) -> bool:
+    """Load the saved checkpoint back (hf_normswap.load) and compare its logits with the saved model's
+    (``probe_logits`` before the save) bit for bit."""
+    import hf_normswap
+
+    reloaded = hf_normswap.load(directory).to(expected.device)
+    return torch.equal(expected, probe_logits(reloaded, tokenizer))
 
 
 # ----------------------------------------------------------------------------------------------------------- main
@@ -438,6 +451,7 @@ def main(argv=None) -> int:
     from hf_normswap.model_inputs import ends_in_hidden_states
     from hf_normswap.training.progressive import ProgressiveSwap, ProgressiveSwapCallback, schedule
     from hf_normswap.training.run_dir import claim_run_dir, last_checkpoint, read_json, write_json
+    from hf_normswap.training.sharding import is_sharded
 
     # On a machine without GPU, `accelerate launch --multi_gpu --num_processes N` starts N CPU processes; they
     # join with gloo only when the state is created with cpu=True (accelerate's --cpu starts a single process).
@@ -462,13 +476,17 @@ def main(argv=None) -> int:
     log(f"{len(converted)} {student.config.normswap['method'].upper()} norms; original {original_spec(config)}")
 
     # 2. evaluate the calibrated model (once: a resumed run keeps the first measurement)
+    eval_texts = evaluation_texts(config, original, tokenizer) if state.is_main_process else None
     if state.is_main_process and "calibrated" not in summary:
         start = time.time()
-        before = final_evaluation(student, original, tokenizer, config, "calibrated")
+        before = final_evaluation(student, original, tokenizer, eval_texts, config, "calibrated")
         summary["calibrated"] = before.to_dict()
         write_json(summary_path, summary)
         log(f"after calibration ({time.time() - start:.0f}s):\n{before.table()}")
     state.wait_for_everyone()
+    skeleton = skeleton_to_gather(student)
+    if skeleton is not None and not state.is_main_process:  # under FSDP2 every process takes part in the final one
+        eval_texts = evaluation_texts(config, original, tokenizer)
 
     # 3. train
     encoder = ends_in_hidden_states(original)
@@ -524,7 +542,6 @@ def main(argv=None) -> int:
     callbacks = [WallClockStop(config.max_minutes)] if config.max_minutes else []
     if swap is not None:
         callbacks.append(ProgressiveSwapCallback(swap))
-    copies = copies_to_gather(student, original, config.shard_teacher)
     trainer = NormSwapTrainer(model=student, args=args, train_dataset=train_set, eval_dataset=eval_set,
                               processing_class=tokenizer, callbacks=callbacks,
                               teacher=original if distill.weight > 0 else None, distill_weight=distill.weight,
@@ -541,11 +558,15 @@ def main(argv=None) -> int:
     result = trainer.train(resume_from_checkpoint=last)
     wall = time.time() - start
 
-    # 4. evaluate, save, check, plot, push (main process)
-    model, original = whole_models(trainer, original, copies, state)
+    # 4. evaluate (every process when sharded), then save, check, plot, push (main process)
+    sharded = skeleton is not None and is_sharded(trainer.accelerator.unwrap_model(trainer.model))
+    if state.is_main_process or sharded:
+        model = without_autocast_wrapper(trainer.accelerator.unwrap_model(trainer.model))
+        after = final_evaluation(model, original, tokenizer, eval_texts, config, "finetuned")
+        original_block_ppl = None if encoder else block_perplexity(original, eval_set)
+    model = whole_student(trainer, skeleton, original, state)
     if state.is_main_process:
         model = merge_lora(without_autocast_wrapper(model)).eval()
-        after = final_evaluation(model, original, tokenizer, config, "finetuned")
         log(f"after training:\n{after.table()}")
         history = trainer.state.log_history
         tokens = trainer.state.num_input_tokens_seen
@@ -561,10 +582,12 @@ def main(argv=None) -> int:
                     "wall_seconds": round(sum(s["wall_seconds"] for s in launches), 1),
                     "world_size": state.num_processes, "train_loss": result.training_loss}
         model.config.normswap["training"] = training
+        expected = probe_logits(model, tokenizer)
         hf_normswap.save_pretrained(model, save_dir, tokenizer=tokenizer, overwrite=True,
                                     evaluation=None if encoder else after.card("finetuned"))
-        identical = reloads_identically(model, save_dir, tokenizer)
-        original_block_ppl = None if encoder else block_perplexity(original, eval_set)
+        if sharded:
+            del model  # the gathered copy: the reloaded one takes its place
+        identical = reloads_identically(expected, save_dir, tokenizer)
         curve = plot_history(history, out / "curve.png", original_block_ppl,
                              f"{config.model} -> {config.method.upper()}, {config.trainable}, "
                              f"{tokens:,} tokens")

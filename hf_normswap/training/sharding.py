@@ -10,9 +10,9 @@ it), so ``accelerate launch`` with an FSDP config on CPU silently trains with DD
 the state the plugin it dropped, so the CPU run takes the same path as a GPU run: accelerate's ``fsdp2_prepare_model``
 (``fully_shard`` over gloo), its optimizer swap, its sharded checkpoints. Nothing after the sharding knows the device.
 
-What needs the whole model on one process (the final evaluation, the save, the reload check) takes a gathered copy:
-:func:`gathered` fills a parameterless copy made before sharding (:func:`empty_copy`) with the full state dict of
-``torch.distributed.checkpoint.state_dict.get_model_state_dict`` on the main process.
+The final evaluation runs on the sharded models, every process alike. The save needs the whole student on one
+process: :func:`gathered` fills a parameterless copy made before sharding (:func:`empty_copy`) with the full state
+dict of ``torch.distributed.checkpoint.state_dict.get_model_state_dict`` on the main process.
 """
 
 from __future__ import annotations
@@ -175,6 +175,7 @@ class ShardingLog(TrainerCallback):
 
 
 def release(model: nn.Module) -> None:
-    """Free a sharded model's memory on every process once its whole copy is gathered (training is over): FSDP2's
+    """Free a sharded model's memory on every process once it is no longer needed (training and the final
+    evaluation are over, its whole copy gathered where one is needed): FSDP2's
     ``_apply`` re-points its shards at the moved parameters, so moving them to the meta device drops them."""
     model.to("meta")

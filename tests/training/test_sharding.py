@@ -83,9 +83,17 @@ def test_fsdp2_on_two_processes_trains_to_the_weights_of_one_process_at_the_same
     for name, value in single.items():
         assert not torch.equal(value, start[name]), f"{name} did not train"
         torch.testing.assert_close(sharded[name], value, rtol=0, atol=TOLERANCE, msg=name)
-    for run_dir in ("fsdp", "single"):
-        summary = json.loads((root / run_dir / "summary.json").read_text())
+    summaries = {run_dir: json.loads((root / run_dir / "summary.json").read_text()) for run_dir in ("fsdp", "single")}
+    for summary in summaries.values():
         assert summary["training"]["tokens_seen"] == 4 * 4 * 32  # steps x global batch x block length
+    # the final evaluation of the sharded models (every process alike) scores what one process scores
+    sharded_eval, single_eval = summaries["fsdp"]["finetuned"], summaries["single"]["finetuned"]
+    assert sharded_eval["tokens"] == single_eval["tokens"] > 0
+    for name in ("original", "finetuned"):
+        assert sharded_eval["results"][name]["nll"] == pytest.approx(single_eval["results"][name]["nll"], rel=1e-5)
+    assert sharded_eval["kl"]["finetuned"] == pytest.approx(single_eval["kl"]["finetuned"], rel=1e-3, abs=1e-7)
+    assert (summaries["fsdp"]["original_eval_block_perplexity"]
+            == pytest.approx(summaries["single"]["original_eval_block_perplexity"], rel=1e-6))
     assert json.loads((root / "fsdp" / "summary.json").read_text())["training"]["world_size"] == 2
 
 
