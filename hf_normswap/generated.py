@@ -2,7 +2,10 @@
 
 A user who converts a model rarely has its pretraining data, but always has the model. Sequences sampled from it
 (batched ``model.generate`` with the KV cache) are text in the model's own domain, in any amount, offline: data-free
-distillation of this kind is how LLM-QAT recovered quantized LLaMA models.
+distillation of this kind is how LLM-QAT recovered quantized LLaMA models. Three parts of generate's defaults cost
+more than the model's own matmuls on a CPU and are replaced here, through generate's own arguments: the cache
+(:class:`PreallocatedLayer`), the draw (:class:`InverseCdfSampler`) and the weights' precision
+(:func:`sampling_precision`).
 
 The spec is ``generated`` or ``generated:key=value,...`` with the fields of :class:`SamplingSettings`, for example
 ``generated:temperature=0.8,top_p=0.95,length=512`` or ``generated:prompt=wikitext:wikitext-2-raw-v1:train``
@@ -41,8 +44,6 @@ from .precision import matmul_speedup, weights_in
 PREFIX = "generated"
 CACHE_ENV = "HF_NORMSWAP_CACHE"
 DEFAULT_TOKENS = 8192  # tokens sampled where the caller names no budget (an evaluation without --max-tokens)
-
-
 SAMPLER = "inverse-cdf"  # how a token is drawn (InverseCdfSampler): part of the cache key
 WEIGHT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
