@@ -93,7 +93,7 @@ def prepare(out: Path) -> Path:
 
 
 def launch(mode: str, out: Path, converted: Path, steps: int, processes: int, batch: int, block: int,
-           mmap_threshold: int) -> dict:
+           mmap_threshold: int, settings: list[str]) -> dict:
     launcher, extra = MODES[mode]
     run_dir = out / mode
     recipe_args = [f"model={converted}", "original=offline:smollm2", "method=eln", "trainable=all",
@@ -103,7 +103,7 @@ def launch(mode: str, out: Path, converted: Path, steps: int, processes: int, ba
                    f"training.per_device_train_batch_size={batch}", "training.logging_steps=1",
                    "training.eval_strategy=steps", f"training.eval_steps={steps}", "training.save_strategy=no",
                    "training.warmup_steps=0", "training.lr_scheduler_type=constant", "training.report_to=none",
-                   "training.disable_tqdm=true", *extra]
+                   "training.disable_tqdm=true", *settings, *extra]
     command = [sys.executable, "-m", "accelerate.commands.launch", *launcher, "--num_processes", str(processes),
                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "0",
                str(Path(__file__).resolve()), "--worker", str(run_dir / "memory"), "--", *recipe_args]
@@ -141,6 +141,8 @@ def main(argv=None) -> int:
     parser.add_argument("--batch", type=int, default=1, help="rows per process and step")
     parser.add_argument("--block", type=int, default=256, help="tokens per row")
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a recipe setting for every mode, e.g. training.gradient_checkpointing=true")
     parser.add_argument("--mmap-threshold", type=int, default=65536,
                         help="glibc MALLOC_MMAP_THRESHOLD_ of the processes in bytes (0: glibc's dynamic default, "
                              "which keeps freed memory of the load in the heap and counts it in RSS)")
@@ -154,7 +156,7 @@ def main(argv=None) -> int:
     runs = {}
     for mode in args.modes:
         runs[mode] = launch(mode, out, converted, args.steps, args.processes, args.batch, args.block,
-                            args.mmap_threshold)
+                            args.mmap_threshold, args.set)
         print(json.dumps(runs[mode]), flush=True)
     if "ddp" in runs:
         ddp = runs["ddp"]
@@ -166,7 +168,8 @@ def main(argv=None) -> int:
             run["max_loss_difference_to_ddp"] = max(abs(a - b) for a, b in zip(run["loss"], ddp["loss"]))
     results = {"machine": machine(), "command": " ".join([Path(sys.argv[0]).name, *argv]),
                "steps": args.steps, "processes": args.processes, "global_batch": args.batch * args.processes,
-               "block_len": args.block, "malloc_mmap_threshold": args.mmap_threshold, "runs": runs}
+               "block_len": args.block, "malloc_mmap_threshold": args.mmap_threshold, "settings": args.set,
+               "runs": runs}
     (out / "results.json").write_text(json.dumps(results, indent=1))
     print(json.dumps({m: {k: r.get(k) for k in ("peak_rss_mb", "peak_ratio_to_ddp", "training_peak_ratio_to_ddp",
                                                "max_loss_difference_to_ddp")} for m, r in runs.items()}, indent=1))
