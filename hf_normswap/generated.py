@@ -45,7 +45,7 @@ PREFIX = "generated"
 CACHE_ENV = "HF_NORMSWAP_CACHE"
 DEFAULT_TOKENS = 8192  # tokens sampled where the caller names no budget (an evaluation without --max-tokens)
 SAMPLER = "inverse-cdf"  # how a token is drawn (InverseCdfSampler): part of the cache key
-WEIGHT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+WEIGHT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def is_generated(spec: str | None) -> bool:
@@ -63,7 +63,7 @@ class SamplingSettings:
     prompt: str = "bos"  # bos, or a text spec whose documents' first prompt_tokens tokens start the sequences
     prompt_tokens: int = 8
     seed: int = 0
-    precision: str = "auto"  # fp32 or bf16 weights while sampling; auto: see sampling_precision
+    precision: str = "auto"  # fp32, bf16 or fp16 weights while sampling; auto: see sampling_precision
 
     def __post_init__(self):
         if not (isinstance(self.temperature, (int, float)) and self.temperature > 0 and math.isfinite(self.temperature)):
@@ -75,7 +75,7 @@ class SamplingSettings:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"generated: {name} must be a whole number of at least 1, got {value!r}")
         if self.precision not in ("auto", *WEIGHT_DTYPES):
-            raise ValueError(f"generated: precision must be auto, {' or '.join(WEIGHT_DTYPES)}, got {self.precision!r}")
+            raise ValueError(f"generated: precision must be auto, {', '.join(WEIGHT_DTYPES)}, got {self.precision!r}")
         if self.prompt != "bos" and self.prompt_tokens >= self.length:
             raise ValueError(f"generated: prompt_tokens ({self.prompt_tokens}) must be below length ({self.length})")
 
@@ -128,15 +128,16 @@ def weights_digest(model: nn.Module) -> str:
 
 
 def sampling_precision(model: nn.Module, requested: str) -> str:
-    """The weights' precision while sampling. ``auto``: a bf16 model as it is; an fp32 model cast to bf16 for the
-    duration (:func:`precision.weights_in`) where a bf16 matmul runs faster than fp32 on its device
+    """The weights' precision while sampling. ``auto``: a half-precision model as it is; an fp32 model cast to
+    bf16 for the duration (:func:`precision.weights_in`) where a bf16 matmul runs faster than fp32 on its device
     (:func:`precision.matmul_speedup`, under a second), else fp32. Part of the cache key: the samples differ."""
     if requested != "auto":
         return requested
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
-    if dtype == torch.bfloat16:
-        return "bf16"
-    return "bf16" if dtype == torch.float32 and matmul_speedup(model_device(model)) > 1 else "fp32"
+    half = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+    if dtype in half:
+        return half[dtype]
+    return "bf16" if matmul_speedup(model_device(model)) > 1 else "fp32"
 
 
 def cache_root() -> Path:
@@ -213,7 +214,11 @@ class PreallocatedLayer(DynamicLayer):
 
 def preallocated_cache(model: nn.Module, length: int) -> DynamicCache | None:
     """The model's own cache with its full-attention layers preallocated to ``length`` tokens (sliding-window and
-    other layer kinds stay as they are); None where the model has no such cache (generate picks its own)."""
+    other layer kinds stay as they are); None where generate would not make a DynamicCache (encoder-decoder and
+    recurrent models): generate then picks its own."""
+    supported = getattr(model, "_supports_default_dynamic_cache", lambda: True)()
+    if getattr(model.config, "is_encoder_decoder", False) or not supported:
+        return None
     try:
         cache = DynamicCache(config=model.config)
     except (AttributeError, KeyError, TypeError, ValueError):

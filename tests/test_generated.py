@@ -176,5 +176,6 @@ def test_the_sampling_precision_is_part_of_the_cache_key(tmp_path):
     model = tiny_model("llama")
     directories = {SampleCache(model, SamplingSettings(precision=p), tmp_path).directory for p in ("fp32", "bf16")}
     assert len(directories) == 2
-    with pytest.raises(ValueError, match="precision must be auto, fp32 or bf16"):
-        SamplingSettings.from_spec("generated:precision=fp16")
+    assert sampling_precision(tiny_model("llama").to(torch.float16), "auto") == "fp16"
+    with pytest.raises(ValueError, match="precision must be auto, fp32, bf16, fp16"):
+        SamplingSettings.from_spec("generated:precision=fp8")
