@@ -92,18 +92,18 @@ def test_bf16_calibration_runs_its_passes_under_autocast_and_keeps_fp32_modules(
 
     ids = torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(1))
     results = {}
-    for precision in ("fp32", "bf16"):
+    for chosen in ("fp32", "bf16"):
         model = tiny_model("llama")
         seen = []
         model.model.layers[0].mlp.register_forward_hook(lambda m, a, out: seen.append(out.dtype))
         config = CalibrationConfig(data=ids, num_blocks=4, block_len=16, batch_size=4, strategy="block",
-                                   block_steps=3, tune_steps=2, tune_blocks=2, progress=False, precision=precision)
+                                   block_steps=3, tune_steps=2, tune_blocks=2, progress=False, precision=chosen)
         report = convert(model, "eln", calibration=config)
-        assert report.calibration["precision"]["precision"] == precision
-        assert (torch.bfloat16 in seen) == (precision == "bf16")  # convert's own passes outside calibration: fp32
+        assert report.calibration["precision"]["precision"] == chosen
+        assert (torch.bfloat16 in seen) == (chosen == "bf16")  # convert's own passes outside calibration: fp32
         norms = [m for m in model.modules() if isinstance(m, ElementwiseNorm)]
         assert norms and all(p.dtype == torch.float32 for m in norms for p in m.parameters())
-        results[precision] = torch.cat([p.detach().flatten() for m in norms for p in m.parameters()])
+        results[chosen] = torch.cat([p.detach().flatten() for m in norms for p in m.parameters()])
     torch.testing.assert_close(results["bf16"], results["fp32"], rtol=0.1, atol=0.05)  # same fit, bf16 rounding
 
 
