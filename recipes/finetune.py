@@ -451,7 +451,7 @@ def main(argv=None) -> int:
     from hf_normswap.model_inputs import ends_in_hidden_states
     from hf_normswap.training.progressive import ProgressiveSwap, ProgressiveSwapCallback, schedule
     from hf_normswap.training.run_dir import claim_run_dir, last_checkpoint, read_json, write_json
-    from hf_normswap.training.sharding import is_sharded
+    from hf_normswap.training.sharding import fsdp2_requested, is_sharded
 
     # On a machine without GPU, `accelerate launch --multi_gpu --num_processes N` starts N CPU processes; they
     # join with gloo only when the state is created with cpu=True (accelerate's --cpu starts a single process).
@@ -484,8 +484,7 @@ def main(argv=None) -> int:
         write_json(summary_path, summary)
         log(f"after calibration ({time.time() - start:.0f}s):\n{before.table()}")
     state.wait_for_everyone()
-    skeleton = skeleton_to_gather(student)
-    if skeleton is not None and not state.is_main_process:  # under FSDP2 every process takes part in the final one
+    if fsdp2_requested() and not state.is_main_process:  # under FSDP2 every process takes part in the final one
         eval_texts = evaluation_texts(config, original, tokenizer)
 
     # 3. train
@@ -542,6 +541,7 @@ def main(argv=None) -> int:
     callbacks = [WallClockStop(config.max_minutes)] if config.max_minutes else []
     if swap is not None:
         callbacks.append(ProgressiveSwapCallback(swap))
+    skeleton = skeleton_to_gather(student)  # after LoRA and the trainable choice: the model as it is sharded
     trainer = NormSwapTrainer(model=student, args=args, train_dataset=train_set, eval_dataset=eval_set,
                               processing_class=tokenizer, callbacks=callbacks,
                               teacher=original if distill.weight > 0 else None, distill_weight=distill.weight,

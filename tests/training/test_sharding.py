@@ -134,3 +134,20 @@ def test_the_gathered_checkpoint_reloads_with_identical_logits(setup):
     assert "## Fine-tuning" in (final / "README.md").read_text()
     assert {p.name for p in (root / "fsdp").glob("checkpoint-*")} == {"checkpoint-2", "checkpoint-4"}
     assert (root / "fsdp" / "checkpoint-4" / "pytorch_model_fsdp_0").is_dir()  # sharded Trainer checkpoints
+
+
+def test_a_sharded_lora_run_gathers_and_merges_its_adapters(setup):
+    """LoRA under FSDP2: the adapters are sharded with their blocks, gathered with the student and merged before the
+    save (the gathered copy is made after LoRA is applied)."""
+    pytest.importorskip("peft")
+    root, _, _ = setup
+    settings = dict(original=str(root / "tiny-llama"), trainable="lora", progressive={"enabled": False},
+                    precision="fp32", lora={"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]},
+                    distill={"weight": 0.5, "temperature": 2.0, "hidden": 1.0})
+    config = write_config(root, root / "converted", root / "lora", **settings)
+    sharded_launch(config, "training.max_steps=2")
+    summary = json.loads((root / "lora" / "summary.json").read_text())
+    assert summary["reload_identical"] is True and summary["finetuned"]["tokens"] > 0
+    trained, start = weights(root / "lora" / "final"), weights(root / "converted")
+    changed = {name for name, value in trained.items() if not torch.equal(value, start[name])}
+    assert any("q_proj" in name for name in changed) and not any("k_proj" in name for name in changed)
