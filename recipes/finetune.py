@@ -410,19 +410,14 @@ def plot_history(history: list[dict], path: Path, original_ppl: float | None, ti
     return path
 
 
-@torch.no_grad()
-def probe_ids(tokenizer, device) -> torch.Tensor:
-    ids = tokenizer("Normalization layers can be replaced by element-wise functions.", return_tensors="pt")
-    return ids["input_ids"].to(device)
-
-
 def probe_logits(model, tokenizer) -> torch.Tensor:
     """The model's output on a fixed input, for the reload check."""
     from hf_normswap.model_inputs import first_tensor
 
+    ids = tokenizer("Normalization layers can be replaced by element-wise functions.", return_tensors="pt")
     model.eval()
     with torch.no_grad():
-        return first_tensor(model(input_ids=probe_ids(tokenizer, next(model.parameters()).device)))
+        return first_tensor(model(input_ids=ids["input_ids"].to(next(model.parameters()).device)))
 
 
 def reloads_identically(expected: torch.Tensor, directory: Path, tokenizer) -> bool:
