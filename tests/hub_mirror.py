@@ -15,6 +15,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import os
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -79,6 +80,31 @@ class HubMirror:
         """Environment variables that point a fresh process at this mirror (the cache dir is the caller's)."""
         return {"HF_ENDPOINT": self.url, "HF_TOKEN": self.token, "HF_HUB_DISABLE_TELEMETRY": "1",
                 "HF_HUB_DISABLE_XET": "1", "HF_HUB_OFFLINE": "0", "HF_DATASETS_OFFLINE": "0"}
+
+    def process_env(self, home: str | Path, **extra: str) -> dict[str, str]:
+        """This environment for a fresh process pointed at the mirror, with its own Hub cache under ``home`` (an
+        inherited ``HF_HUB_CACHE`` would override it) and ``extra`` variables."""
+        env = dict(os.environ, **self.env(), HF_HOME=str(home), **extra)
+        env.pop("HF_HUB_CACHE", None)
+        return env
+
+
+def write_text_dataset(folder: str | Path, splits: dict[str, list[list[str]]], config: str = "default") -> Path:
+    """A text dataset laid out as on the Hub: ``config/SPLIT-0000i-of-0000n.parquet`` shards (one list of texts a
+    shard; an empty list is a shard without rows) and a card declaring each split's shards. Returns ``folder``."""
+    import datasets
+
+    folder = Path(folder)
+    (folder / config).mkdir(parents=True, exist_ok=True)
+    features = datasets.Features({"text": datasets.Value("string")})
+    card = ["---", "configs:", f"- config_name: {config}", "  data_files:"]
+    for split, shards in splits.items():
+        card += [f"  - split: {split}", f"    path: {config}/{split}-*.parquet"]
+        for index, texts in enumerate(shards):
+            datasets.Dataset.from_dict({"text": texts}, features=features).to_parquet(
+                folder / config / f"{split}-{index:05d}-of-{len(shards):05d}.parquet")
+    (folder / "README.md").write_text("\n".join([*card, "---", ""]))
+    return folder
 
 
 def _split_repo(parts: list[str]) -> tuple[str, list[str]]:

@@ -4,26 +4,15 @@ a resumed stream continuing where it stopped, and an empty stream refused."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
-from hub_mirror import HubMirror
+from hub_mirror import HubMirror, write_text_dataset
 from tiny_models import tiny_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 DATASET = "someone/shards"
-CARD = """---
-configs:
-- config_name: default
-  data_files:
-  - split: train
-    path: data/train-*.parquet
-  - split: empty
-    path: data/empty-*.parquet
----
-"""
 CHECK = """
 import json, sys
 import torch
@@ -58,19 +47,10 @@ def rows(shard: int) -> list[str]:
 
 
 def test_a_streamed_dataset_packs_as_read_whole_and_resumes_where_it_stopped(tmp_path):
-    import datasets
-
-    folder = tmp_path / "shards"
-    (folder / "data").mkdir(parents=True)
-    (folder / "README.md").write_text(CARD)
-    for shard in range(3):
-        datasets.Dataset.from_dict({"text": rows(shard)}).to_parquet(folder / "data" / f"train-0000{shard}-of-00003.parquet")
-    empty = datasets.Dataset.from_dict({"text": []}, features=datasets.Features({"text": datasets.Value("string")}))
-    empty.to_parquet(folder / "data" / "empty-00000-of-00001.parquet")
+    folder = write_text_dataset(tmp_path / "shards", {"train": [rows(shard) for shard in range(3)], "empty": [[]]})
     with HubMirror() as mirror:
         mirror.add_folder(DATASET, folder, repo_type="dataset")
-        env = dict(os.environ, **mirror.env(), HF_HOME=str(tmp_path / "home"), PYTHONPATH=str(ROOT))
-        env.pop("HF_HUB_CACHE", None)
+        env = mirror.process_env(tmp_path / "home", PYTHONPATH=str(ROOT))
         result = subprocess.run([sys.executable, "-c", CHECK, str(Path(__file__).parent)], env=env, cwd=tmp_path,
                                 capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -83,16 +63,10 @@ def test_a_streamed_dataset_packs_as_read_whole_and_resumes_where_it_stopped(tmp
 def test_the_recipe_trains_on_a_stream_and_resumes_it(tmp_path):
     """``streaming: true``: the recipe opens the stream (one row) before loading, trains on packed blocks read on
     the fly, and a second launch resumes at the step it stopped."""
-    import datasets
     import yaml
     from tiny_models import tiny_model
 
-    folder = tmp_path / "shards"
-    (folder / "data").mkdir(parents=True)
-    (folder / "README.md").write_text(CARD.replace("  - split: empty\n    path: data/empty-*.parquet\n", ""))
-    for shard in range(3):
-        datasets.Dataset.from_dict({"text": rows(shard) * 4}).to_parquet(
-            folder / "data" / f"train-0000{shard}-of-00003.parquet")
+    folder = write_text_dataset(tmp_path / "shards", {"train": [rows(shard) * 4 for shard in range(3)]})
     model_dir = tmp_path / "tiny-llama"
     tiny_model("llama").save_pretrained(model_dir)
     tiny_tokenizer().save_pretrained(model_dir)
@@ -107,9 +81,8 @@ def test_the_recipe_trains_on_a_stream_and_resumes_it(tmp_path):
     (tmp_path / "c.yaml").write_text(yaml.safe_dump(config))
     with HubMirror() as mirror:
         mirror.add_folder(DATASET, folder, repo_type="dataset")
-        env = dict(os.environ, **mirror.env(), HF_HOME=str(tmp_path / "home"), PYTHONPATH=str(ROOT),
-                   OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
-        env.pop("HF_HUB_CACHE", None)
+        env = mirror.process_env(tmp_path / "home", PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1",
+                                 TOKENIZERS_PARALLELISM="false")
         for steps in (2, 4):
             result = subprocess.run([sys.executable, str(ROOT / "recipes" / "finetune.py"), "--config",
                                      str(tmp_path / "c.yaml"), f"training.max_steps={steps}"], env=env, cwd=ROOT,

@@ -7,7 +7,6 @@ Each step runs in its own process: huggingface_hub reads ``HF_ENDPOINT`` when it
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import textwrap
@@ -18,21 +17,11 @@ import torch
 
 import hf_normswap
 from hf_normswap.data import fingerprint
-from hub_mirror import HubMirror
+from hub_mirror import HubMirror, write_text_dataset
 from tiny_models import tiny_model, tiny_tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
 DATASET = "someone/tinytext"
-DATASET_CARD = """---
-configs:
-- config_name: small
-  data_files:
-  - split: train
-    path: small/train-00000-of-00001.parquet
-  - split: test
-    path: small/test-00000-of-00001.parquet
----
-"""
 # a clean process: no hf_normswap (`python -I` drops PYTHONPATH and the working directory; the module is blocked
 # in case the environment installed it), only torch and transformers loading the pushed repository's remote code
 LOAD_FROM_HUB = """
@@ -61,8 +50,6 @@ def dataset_rows(split: str) -> list[str]:
 def hub(tmp_path_factory):
     """The mirror with tiny/gpt2, tiny/llama (weights + tokenizer) and the dataset someone/tinytext (config
     ``small``: train and test parquet files declared in the dataset card, as Hub datasets are)."""
-    import datasets
-
     torch.set_num_threads(1)
     root = tmp_path_factory.mktemp("hub")
     tokenizer = tiny_tokenizer()
@@ -73,20 +60,15 @@ def hub(tmp_path_factory):
             model.save_pretrained(folder)
             tokenizer.save_pretrained(folder)
             mirror.add_folder(f"tiny/{model_type}", folder)
-        folder = root / "tinytext"
-        (folder / "small").mkdir(parents=True)
-        (folder / "README.md").write_text(DATASET_CARD)
-        for split in ("train", "test"):
-            datasets.Dataset.from_dict({"text": dataset_rows(split)}).to_parquet(
-                folder / "small" / f"{split}-00000-of-00001.parquet")
+        folder = write_text_dataset(root / "tinytext", {split: [dataset_rows(split)] for split in ("train", "test")},
+                                    config="small")
         mirror.add_folder(DATASET, folder, repo_type="dataset")
         yield mirror
 
 
 def run(hub: HubMirror, cache: Path, *args: str, isolated: bool = False) -> subprocess.CompletedProcess:
     """A fresh process pointed at the mirror, with its own Hub cache; ``isolated``: ``python -I`` outside the repo."""
-    env = dict(os.environ, **hub.env(), HF_HOME=str(cache), OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
-    env.pop("HF_HUB_CACHE", None)
+    env = hub.process_env(cache, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
     if not isolated:
         env["PYTHONPATH"] = str(ROOT)
     command = [sys.executable, "-I", *args] if isolated else [sys.executable, *args]
