@@ -33,7 +33,9 @@ def test_a_config_converts_as_the_same_keywords_do():
     hf_normswap.convert(by_config, ConvertConfig(method="dyt", include=r"\.0\.", per_channel=True))
     hf_normswap.convert(by_keywords, "dyt", include=r"\.0\.", per_channel=True)
     assert by_config.config.normswap == by_keywords.config.normswap
-    assert all(torch.equal(a, b) for a, b in zip(by_config.state_dict().values(), by_keywords.state_dict().values()))
+    expected = by_keywords.state_dict()
+    assert by_config.state_dict().keys() == expected.keys()
+    assert all(torch.equal(value, expected[name]) for name, value in by_config.state_dict().items())
 
 
 def test_the_recorded_config_reads_back_and_converts_the_same(tmp_path):

@@ -327,7 +327,9 @@ def test_eval_of_an_encoder_against_itself_keeps_sentences_within_its_positions(
     (tmp_path / "long.txt").write_text(long * 6)
     code = cli.main(["eval", str(tmp_path / "bert"), "--against", str(tmp_path / "bert"), "--data",
                      str(tmp_path / "long.txt"), "--json"])
-    assert code == 0 and json.loads(capsys.readouterr().out)["results"]["converted"]["cosine"] == pytest.approx(1.0)
+    seen = json.loads(capsys.readouterr().out)
+    assert code == 0 and seen["results"]["converted"]["cosine"] == pytest.approx(1.0)
+    assert seen["sentences"] == 6 and seen["tokens"] <= 6 * 64  # each sentence cut at the 64 positions
 
 
 @pytest.mark.parametrize("value", ["1e309", "-1e-5", "0.0"])

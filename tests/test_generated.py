@@ -141,6 +141,7 @@ def test_the_preallocated_cache_generates_what_the_default_cache_does():
     kwargs = dict(input_ids=prompts, attention_mask=torch.ones_like(prompts), do_sample=False, max_new_tokens=20,
                   min_new_tokens=20, pad_token_id=0)
     cache = preallocated_cache(model, 23)
+    assert len(cache.layers) == model.config.num_hidden_layers
     assert all(isinstance(layer, PreallocatedLayer) for layer in cache.layers)
     assert torch.equal(model.generate(**kwargs, cache=cache), model.generate(**kwargs))
     assert cache.layers[0].key_buffer.shape[-2] == 23 and cache.get_seq_length() == 22
@@ -153,7 +154,9 @@ def test_sliding_window_layers_keep_their_own_cache():
 
     model = tiny_model("mistral")
     model.config.sliding_window = 4
-    assert all(type(layer) is DynamicSlidingWindowLayer for layer in preallocated_cache(model, 16).layers)
+    layers = preallocated_cache(model, 16).layers
+    assert len(layers) == model.config.num_hidden_layers
+    assert all(type(layer) is DynamicSlidingWindowLayer for layer in layers)
 
 
 def test_weights_are_cast_for_sampling_and_put_back_unrounded():
@@ -167,11 +170,15 @@ def test_weights_are_cast_for_sampling_and_put_back_unrounded():
     assert all(torch.equal(p, before[name]) and p.dtype == torch.float32 for name, p in model.named_parameters())
 
 
-def test_the_sampling_precision_is_part_of_the_cache_key(tmp_path):
+def test_the_sampling_precision_is_part_of_the_cache_key(tmp_path, monkeypatch):
+    from hf_normswap import generated
     from hf_normswap.generated import sampling_precision
 
     model = tiny_model("llama")
-    assert sampling_precision(model, "auto") in ("fp32", "bf16")  # fp32 weights: bf16 where its matmul is faster
+    for speedup, chosen in ((2.0, "bf16"), (0.5, "fp32")):  # fp32 weights: bf16 where its matmul is faster
+        monkeypatch.setattr(generated, "matmul_speedup", lambda device, speedup=speedup: speedup)
+        assert sampling_precision(model, "auto") == chosen
+    monkeypatch.undo()
     assert sampling_precision(model.to(torch.bfloat16), "auto") == "bf16"
     model = tiny_model("llama")
     directories = {SampleCache(model, SamplingSettings(precision=p), tmp_path).directory for p in ("fp32", "bf16")}
