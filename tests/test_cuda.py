@@ -19,7 +19,7 @@ from hf_normswap import kernels
 from hf_normswap.calibration.calibrate import CalibrationConfig
 from hf_normswap.cli import main
 from hf_normswap.modules import DyT, ELN
-from tiny_models import random_elementwise, tiny_model, tiny_tokenizer
+from tiny_models import full_length_tokenizer, random_elementwise, tiny_model, tiny_tokenizer
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -214,8 +214,7 @@ def test_the_originals_samples_on_cuda_use_the_preallocated_cache(tmp_path):
     kwargs = dict(input_ids=prompts, attention_mask=torch.ones_like(prompts), do_sample=False, max_new_tokens=20,
                   min_new_tokens=20, pad_token_id=0)
     assert torch.equal(model.generate(**kwargs, cache=preallocated_cache(model, 23)), model.generate(**kwargs))
-    tokenizer = tiny_tokenizer()
-    tokenizer.eos_token = None  # full-length sequences
+    tokenizer = full_length_tokenizer()
     cache = SampleCache(model, SamplingSettings(length=16, batch_size=4), tmp_path)
     assert draw(model, tokenizer, cache, [0], progress=False) == 1
     assert [len(row) for row in cache.read(0)] == [16] * 4

@@ -4,21 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_models import tiny_model, tiny_tokenizer
+from tiny_models import full_length_tokenizer, tiny_model, tiny_tokenizer
 
 from hf_normswap.data import DataError, load_texts
 from hf_normswap.generated import SampleCache, SamplingSettings, sample_texts
 
 SETTINGS = SamplingSettings(length=12, batch_size=3, seed=1)
 BUDGET = 12 * 3 * 3  # three batches
-
-
-def full_length_tokenizer():
-    """The tiny tokenizer without an EOS token: every sequence runs to its full length, so batch counts are exact
-    (with EOS, a sequence that samples it early is topped up by a further batch)."""
-    tokenizer = tiny_tokenizer()
-    tokenizer.eos_token = None
-    return tokenizer
 
 
 def _counting(model, calls: list):

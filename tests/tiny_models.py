@@ -101,3 +101,11 @@ def tiny_tokenizer(vocab_size: int = 128):
     tokenizer.train_from_iterator([string.printable, "the model of the norm and the data in the text " * 4], trainer)
     return transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>", bos_token="<s>",
                                                 eos_token="</s>")
+
+
+def full_length_tokenizer():
+    """:func:`tiny_tokenizer` without an EOS token: every sampled sequence runs to its full length, so counts of
+    sampled batches are exact (with EOS, a sequence that samples it early is topped up by a further batch)."""
+    tokenizer = tiny_tokenizer()
+    tokenizer.eos_token = None
+    return tokenizer
