@@ -130,7 +130,8 @@ def weights_digest(model: nn.Module) -> str:
 def sampling_precision(model: nn.Module, requested: str) -> str:
     """The weights' precision while sampling. ``auto``: a half-precision model as it is; an fp32 model cast to
     bf16 for the duration (:func:`precision.weights_in`) where a bf16 matmul runs faster than fp32 on its device
-    (:func:`precision.matmul_speedup`, under a second), else fp32. Part of the cache key: the samples differ."""
+    (:func:`precision.matmul_speedup`, under a second), else fp32. Timed, so processes may differ: the cache key
+    holds ``auto`` as requested (both are samples of the same model), and each batch records what it was drawn in."""
     if requested != "auto":
         return requested
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
@@ -148,8 +149,8 @@ class SampleCache:
     """The batches of one (model, settings) pair: ``batch-000012.safetensors``, written atomically."""
 
     def __init__(self, model: nn.Module, settings: SamplingSettings, root: Path | None = None):
-        self.settings = dataclasses.replace(settings, precision=sampling_precision(model, settings.precision))
-        key = {"model": weights_digest(model), "sampler": SAMPLER, **dataclasses.asdict(self.settings)}
+        self.settings = settings
+        key = {"model": weights_digest(model), "sampler": SAMPLER, **dataclasses.asdict(settings)}
         name = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
         self.directory = (root or cache_root()) / name
         self.key = key
@@ -160,11 +161,13 @@ class SampleCache:
     def has(self, index: int) -> bool:
         return self.path(index).is_file()
 
-    def write(self, index: int, ids: torch.Tensor, lengths: torch.Tensor) -> None:
+    def write(self, index: int, ids: torch.Tensor, lengths: torch.Tensor, precision: str) -> None:
+        """Batch ``index``, with the precision it was drawn in (``auto`` resolves per process) in its metadata."""
         self.directory.mkdir(parents=True, exist_ok=True)
         (self.directory / "settings.json").write_text(json.dumps(self.key, indent=1))
         partial = self.path(index).with_suffix(f".partial-{os.getpid()}")
-        save_file({"input_ids": ids.to(torch.int32).contiguous(), "lengths": lengths.to(torch.int32)}, partial)
+        save_file({"input_ids": ids.to(torch.int32).contiguous(), "lengths": lengths.to(torch.int32)}, partial,
+                  metadata={"precision": precision})
         os.replace(partial, self.path(index))  # a kill leaves a .partial file, never a half-written batch
 
     def read(self, index: int) -> list[list[int]]:
@@ -267,37 +270,38 @@ def sampling_config(settings: SamplingSettings, eos: int | None) -> tuple[Genera
 
 @torch.no_grad()
 def draw(model: nn.Module, tokenizer, cache: SampleCache, indices: list[int], *,
-         prompt_texts: list[str] | None = None, progress: bool = True) -> int:
-    """Sample and cache the batches ``indices`` that are not cached yet (the settings are the cache's); returns how
-    many were drawn."""
+         prompt_texts: list[str] | None = None, progress: bool = True) -> str | None:
+    """Sample and cache the batches ``indices`` that are not cached yet (the settings are the cache's); returns the
+    precision they were drawn in, None when nothing was missing."""
     settings = cache.settings
     missing = [i for i in indices if not cache.has(i)]
     if not missing:
-        return 0
+        return None
     device = model_device(model)
     eos = tokenizer.eos_token_id
+    precision = sampling_precision(model, settings.precision)
     generation_config, sampler = sampling_config(settings, eos)
-    was_training = model.training
+    kept_config, was_training = model.generation_config, model.training
+    model.generation_config = generation_config  # generate fills what a passed config leaves unset from this one
     model.eval()
     bar = tqdm(total=len(missing) * settings.batch_size * settings.length, unit="tok", unit_scale=True,
                desc="sampling the original", disable=not progress)
     try:
-        with weights_in(model, WEIGHT_DTYPES[settings.precision]):
+        with weights_in(model, WEIGHT_DTYPES[precision]):
             for index in missing:
                 prompts = _prompts(settings, tokenizer, prompt_texts, settings.batch_size, index * settings.batch_size)
                 prompts = prompts.to(device)
                 with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
                     torch.manual_seed(settings.seed * 1_000_003 + index)
                     out = model.generate(input_ids=prompts, attention_mask=torch.ones_like(prompts),
-                                         generation_config=generation_config, logits_processor=sampler,
-                                         cache=preallocated_cache(model, settings.length))
-                lengths = _lengths(out, prompts.shape[1], eos)
-                cache.write(index, out.cpu(), lengths.cpu())
+                                         logits_processor=sampler, cache=preallocated_cache(model, settings.length))
+                cache.write(index, out.cpu(), _lengths(out, prompts.shape[1], eos).cpu(), precision)
                 bar.update(settings.batch_size * settings.length)
     finally:
         bar.close()
+        model.generation_config = kept_config
         model.train(was_training)
-    return len(missing)
+    return precision
 
 
 def _lengths(out: torch.Tensor, prompt_len: int, eos: int | None) -> torch.Tensor:
@@ -325,8 +329,9 @@ def sample_texts(model: nn.Module, tokenizer, settings: SamplingSettings, max_to
     start, drawn = time.time(), 0
     while have < max_tokens:
         needed = range(read, count)
-        mine = [i for i in needed if i % world_size == rank]
-        drawn += draw(model, tokenizer, cache, mine, prompt_texts=prompt_texts, progress=progress)
+        mine = [i for i in needed if i % world_size == rank and not cache.has(i)]
+        draw(model, tokenizer, cache, mine, prompt_texts=prompt_texts, progress=progress)
+        drawn += len(mine)
         _wait_for(cache, needed, wait)
         for index in needed:
             batch = cache.read(index)

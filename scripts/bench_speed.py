@@ -637,12 +637,14 @@ def sampling_section(args) -> list[dict]:
     tokenizer = types.SimpleNamespace(bos_token_id=bos, eos_token_id=None)  # no EOS: every sequence at full length
     with tempfile.TemporaryDirectory() as directory:
         steps, choices = train_steps(SAMPLING_TRAIN, student, teacher, inputs, directory)
-        counter, caches = iter(range(10 ** 6)), {}
+        counter, drawn_in = iter(range(10 ** 6)), {}
 
         def sampler(batch):
-            caches[batch] = SampleCache(teacher, SamplingSettings(length=args.seq, batch_size=batch),
-                                        Path(directory) / "samples")
-            return lambda: draw(teacher, tokenizer, caches[batch], [next(counter)], progress=False)
+            cache = SampleCache(teacher, SamplingSettings(length=args.seq, batch_size=batch), Path(directory) / "samples")
+
+            def sample():
+                drawn_in[batch] = draw(teacher, tokenizer, cache, [next(counter)], progress=False)
+            return sample
 
         candidates = {**{name: steps[name] for name in SAMPLING_TRAIN},
                       **{f"sample-{b}": sampler(b) for b in args.sample_batches}}
@@ -654,7 +656,7 @@ def sampling_section(args) -> list[dict]:
     for batch in args.sample_batches:
         tokens, seconds = batch * args.seq, med[f"sample-{batch}"]
         rows.append(dict(section="sampling", model=args.models[0], variant=f"sample-{batch}",
-                         precision=caches[batch].settings.precision, tokens=tokens, seconds=seconds,
+                         precision=drawn_in[batch], tokens=tokens, seconds=seconds,
                          tokens_per_s=tokens / seconds,
                          **{f"cost_of_{name}": rate / (tokens / seconds) for name, rate in train_tok_s.items()}))
     for row in rows:

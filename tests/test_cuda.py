@@ -215,6 +215,6 @@ def test_the_originals_samples_on_cuda_use_the_preallocated_cache(tmp_path):
                   min_new_tokens=20, pad_token_id=0)
     assert torch.equal(model.generate(**kwargs, cache=preallocated_cache(model, 23)), model.generate(**kwargs))
     tokenizer = full_length_tokenizer()
-    cache = SampleCache(model, SamplingSettings(length=16, batch_size=4), tmp_path)
-    assert draw(model, tokenizer, cache, [0], progress=False) == 1
+    cache = SampleCache(model, SamplingSettings(length=16, batch_size=4, precision="bf16"), tmp_path)
+    assert draw(model, tokenizer, cache, [0], progress=False) == "bf16"
     assert [len(row) for row in cache.read(0)] == [16] * 4

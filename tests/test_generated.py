@@ -9,7 +9,7 @@ from tiny_models import full_length_tokenizer, tiny_model, tiny_tokenizer
 from hf_normswap.data import DataError, load_texts
 from hf_normswap.generated import SampleCache, SamplingSettings, sample_texts
 
-SETTINGS = SamplingSettings(length=12, batch_size=3, seed=1)
+SETTINGS = SamplingSettings(length=12, batch_size=3, seed=1, precision="fp32")  # auto is timed: it may vary
 BUDGET = 12 * 3 * 3  # three batches
 
 
@@ -162,7 +162,11 @@ def test_weights_are_cast_for_sampling_and_put_back_unrounded():
     assert all(torch.equal(p, before[name]) and p.dtype == torch.float32 for name, p in model.named_parameters())
 
 
-def test_the_sampling_precision_is_part_of_the_cache_key(tmp_path, monkeypatch):
+def test_the_sampling_precision_is_part_of_the_cache_key_and_of_each_batch(tmp_path, monkeypatch):
+    import dataclasses
+
+    from safetensors import safe_open
+
     from hf_normswap import generated
     from hf_normswap.generated import sampling_precision
 
@@ -173,8 +177,24 @@ def test_the_sampling_precision_is_part_of_the_cache_key(tmp_path, monkeypatch):
     monkeypatch.undo()
     assert sampling_precision(model.to(torch.bfloat16), "auto") == "bf16"
     model = tiny_model("llama")
-    directories = {SampleCache(model, SamplingSettings(precision=p), tmp_path).directory for p in ("fp32", "bf16")}
-    assert len(directories) == 2
+    directories = {SampleCache(model, SamplingSettings(precision=p), tmp_path).directory
+                   for p in ("auto", "fp32", "bf16")}
+    assert len(directories) == 3
+    cache = SampleCache(model, dataclasses.replace(SETTINGS, precision="bf16"), tmp_path)
+    assert generated.draw(model, full_length_tokenizer(), cache, [0], progress=False) == "bf16"
+    with safe_open(cache.path(0), "pt") as batch:
+        assert batch.metadata() == {"precision": "bf16"}
     assert sampling_precision(tiny_model("llama").to(torch.float16), "auto") == "fp16"
     with pytest.raises(ValueError, match="precision must be auto, fp32, bf16, fp16"):
         SamplingSettings.from_spec("generated:precision=fp8")
+
+
+def test_the_models_own_generation_defaults_do_not_shape_the_samples(tmp_path):
+    """A repetition penalty or an n-gram ban in the model's generation_config would change the distribution sampled;
+    the samples are those of a model without them, and the model's config is left as it was."""
+    plain, tuned = tiny_model("llama"), tiny_model("llama")
+    tuned.generation_config.repetition_penalty, tuned.generation_config.no_repeat_ngram_size = 1.5, 2
+    texts = [sample_texts(model, full_length_tokenizer(), SETTINGS, BUDGET, cache_dir=tmp_path / name, progress=False)
+             for name, model in (("plain", plain), ("tuned", tuned))]
+    assert texts[0] == texts[1]
+    assert (tuned.generation_config.repetition_penalty, tuned.generation_config.no_repeat_ngram_size) == (1.5, 2)
