@@ -581,7 +581,7 @@ def main(argv=None) -> int:
         hf_normswap.save_pretrained(model, save_dir, tokenizer=tokenizer, overwrite=True,
                                     evaluation=None if encoder else after.card("finetuned"))
         if sharded:
-            del model  # the gathered copy: the reloaded one takes its place
+            del model, skeleton  # the gathered copy (the skeleton filled): the reloaded one takes its place
         identical = reloads_identically(expected, save_dir, tokenizer)
         curve = plot_history(history, out / "curve.png", original_block_ppl,
                              f"{config.model} -> {config.method.upper()}, {config.trainable}, "

@@ -337,9 +337,10 @@ class NormSwapTrainer(Trainer):
         distilled = teacher is not None and self.distill_weight > 0
         self.head_chunk = head_chunk_for(self.model, teacher, int(head_chunk or 0)) if distilled else 0
         self._component_sums = dict.fromkeys(self.COMPONENTS, 0.0) | {"count": 0}
+        self.teacher_sharded = self.fsdp2 and distilled and shard_teacher
         if self.fsdp2:
             sharding.vectors_for_scalars(self.model)  # before the optimizer is made on its parameters
-            if distilled and shard_teacher:
+            if self.teacher_sharded:
                 sharding.shard(self.teacher)
             self.add_callback(sharding.ShardingLog(self.teacher if distilled else None))
 
@@ -374,8 +375,8 @@ class NormSwapTrainer(Trainer):
                                               temperature=self.temperature, logits=self.logits,
                                               hidden_weight=self.hidden_weight, sink_weight=self.sink_weight,
                                               embedding_weight=self.embedding_weight, head_chunk=self.head_chunk)
-        if self.fsdp2:  # the sharded teacher's root keeps its gathered weights for the head loss until here
-            sharding.reshard(self.teacher)
+        if self.teacher_sharded:  # its root kept its gathered weights for the head loss until here (its blocks
+            self.teacher.reshard()  # free theirs after their forward)
         for key, value in zip(self.COMPONENTS, components):
             self._component_sums[key] += float(value.detach())
         self._component_sums["count"] += 1

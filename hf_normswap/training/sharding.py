@@ -76,7 +76,8 @@ def shard(model: nn.Module) -> nn.Module:
     """``fully_shard`` every block (:func:`shard_unit_classes`, freed after its forward), then the root (embeddings,
     final norm, head), in place, over the default process group. For the frozen teacher, which has no gradients
     or optimizer state: the root keeps its gathered weights after the forward, since the chunked head loss
-    (:mod:`hf_normswap.training.head_loss`) multiplies by the head's weight after it; :func:`reshard` frees them."""
+    (:mod:`hf_normswap.training.head_loss`) multiplies by the head's weight after it; the trainer reshards it after
+    the loss."""
     from torch.distributed.fsdp import fully_shard
 
     units = shard_unit_classes(model)
@@ -86,16 +87,6 @@ def shard(model: nn.Module) -> nn.Module:
         fully_shard(module, reshard_after_forward=True)
     fully_shard(model, reshard_after_forward=False)
     return model
-
-
-def reshard(model: nn.Module) -> None:
-    """Free every unit's gathered parameters (a unit that keeps them after forward, e.g. the root, holds them
-    until this)."""
-    from torch.distributed.fsdp import FSDPModule
-
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            module.reshard()
 
 
 def describe(model: nn.Module) -> str:
