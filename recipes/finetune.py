@@ -173,12 +173,18 @@ def streamed_dataset(config, tokenizer):
         raise SystemExit(f"finetune: {config.train_data}: {error}") from None
 
 
-def training_budget(config, world_size: int) -> int:
-    """Tokens the run trains on over every launch: ``train_tokens``, else ``training.max_steps`` global batches,
-    capped by ``max_train_tokens``: how much of the original's samples to draw."""
+def training_budget(config, world_size: int) -> int | None:
+    """Tokens of training text to read: ``max_train_tokens`` (None: all of it); for the original's samples, which
+    have no end, what the run trains on over every launch (``train_tokens``, else ``training.max_steps`` global
+    batches) within that cap."""
+    from hf_normswap.generated import is_generated
+
     training = config.training
-    budget = config.train_tokens or (training["max_steps"] * training["per_device_train_batch_size"]
-                                     * training.get("gradient_accumulation_steps", 1) * world_size * config.block_len)
+    steps = training.get("max_steps", -1)
+    budget = config.train_tokens or (steps * training["per_device_train_batch_size"] * world_size * config.block_len
+                                     * training.get("gradient_accumulation_steps", 1) if steps > 0 else None)
+    if not is_generated(config.train_data) or budget is None:
+        return config.max_train_tokens
     return min(budget, config.max_train_tokens or budget)
 
 

@@ -433,3 +433,21 @@ def test_two_processes_train_on_the_originals_samples_and_a_second_run_reuses_th
                     "training.max_steps=2", "training.eval_strategy=no", "training.save_strategy=no")
     assert "tokens sampled" not in second.stdout
     assert [b.stat().st_mtime_ns for b in sorted((tmp_path / "cache").rglob("batch-*.safetensors"))] == mtimes
+
+
+@pytest.mark.parametrize("train_data, training, max_train_tokens, expected", [
+    ("wiki.txt", {"max_steps": 10}, None, None),  # a corpus is read whole, whatever the steps
+    ("wiki.txt", {"max_steps": 10}, 5000, 5000),
+    ("generated", {"max_steps": 10}, None, 10 * 2 * 3 * 4 * 16),  # steps x batch x accumulation x processes x len
+    ("generated", {"max_steps": 10}, 3000, 3000),  # within the cap
+    ("generated", {"max_steps": -1}, None, None),  # epochs: no step count to size the samples by
+])
+def test_the_training_text_is_sized_by_the_run_only_for_the_originals_samples(train_data, training, max_train_tokens,
+                                                                               expected):
+    import types
+
+    recipe = import_file("recipes/finetune.py")
+    config = types.SimpleNamespace(train_data=train_data, train_tokens=None, max_train_tokens=max_train_tokens,
+                                   block_len=16, training={**training, "per_device_train_batch_size": 2,
+                                                           "gradient_accumulation_steps": 3})
+    assert recipe.training_budget(config, world_size=4) == expected
