@@ -36,6 +36,11 @@ class DataError(ValueError):
     """The text source cannot be read; the message says what to pass instead."""
 
 
+def is_builtin(spec: str | None) -> bool:
+    """``builtin`` or ``builtin:SPLIT``: the offline text shipped with Python."""
+    return isinstance(spec, str) and (spec == BUILTIN or spec.startswith(BUILTIN + ":"))
+
+
 def _builtin(split: str) -> list[str]:
     if split not in BUILTIN_SPLITS:
         raise DataError(f"unknown builtin split {split!r}: use builtin:calibration or builtin:evaluation")
@@ -173,7 +178,7 @@ def local_paths(spec: str) -> list[Path] | None:
 
     Cheap, so the CLI can refuse a mistyped path before loading a model.
     """
-    if spec == BUILTIN or spec.startswith(BUILTIN + ":") or is_generated(spec):
+    if is_builtin(spec) or is_generated(spec):
         return None
     paths = [Path(p).expanduser() for p in spec.split(",")]
     if all(p.exists() for p in paths):
@@ -194,7 +199,7 @@ def load_texts(spec: str | None, default_split: str = "calibration", *, model=No
     spec = spec or BUILTIN
     if is_generated(spec):
         return _generated(spec, model, tokenizer, max_tokens, rank, world_size)
-    if spec == BUILTIN or spec.startswith(BUILTIN + ":"):
+    if is_builtin(spec):
         return _builtin(spec.partition(":")[2] or default_split)
     paths = local_paths(spec)
     if paths is not None:

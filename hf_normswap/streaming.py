@@ -15,12 +15,13 @@ the batches a second time.
 
 from __future__ import annotations
 
-from .data import DataError, hub_dataset, local_paths
+from .data import DataError, hub_dataset, is_builtin, local_paths
+from .generated import is_generated
 from .validation import first_line
 
 
 def _source(spec: str, default_split: str):
-    if local_paths(spec) is not None or spec.startswith(("builtin", "generated")):
+    if is_builtin(spec) or is_generated(spec) or local_paths(spec) is not None:
         raise DataError(f"streaming reads a Hub dataset NAME[:config][:split], not {spec!r}: set streaming=false")
     source, column = hub_dataset(spec, default_split, streaming=True)
     try:

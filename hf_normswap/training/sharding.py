@@ -59,17 +59,14 @@ def shard_unit_classes(model: nn.Module) -> set[type]:
     return {type(m) for m in model.modules() if type(m).__name__ in names}
 
 
-def vectors_for_scalars(model: nn.Module) -> list[str]:
+def vectors_for_scalars(model: nn.Module) -> None:
     """Make every 0-d parameter (a DyT / ELN module's single alpha / beta) a 1-element vector, in place:
     ``fully_shard`` refuses scalars, and the vector broadcasts over the channels as the scalar does.
-    :func:`gathered` gives the whole model its scalars back. Returns the parameters' names."""
-    changed = []
-    for module_name, module in model.named_modules():
+    :func:`gathered` gives the whole model its scalars back."""
+    for module in model.modules():
         for name, param in list(module.named_parameters(recurse=False)):
             if param.dim() == 0:
                 setattr(module, name, nn.Parameter(param.detach().reshape(1), requires_grad=param.requires_grad))
-                changed.append(f"{module_name}.{name}" if module_name else name)
-    return changed
 
 
 def shard(model: nn.Module) -> nn.Module:
