@@ -306,15 +306,14 @@ def skeleton_to_gather(student):
     return empty_copy(student) if fsdp2_requested() else None
 
 
-def whole_student(trainer, skeleton, original, state):
-    """The trained student whole on the main process, for the save and the reload check: as it is under DDP or one
-    process; under FSDP2 gathered from its shards into ``skeleton`` (every process takes part, the others get None),
-    after which the sharded student and teacher are freed: their evaluation is done, and the main process holds one
-    whole model at a time."""
+def whole_student(trainer, model, skeleton, original, state):
+    """The trained ``model`` whole on the main process, for the save and the reload check: as it is under DDP or
+    one process (no ``skeleton``); sharded, gathered into ``skeleton`` (every process takes part, the others get
+    None), after which the sharded student and teacher are freed: their evaluation is done, and the main process
+    holds one whole model at a time."""
     from hf_normswap.training.sharding import gathered, is_sharded, release
 
-    model = trainer.accelerator.unwrap_model(trainer.model)
-    if skeleton is None or not is_sharded(model):
+    if skeleton is None:
         return model
     optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
     optimizer.state.clear()  # training is over: its AdamW moments make room for the whole copy
@@ -560,14 +559,14 @@ def main(argv=None) -> int:
     wall = time.time() - start
 
     # 4. evaluate (every process when sharded), then save, check, plot, push (main process)
-    sharded = skeleton is not None and is_sharded(trainer.accelerator.unwrap_model(trainer.model))
+    model = without_autocast_wrapper(trainer.accelerator.unwrap_model(trainer.model))
+    sharded = skeleton is not None and is_sharded(model)
     if state.is_main_process or sharded:
-        model = without_autocast_wrapper(trainer.accelerator.unwrap_model(trainer.model))
         after = final_evaluation(model, original, tokenizer, eval_texts, config, "finetuned")
         original_block_ppl = None if encoder else block_perplexity(original, eval_set)
-    model = whole_student(trainer, skeleton, original, state)
+    model = whole_student(trainer, model, skeleton if sharded else None, original, state)
     if state.is_main_process:
-        model = merge_lora(without_autocast_wrapper(model)).eval()
+        model = merge_lora(model).eval()
         log(f"after training:\n{after.table()}")
         history = trainer.state.log_history
         tokens = trainer.state.num_input_tokens_seen
