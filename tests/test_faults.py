@@ -20,7 +20,7 @@ import hf_normswap
 from hf_normswap import cli
 from hf_normswap.checkpoint import save_load
 from hf_normswap.validation import ValidationError
-from cli_runs import run_cli as _cli
+from cli_runs import file_tree, recipe_refusal, run_cli as _cli
 from tiny_models import tiny_model
 
 PAYLOAD = "LlamaConfig, LlamaForCausalLM #\n-__import__('os').system('touch PWNED')"
@@ -70,20 +70,15 @@ def test_code_in_a_loaded_models_block_is_refused_when_saving(converted, tmp_pat
 # --------------------------------------------------------------------------------------- saving deletes nothing
 
 
-def _tree(root: Path) -> dict:
-    """Every file under root with its bytes: what must survive a refused or partial save."""
-    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
-
-
 def test_overwrite_of_a_directory_holding_other_files_is_refused(tmp_path, monkeypatch, capsys):
     """`convert MODEL --output . --overwrite` in a directory with the source model and other files."""
     monkeypatch.chdir(tmp_path)
     tiny_model("llama").save_pretrained(tmp_path / "source")
     (tmp_path / "notes.txt").write_text("mine")
-    before = _tree(tmp_path)
+    before = file_tree(tmp_path)
     code, line = _cli(["convert", "source", "--to", "eln", "--output", ".", "--overwrite"], capsys)
     assert code == 2 and "not empty and not a checkpoint saved by hf_normswap" in line and "new or empty" in line
-    assert _tree(tmp_path) == before
+    assert file_tree(tmp_path) == before
 
 
 def test_trainer_save_model_leaves_sibling_checkpoints(tmp_path):
@@ -95,10 +90,10 @@ def test_trainer_save_model_leaves_sibling_checkpoints(tmp_path):
         model.save_pretrained(out / f"checkpoint-{step}")  # what the Trainer's checkpointing does, into empty folders
         (out / f"checkpoint-{step}" / "trainer_state.json").write_text("{}")
     (out / "notes.txt").write_text("mine")
-    before = _tree(out)
+    before = file_tree(out)
     model.save_pretrained(out)  # Trainer.save_model()
     model.save_pretrained(out)  # again: replaces its own files in place
-    after = _tree(out)
+    after = file_tree(out)
     assert {k: v for k, v in after.items() if k in before} == before
     assert save_load.read_config(out)["normswap"]["method"] == "eln"
     assert sorted(p.name for p in out.iterdir() if p.name.startswith(".")) == []
@@ -191,7 +186,7 @@ def test_save_killed_at_every_step_leaves_old_or_new_and_is_cleaned_up(tmp_path)
     trees = {}
     for method, model in (("eln", old), ("dyt", new)):
         hf_normswap.save_pretrained(model, tmp_path / method)
-        trees[method] = _tree(tmp_path / method)
+        trees[method] = file_tree(tmp_path / method)
     out = tmp_path / "ckpt"
     steps = _count_steps(new, tmp_path / "count")
     assert steps >= 8  # mkdir, weights, config, remote code, card, two renames, removal of the old copy
@@ -207,7 +202,7 @@ def test_save_killed_at_every_step_leaves_old_or_new_and_is_cleaned_up(tmp_path)
         save_load.recover_interrupted(out)  # what the next save into the same place runs first
         assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".ckpt")) == [], at
         method = save_load.read_config(out)["normswap"]["method"]
-        assert _tree(out) == trees[method], (at, method)  # the whole old or the whole new checkpoint, byte for byte
+        assert file_tree(out) == trees[method], (at, method)  # the whole old or the whole new checkpoint, byte for byte
         seen.add(method)
     assert seen == {"eln", "dyt"}
     assert _computes_like(out, new)  # the survivor loads and computes what the saved model computed
@@ -260,12 +255,12 @@ def test_tampered_block_is_one_line_naming_the_key(converted, tmp_path, capsys, 
     edit, key = TAMPERED[case]
     tampered = _copy(converted, tmp_path / "tampered")
     _edit_config(tampered, edit)
-    before = _tree(tampered)
+    before = file_tree(tampered)
     code, line = _cli(["inspect", tampered], capsys)
     assert code == 2 and key in line, line
     with pytest.raises(ValidationError, match=key.replace(".", r"\.")):
         hf_normswap.load(tampered)
-    assert _tree(tampered) == before
+    assert file_tree(tampered) == before
 
 
 def test_tampered_block_fails_eval_too(converted, tmp_path, capsys):
@@ -407,11 +402,11 @@ def test_corrupt_model_files_are_one_line(converted, tmp_path, capsys, case, kin
     else:
         tiny_model("llama").save_pretrained(directory)
     message = _corrupt(directory, case)
-    before = _tree(directory)
+    before = file_tree(directory)
     for command in (["inspect", directory], ["convert", directory, "--to", "eln", "--output", tmp_path / "out"]):
         code, line = _cli(command, capsys)
         assert code == 2 and message in line, line
-    assert _tree(directory) == before and not (tmp_path / "out").exists()
+    assert file_tree(directory) == before and not (tmp_path / "out").exists()
 
 
 def test_non_utf8_data_names_the_encoding(tmp_path):
@@ -423,13 +418,6 @@ def test_non_utf8_data_names_the_encoding(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------ the finetune recipe
-
-
-@pytest.fixture(scope="module")
-def recipe():
-    from file_modules import import_file
-
-    return import_file("recipes/finetune.py")
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -453,10 +441,7 @@ def recipe():
     (["noequals"], "is not KEY=VALUE"),
 ])
 def test_recipe_refuses_bad_settings_in_one_line_before_loading(recipe, capsys, argv, message):
-    with pytest.raises(SystemExit) as exit:
-        recipe.main(argv)
-    err = capsys.readouterr().err
-    assert exit.value.code == 2 and err.count("\n") == 1 and message in err, err
+    assert message in recipe_refusal(recipe, argv, capsys)
 
 
 def test_recipe_refuses_a_save_dir_holding_other_files_before_loading(recipe, tmp_path, capsys):
@@ -520,4 +505,4 @@ def test_leftovers_of_dead_saves_go_and_those_of_running_saves_stay(converted, t
         (tmp_path / name).mkdir()
     save_load.recover_interrupted(out)
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([f".ckpt.partial-{live_pid}-0a1b2c3d", "ckpt", *users])
-    assert _tree(out) == _tree(converted)  # the checkpoint an interrupted overwrite had moved aside is back
+    assert file_tree(out) == file_tree(converted)  # the checkpoint an interrupted overwrite had moved aside is back

@@ -18,16 +18,12 @@ from safetensors import SafetensorError
 import hf_normswap
 from hf_normswap import cli
 from hf_normswap.checkpoint import save_load
-from cli_runs import run_cli as _cli
+from cli_runs import file_tree, run_cli as _cli
 from tiny_models import tiny_model, tiny_tokenizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 TEXT = "The model reads the text. The norm of the data is the scale of the model.\n" * 40
-
-
-def _tree(root: Path) -> dict:
-    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
 
 
 @pytest.fixture(scope="module")
@@ -147,10 +143,10 @@ def test_folders_named_like_a_saves_leftovers_are_the_users(converted, source, t
     for name in (".ckpt.old-20250101", ".ckpt.partial-backup_1"):
         (tmp_path / name).mkdir()
         (tmp_path / name / "notes.txt").write_text("mine")
-    before = _tree(tmp_path)
+    before = file_tree(tmp_path)
     code, line = _cli(["convert", tmp_path / "no-such-model", "--to", "eln", "--output", tmp_path / "ckpt"], capsys)
     assert code == 2 and "model not found" in line
-    assert _tree(tmp_path) == before and not (tmp_path / "ckpt").exists()
+    assert file_tree(tmp_path) == before and not (tmp_path / "ckpt").exists()
     dead = tmp_path / f".ckpt.old-{2 ** 22 + 1}-0a1b2c3d"  # an overwrite killed between renames (no such pid)
     shutil.copytree(converted, dead)
     (tmp_path / "ckpt").write_text("a file in the way")
@@ -161,7 +157,7 @@ def test_folders_named_like_a_saves_leftovers_are_the_users(converted, source, t
     code, _ = _cli(["convert", source / "llama", "--to", "dyt", "--output", tmp_path / "ckpt", "--overwrite"], capsys)
     assert code == 0 and not dead.exists()  # put back, then replaced by the new checkpoint
     assert save_load.read_config(tmp_path / "ckpt")["normswap"]["method"] == "dyt"
-    assert {k: v for k, v in _tree(tmp_path).items() if k in before} == before
+    assert {k: v for k, v in file_tree(tmp_path).items() if k in before} == before
 
 
 # ---------------------------------------------------------------------------------- weights and symlinks
@@ -176,12 +172,12 @@ def test_weights_beside_an_index_are_refused(converted, tmp_path, capsys):
     plain = tiny_model("llama")
     plain.save_pretrained(tmp_path / "plain")  # no log_beta: would load with uninitialized parameters
     shutil.copy(tmp_path / "plain" / "model.safetensors", sharded / "model.safetensors")
-    before = _tree(sharded)
+    before = file_tree(sharded)
     with pytest.raises(save_load.CheckpointError, match="holds both model.safetensors and model.safetensors.index"):
         hf_normswap.load(sharded)
     code, line = _cli(["eval", sharded, "--max-tokens", "8"], capsys)
     assert code == 2 and "holds both model.safetensors" in line
-    assert _tree(sharded) == before
+    assert file_tree(sharded) == before
 
 
 def test_an_output_that_is_a_symlink_is_written_through(converted, source, tmp_path, capsys):
@@ -288,11 +284,11 @@ def test_files_transformers_refuses_are_one_line(source, tmp_path, capsys, case,
         config = json.loads((model / "config.json").read_text())
         config.update({"num_attention_heads": 3} if "heads" in case else {"rms_norm_eps": -1})
         (model / "config.json").write_text(json.dumps(config))
-    before = _tree(tmp_path)
+    before = file_tree(tmp_path)
     for command in (["inspect", model], ["convert", model, "--to", "eln", "--output", tmp_path / "out"]):
         code, line = _cli(command, capsys)
         assert code == 2 and message in line, line
-    assert _tree(tmp_path) == before
+    assert file_tree(tmp_path) == before
 
 
 def test_an_unwritable_plots_folder_is_refused_before_loading(tmp_path, capsys):

@@ -8,31 +8,12 @@ from __future__ import annotations
 
 import json
 import os
-from pathlib import Path
 
 import pytest
 
-from file_modules import import_file
+from cli_runs import file_tree, recipe_refusal
 from hf_normswap.training import run_dir
 from tiny_models import tiny_model
-
-
-@pytest.fixture(scope="module")
-def recipe():
-    return import_file("recipes/finetune.py")
-
-
-def _tree(root: Path) -> dict:
-    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
-
-
-def _refused(recipe, capsys, argv) -> str:
-    """The recipe's one error line for ``argv``, asserting exit code 2."""
-    with pytest.raises(SystemExit) as exit:
-        recipe.main([str(a) for a in argv])
-    err = capsys.readouterr().err
-    assert exit.value.code == 2 and err.count("\n") == 1 and "Traceback" not in err, err
-    return err
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +33,7 @@ def models(tmp_path_factory):
 def test_the_trainers_own_hub_upload_is_refused_and_no_token_is_written(recipe, tmp_path, capsys, setting):
     """The Trainer's push uploads all of output_dir, with training_args.bin holding the token; the recipe's
     push_to_hub uploads the final checkpoint alone."""
-    err = _refused(recipe, capsys, [f"output_dir={tmp_path / 'run'}", setting])
+    err = recipe_refusal(recipe, [f"output_dir={tmp_path / 'run'}", setting], capsys)
     assert f"training.{setting.split('.')[1].split('=')[0]} is refused" in err and "push_to_hub: OWNER/NAME" in err
     assert "hf_SECRET" not in err and not (tmp_path / "run").exists()
 
@@ -67,11 +48,11 @@ def test_an_output_dir_the_recipe_did_not_write_is_refused(recipe, tmp_path, cap
     (out / "checkpoint-3").mkdir(parents=True)
     (out / "checkpoint-3" / "trainer_state.json").write_text("{}")
     (out / "summary.json").write_text('{"mine": 1}')
-    before = _tree(out)
+    before = file_tree(out)
     for resume in ("true", "false"):
-        err = _refused(recipe, capsys, [f"output_dir={out}", f"resume={resume}"])
+        err = recipe_refusal(recipe, [f"output_dir={out}", f"resume={resume}"], capsys)
         assert "holds files the recipe did not write (checkpoint-3, summary.json)" in err
-    assert _tree(out) == before and sorted(p.name for p in out.iterdir()) == ["checkpoint-3", "summary.json"]
+    assert file_tree(out) == before and sorted(p.name for p in out.iterdir()) == ["checkpoint-3", "summary.json"]
 
 
 def test_a_resume_naming_another_model_or_other_weights_is_refused_before_loading(recipe, models, tmp_path, capsys):
@@ -79,17 +60,17 @@ def test_a_resume_naming_another_model_or_other_weights_is_refused_before_loadin
     first = recipe.load_config([f"model={models / 'llama-0'}", f"output_dir={out}"])
     run_dir.claim_run_dir(first)  # what the recipe records before calibrating
     (out / "summary.json").write_text('{"calibrated": {}}')
-    before = _tree(out)
-    err = _refused(recipe, capsys, [f"model={models / 'llama-1'}", f"output_dir={out}"])
+    before = file_tree(out)
+    err = recipe_refusal(recipe, [f"model={models / 'llama-1'}", f"output_dir={out}"], capsys)
     assert "was calibrated and trained from model" in err and "resume=false" in err
     (models / "copy").mkdir()  # the same path, other weights
     for file in (models / "llama-0").iterdir():
         (models / "copy" / file.name).write_bytes(file.read_bytes())
     run_dir.claim_run_dir(recipe.load_config([f"model={models / 'copy'}", f"output_dir={tmp_path / 'other'}"]))
     (models / "copy" / "model.safetensors").write_bytes((models / "llama-1" / "model.safetensors").read_bytes())
-    err = _refused(recipe, capsys, [f"model={models / 'copy'}", f"output_dir={tmp_path / 'other'}"])
+    err = recipe_refusal(recipe, [f"model={models / 'copy'}", f"output_dir={tmp_path / 'other'}"], capsys)
     assert "other weights of" in err
-    assert _tree(out) == before
+    assert file_tree(out) == before
     recipe.load_config([f"model={models / 'llama-1'}", f"output_dir={out}", "resume=false"])  # a new run: allowed
 
 
@@ -101,7 +82,7 @@ def test_a_resume_training_other_parameters_is_refused_before_loading(recipe, mo
     recipe.load_config([*base, "trainable=all"])  # no checkpoint yet: nothing to mismatch
     (out / "checkpoint-2").mkdir()
     (out / "checkpoint-2" / "trainer_state.json").write_text('{"global_step": 2}')
-    err = _refused(recipe, capsys, [*base, "trainable=all"])
+    err = recipe_refusal(recipe, [*base, "trainable=all"], capsys)
     assert "'trainable': 'norms'" in err and "'trainable': 'all'" in err and "optimizer state" in err
     assert (out / "checkpoint-2" / "trainer_state.json").read_text() == '{"global_step": 2}'
 
@@ -161,12 +142,12 @@ def test_summary_is_written_whole_or_not_at_all(tmp_path, monkeypatch):
     (["output_dir=/nonexistent/run", "save_dir=/nonexistent/run/calibrated"], "holds it or its calibrated/"),
 ])
 def test_every_setting_is_checked_before_loading(recipe, capsys, argv, message):
-    assert message in _refused(recipe, capsys, argv)
+    assert message in recipe_refusal(recipe, argv, capsys)
 
 
 def test_the_push_is_checked_before_loading(recipe, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("HF_TOKEN", "hf_fake")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    assert "HF_HUB_OFFLINE is set" in _refused(recipe, capsys, ["push_to_hub=me/model",
-                                                                 f"output_dir={tmp_path / 'run'}"])
+    assert "HF_HUB_OFFLINE is set" in recipe_refusal(recipe, ["push_to_hub=me/model",
+                                                                 f"output_dir={tmp_path / 'run'}"], capsys)
     assert not (tmp_path / "run").exists()
