@@ -121,7 +121,8 @@ def check_data(config) -> None:
     from hf_normswap.generated import is_generated
     from hf_normswap.streaming import packed_stream
 
-    sources = [("train_data", config.train_data, "calibration"), ("eval_data", config.eval_data, "evaluation")]
+    training = [("train_data", spec, "calibration") for spec in config.train_sources]
+    sources = [*training, ("eval_data", config.eval_data, "evaluation")]
     if converted_checkpoint(config) is None:  # a converted checkpoint is calibrated already
         sources.insert(0, ("calibration.data", config.calibration.data, "calibration"))
     if config.streaming:  # one row read: the stream is opened, not downloaded
@@ -138,9 +139,13 @@ def check_data(config) -> None:
                 load_texts(spec, split, max_tokens=1)
         except DataError as error:
             fail(f"{key}: {error} ({key}=PATH)")
-    if any(same_sample(spec, config.eval_data) for spec in (config.train_data, config.calibration.data)):
+    if any(same_sample(spec, config.eval_data) for spec in (*config.train_sources, config.calibration.data)):
         fail(f"eval_data {config.eval_data} samples the same text as the training or calibration data: give it "
              "another seed, e.g. eval_data=generated:seed=1")
+    mixed = config.train_sources
+    if any(a == b or same_sample(a, b) for i, a in enumerate(mixed) for b in mixed[i + 1:]):
+        fail(f"train_data {mixed} names the same text twice: mix different sources (generated samples with another "
+             "seed, e.g. generated:seed=1)")
 
 
 def block_dataset(tokenizer, spec: str, split: str, block_len: int, max_tokens: int | None = None,
@@ -160,6 +165,26 @@ def block_dataset(tokenizer, spec: str, split: str, block_len: int, max_tokens: 
     except DataError as error:
         raise SystemExit(f"finetune: {spec}: {error}") from None
     return datasets.Dataset.from_dict({"input_ids": blocks, "labels": blocks})
+
+
+def mixed(parts: list):
+    """The training rows of a mix: each source's rows in turn, a shorter source read again until the longest ends
+    (``interleave_datasets``, all exhausted), so every source is an equal share of what the run trains on."""
+    import datasets
+
+    return parts[0] if len(parts) == 1 else datasets.interleave_datasets(parts, stopping_strategy="all_exhausted")
+
+
+def token_share(budget: int | None, sources: list[str], least: int = 1) -> int | None:
+    """Each source's share of a token budget (None: all of every source)."""
+    return None if budget is None else max(budget // len(sources), least)
+
+
+def training_blocks(config, tokenizer, original, state):
+    """``train_data`` packed into blocks, each source of a mix up to its share of the budget."""
+    share = token_share(training_budget(config, state.num_processes), config.train_sources, config.block_len)
+    return mixed([block_dataset(tokenizer, spec, "calibration", config.block_len, share, original=original,
+                                state=state) for spec in config.train_sources])
 
 
 def streamed_dataset(config, tokenizer):
@@ -183,7 +208,7 @@ def training_budget(config, world_size: int) -> int | None:
     steps = training.get("max_steps", -1)
     budget = config.train_tokens or (steps * training["per_device_train_batch_size"] * world_size * config.block_len
                                      * training.get("gradient_accumulation_steps", 1) if steps > 0 else None)
-    if not is_generated(config.train_data) or budget is None:
+    if not any(map(is_generated, config.train_sources)) or budget is None:
         return config.max_train_tokens
     return min(budget, config.max_train_tokens or budget)
 
@@ -202,7 +227,7 @@ def sentence_dataset(tokenizer, spec: str, max_len: int, max_tokens: int | None 
     except DataError as error:
         raise SystemExit(f"finetune: {spec}: {error}") from None
     if not found:
-        within = f" within max_train_tokens={max_tokens}" if max_tokens else ""
+        within = f" within its {max_tokens} tokens of max_train_tokens" if max_tokens else ""
         raise SystemExit(f"finetune: {spec}: no prose sentences to train a sentence encoder on{within}")
     return datasets.Dataset.from_dict(dict(tokenizer(found, truncation=True, max_length=max_len)))
 
@@ -495,12 +520,12 @@ def main(argv=None) -> int:
         fail("a sentence encoder has no logits: train it on hidden states alone, distill.weight=1 "
              "distill.logits=false and distill.hidden or distill.embedding > 0 (recipes/configs/minilm-eln.yaml)")
     if encoder:  # trained on hidden states alone; evaluated by embedding cosine after training
-        train_set = sentence_dataset(tokenizer, config.train_data, config.block_len, config.max_train_tokens)
+        share = token_share(config.max_train_tokens, config.train_sources)
+        train_set = mixed([sentence_dataset(tokenizer, spec, config.block_len, share) for spec in config.train_sources])
         eval_set = None
     else:
-        train_set = (streamed_dataset(config, tokenizer) if config.streaming else
-                     block_dataset(tokenizer, config.train_data, "calibration", config.block_len,
-                                   training_budget(config, state.num_processes), original=original, state=state))
+        train_set = (streamed_dataset(config, tokenizer) if config.streaming
+                     else training_blocks(config, tokenizer, original, state))
         eval_set = block_dataset(tokenizer, config.eval_data, "evaluation", config.block_len,
                                  max_blocks=config.eval_blocks, original=original, state=state)
     if config.train_tokens is not None:  # takes precedence over max_steps
@@ -529,7 +554,9 @@ def main(argv=None) -> int:
         trainable = freeze_embeddings(student)
     rows = f"sentences (at most {config.block_len} tokens)" if encoder else f"blocks of {config.block_len} tokens"
     log(f"training {trainable:,} parameters ({config.trainable}) on "
-        + (f"{config.train_data} streamed in {rows}" if config.streaming else f"{len(train_set)} {rows}"))
+        + (f"{config.train_data} streamed in {rows}" if config.streaming else
+           f"{len(train_set)} {rows}" + (f", a mix of {' + '.join(config.train_sources)}"
+                                          if len(config.train_sources) > 1 else "")))
 
     precision = training_precision(config, student, original, train_set, tokenizer, state)
     config.training["bf16"] = precision.bf16

@@ -140,6 +140,10 @@ def test_summary_is_written_whole_or_not_at_all(tmp_path, monkeypatch):
     (["push_to_hub=bad repo!!"], "invalid repository name 'bad repo!!'"),
     (["output_dir=/nonexistent/run", "save_dir=/nonexistent/run"], "save_dir /nonexistent/run is output_dir"),
     (["output_dir=/nonexistent/run", "save_dir=/nonexistent/run/calibrated"], "holds it or its calibrated/"),
+    (["train_data=[builtin:calibration, /nonexistent/wiki.txt]"], "train_data: data file not found: /nonexistent"),
+    (["train_data=[builtin:calibration, generated]", "eval_data=generated"], "samples the same text as the training"),
+    (["train_data=[generated, 'generated:temperature=1.0']"], "names the same text twice"),
+    (["train_data=[builtin:calibration, builtin:calibration]"], "names the same text twice"),
 ])
 def test_every_setting_is_checked_before_loading(recipe, capsys, argv, message):
     assert message in recipe_refusal(recipe, argv, capsys)

@@ -83,9 +83,11 @@ def _training_section(training) -> str | None:
     if distill.get("weight"):
         loss += (f" and KL divergence to the original's logits (weight {distill['weight']}, temperature "
                  f"{distill.get('temperature', 1.0)})")
+    data = training.get("train_data")
+    data = " + ".join(map(str, data)) if isinstance(data, list) else data  # a mix of sources
     lines = [f"Fine-tuned after calibration with `recipes/finetune.py` (transformers `Trainer`): {loss}; trained "
              f"parameters: `{training.get('trainable')}`; {training.get('steps')} steps, "
-             f"{training.get('tokens_seen')} tokens of `{training.get('train_data')}` in "
+             f"{training.get('tokens_seen')} tokens of `{data}` in "
              f"{training.get('wall_seconds')} s on {training.get('world_size', 1)} process(es)."]
     if training.get("progressive"):
         lines.append("The norms were handed over from the original to the converted modules progressively "

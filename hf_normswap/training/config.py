@@ -143,7 +143,7 @@ class RecipeConfig:
     original: str | None = None  # the original when ``model`` is already converted (teacher and reference)
     method: str = "eln"
     calibration: CalibrationConfig = field(default_factory=lambda: CalibrationConfig(num_blocks=16, block_len=512))
-    train_data: str = "builtin:calibration"
+    train_data: str | list[str] = "builtin:calibration"  # a list: a mix, equal shares of the tokens (train_sources)
     streaming: bool = False  # read train_data (a Hub dataset) lazily, tokenized and packed on the fly
     eval_data: str = "builtin:evaluation"
     block_len: int = 256  # training sequence length (packed; a sentence encoder: its longest)
@@ -175,9 +175,12 @@ class RecipeConfig:
         if self.precision not in PRECISIONS:
             raise ValidationError(f"precision {self.precision!r} is unknown: choose {', '.join(PRECISIONS[:-1])} or "
                                   f"{PRECISIONS[-1]}")
-        for name in ("model", "train_data", "eval_data", "output_dir"):
+        for name in ("model", "eval_data", "output_dir"):
             if not getattr(self, name):
                 raise ValidationError(f"{name} must be a non-empty string")
+        if not all(self.train_sources) or isinstance(self.train_data, list) and len(self.train_data) < 2:
+            raise ValidationError("train_data must be a text source, or a list of two or more to mix, e.g. "
+                                  "train_data=[generated, wikitext:wikitext-103-raw-v1]")
         for name in ("block_len", "eval_blocks"):
             _at_least(getattr(self, name), name, 1, whole=True)
         for name in ("max_train_tokens", "train_tokens", "threads"):
@@ -189,6 +192,8 @@ class RecipeConfig:
             self.calibration.resolved()
         except ValueError as error:
             raise ValidationError(f"calibration: {error}") from None
+        if self.streaming and isinstance(self.train_data, list):
+            raise ValidationError("streaming reads one Hub dataset: name one train_data, or set streaming=false to mix")
         if self.streaming and self.max_train_tokens is not None:
             raise ValidationError("a stream is read up to train_tokens (or training.max_steps); drop max_train_tokens")
         if self.progressive.enabled and self.trainable == "lora":
@@ -226,6 +231,11 @@ class RecipeConfig:
         except (ValueError, TypeError) as error:
             raise ValidationError(f"training: {first_line(error)}") from None
         self.training = merged
+
+    @property
+    def train_sources(self) -> list[str]:
+        """The text sources of ``train_data``: one, or the several of a mix."""
+        return list(self.train_data) if isinstance(self.train_data, list) else [self.train_data]
 
     @property
     def save_path(self) -> Path:

@@ -27,6 +27,10 @@ CONFIGS = sorted((Path(__file__).resolve().parents[2] / "recipes" / "configs").g
     (["trainable=lora", "progressive.enabled=true"], "progressive conversion works with trainable: norms or all"),
     (["training.output_dir=x"], "unknown setting training.output_dir"),  # the recipe's own output_dir sets it
     (["block_len"], "override 'block_len' is not KEY=VALUE"),
+    (["train_data=[builtin:calibration]"], "train_data must be a text source, or a list of two or more to mix"),
+    (["train_data=[builtin:calibration, '']"], "train_data must be a text source, or a list of two or more to mix"),
+    (["train_data=[a.txt, 3]"], "setting train_data must be str | list[str], got"),
+    (["streaming=true", "train_data=[a, b]"], "streaming reads one Hub dataset: name one train_data"),
 ])
 def test_a_wrong_setting_is_one_error_that_names_it(overrides, message):
     with pytest.raises(ValidationError) as error:

@@ -239,6 +239,41 @@ def test_block_dataset_packs_blocks_within_the_limits(tiny_setup):
         recipe.block_dataset(tokenizer, text, "calibration", 32, max_tokens=10)
 
 
+def test_a_mix_trains_on_equal_shares_of_its_sources_in_turn(tiny_setup, tmp_path, monkeypatch):
+    """``train_data: [A, B]``: A's and B's blocks alternate, the shorter source read again until the longer ends; with
+    the original's samples in the mix, each source is read up to half the run's tokens."""
+    import types
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    root, model_dir = tiny_setup
+    monkeypatch.setenv("HF_NORMSWAP_CACHE", str(tmp_path / "cache"))
+    recipe = import_file("recipes/finetune.py")
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    state = types.SimpleNamespace(process_index=0, num_processes=1)
+    short = tmp_path / "short.txt"
+    short.write_text(" ".join(WORDS[:40]) + "\n" + " ".join(WORDS[40:] + WORDS[:30]))
+    corpus, spec = str(root / "train.txt"), "generated:length=32,batch_size=2,temperature=1.0"
+
+    def blocks(source, max_tokens=None, original=None):
+        return recipe.block_dataset(tokenizer, source, "calibration", 32, max_tokens, original=original,
+                                    state=state)["input_ids"]
+
+    config = recipe.load_config([f"model={model_dir}", f"train_data=[{corpus}, {short}]", "block_len=32"])
+    rows = recipe.training_blocks(config, tokenizer, None, state)["input_ids"]
+    long, few = blocks(corpus), blocks(str(short))
+    assert len(few) == 2 < len(long) and len(rows) == 2 * len(long)
+    assert rows[0::2] == long and rows[1::2] == [few[i % len(few)] for i in range(len(long))]
+
+    original = AutoModelForCausalLM.from_pretrained(model_dir)
+    config = recipe.load_config([f"model={model_dir}", f"train_data=['{spec}', {corpus}]", "block_len=32",
+                                 "train_tokens=256"])
+    rows = recipe.training_blocks(config, tokenizer, original, state)["input_ids"]
+    sampled = blocks(spec, 128, original)  # from the cache the mix filled
+    assert 0 < len(sampled) <= 4 and len(rows) == 8
+    assert rows[1::2] == long[:4] and rows[0::2] == [sampled[i % len(sampled)] for i in range(4)]
+
+
 def test_a_sentence_encoder_trains_on_sentences_with_its_special_tokens(tmp_path):
     """The rows an encoder is used on ([CLS] sentence [SEP], padded per batch), not packed blocks; ``train_tokens``
     counts their real tokens."""
@@ -441,13 +476,15 @@ def test_two_processes_train_on_the_originals_samples_and_a_second_run_reuses_th
     ("generated", {"max_steps": 10}, None, 10 * 2 * 3 * 4 * 16),  # steps x batch x accumulation x processes x len
     ("generated", {"max_steps": 10}, 3000, 3000),  # within the cap
     ("generated", {"max_steps": -1}, None, None),  # epochs: no step count to size the samples by
+    (["wiki.txt", "generated"], {"max_steps": 10}, None, 10 * 2 * 3 * 4 * 16),  # a mix holding samples: the run's
 ])
 def test_the_training_text_is_sized_by_the_run_only_for_the_originals_samples(train_data, training, max_train_tokens,
                                                                                expected):
     import types
 
     recipe = import_file("recipes/finetune.py")
-    config = types.SimpleNamespace(train_data=train_data, train_tokens=None, max_train_tokens=max_train_tokens,
+    sources = train_data if isinstance(train_data, list) else [train_data]
+    config = types.SimpleNamespace(train_sources=sources, train_tokens=None, max_train_tokens=max_train_tokens,
                                    block_len=16, training={**training, "per_device_train_batch_size": 2,
                                                            "gradient_accumulation_steps": 3})
     assert recipe.training_budget(config, world_size=4) == expected
