@@ -19,6 +19,9 @@ from .data import DataError, hub_dataset, is_builtin, local_paths
 from .generated import is_generated
 from .validation import first_line
 
+LINE_PROBE_ROWS = 1000  # rows read to tell a dataset of lines from one of documents
+PIECE_CHARS = 1 << 16  # characters a dataset of lines is tokenized in at a time (about)
+
 
 def _source(spec: str, default_split: str):
     if is_builtin(spec) or is_generated(spec) or local_paths(spec) is not None:
@@ -33,15 +36,32 @@ def _source(spec: str, default_split: str):
     return source, column
 
 
-def _packed(source, column: str, tokenizer, block_len: int):
-    """Blocks of the source's rows, in order, remainders carried from row to row."""
-    separator = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-    buffer: list[int] = []
+def _documents(source, column: str):
+    """``(text, ends a document)`` pairs that read as ``data`` reads the split whole. Rows are documents, unless the
+    first :data:`LINE_PROBE_ROWS` hold an empty one: then the dataset is one line a row, blank lines kept (WikiText),
+    and the split is one text, its rows joined by newlines. That text is handed on in pieces of about
+    :data:`PIECE_CHARS`, each cut where a paragraph begins after a blank line, where a tokenizer's own split falls."""
+    if not any(row[column] == "" for row in source.take(LINE_PROBE_ROWS)):
+        yield from ((row[column], True) for row in source if row[column] and row[column].strip())
+        return
+    piece, size, after_blank = [], 0, False
     for row in source:
         text = row[column]
-        if not text or not text.strip():
-            continue
-        buffer.extend(tokenizer(text, add_special_tokens=False)["input_ids"] + separator)
+        if after_blank and text and size >= PIECE_CHARS:
+            yield "\n".join(piece) + "\n", False
+            piece, size = [], 0
+        piece.append(text)
+        size += len(text) + 1
+        after_blank = text == ""
+    yield "\n".join(piece), True
+
+
+def _packed(source, column: str, tokenizer, block_len: int):
+    """Blocks of the source's documents, in order, remainders carried from one to the next."""
+    separator = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    buffer: list[int] = []
+    for text, ends in _documents(source, column):
+        buffer.extend(tokenizer(text, add_special_tokens=False)["input_ids"] + (separator if ends else []))
         while len(buffer) >= block_len:
             block, buffer = buffer[:block_len], buffer[block_len:]
             yield {"input_ids": block, "labels": block}

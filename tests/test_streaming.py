@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from hub_mirror import HubMirror, write_text_dataset
 from tiny_models import tiny_tokenizer
 
@@ -19,9 +21,11 @@ import torch
 sys.path.insert(0, sys.argv[1])
 from tiny_models import tiny_tokenizer
 from hf_normswap.data import DataError, load_texts, token_blocks
+from hf_normswap import streaming
 from hf_normswap.streaming import packed_stream
 
-tokenizer, spec = tiny_tokenizer(), "someone/shards"
+streaming.PIECE_CHARS = 40  # a dataset of lines cut into pieces many times over
+tokenizer, spec = tiny_tokenizer(), sys.argv[2]
 stream = packed_stream(spec, tokenizer, 16)
 streamed = [row["input_ids"] for row in stream]
 whole = token_blocks(tokenizer, load_texts(spec, "train"), None, 16).tolist()
@@ -31,7 +35,7 @@ state = stream.state_dict()
 resumed = packed_stream(spec, tokenizer, 16)
 resumed.load_state_dict(state)
 try:
-    packed_stream(spec + ":default:empty", tokenizer, 16)
+    packed_stream("someone/shards:default:empty", tokenizer, 16)
     empty = "accepted"
 except DataError as error:
     empty = str(error)
@@ -46,16 +50,26 @@ def rows(shard: int) -> list[str]:
             for i in range(6)]
 
 
-def test_a_streamed_dataset_packs_as_read_whole_and_resumes_where_it_stopped(tmp_path):
-    folder = write_text_dataset(tmp_path / "shards", {"train": [rows(shard) for shard in range(3)], "empty": [[]]})
+def lines(shard: int) -> list[str]:
+    """One line a row with blank lines kept, as WikiText: headings, paragraphs and empty rows."""
+    return [row for i, text in enumerate(rows(shard)) for row in ("", f" = {i} = \n" if i % 3 == 0 else f" {text} \n")]
+
+
+@pytest.mark.parametrize("split, documents", [("train", 18), ("lines", 1)])
+def test_a_streamed_dataset_packs_as_read_whole_and_resumes_where_it_stopped(tmp_path, split, documents):
+    """Rows of documents are joined by EOS; rows of lines are one text, as the split reads whole."""
+    folder = write_text_dataset(tmp_path / "shards", {"train": [rows(shard) for shard in range(3)], "empty": [[]],
+                                                      "lines": [lines(shard) for shard in range(3)]})
     with HubMirror() as mirror:
         mirror.add_folder(DATASET, folder, repo_type="dataset")
         env = mirror.process_env(tmp_path / "home", PYTHONPATH=str(ROOT))
-        result = subprocess.run([sys.executable, "-c", CHECK, str(Path(__file__).parent)], env=env, cwd=tmp_path,
-                                capture_output=True, text=True, timeout=300)
+        result = subprocess.run([sys.executable, "-c", CHECK, str(Path(__file__).parent), f"{DATASET}:default:{split}"],
+                                env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     seen = json.loads(result.stdout.strip().splitlines()[-1])
     assert seen["streamed"] == seen["whole"] and len(seen["whole"]) > 8
+    eos = tiny_tokenizer().eos_token_id  # after each document; the last one's falls in the remainder
+    assert sum(block.count(eos) for block in seen["whole"]) == documents - 1
     assert seen["head"] == seen["streamed"][:5] and seen["rest"] == seen["streamed"][5:]
     assert "is empty" in seen["empty"]
 
