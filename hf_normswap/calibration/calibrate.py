@@ -40,14 +40,12 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Strategy:
-    """One calibration strategy: what it does, when ``auto`` takes it, what it measured (BENCHMARKS.md,
-    "Calibration" and "Speed"), and the settings that make it."""
+    """One calibration strategy: what it does, when ``auto`` takes it, and the settings that make it. What each
+    measured is in BENCHMARKS.md, "Calibration" and "Speed"."""
 
     name: str
     fits: str  # what it fits
     auto: str  # when ``auto`` takes it
-    measured: str  # latest measured quality
-    cost: str  # latest measured cost
     init: str  # "analytic": the theory's value for the measured input scale; "saturating": fitting.saturating_init
     fit: tuple[str, ...] = ()  # parameters least squares fits against the source norm's output
     block_steps: int = 0  # Adam steps per block on the block-output error
@@ -57,23 +55,19 @@ class Strategy:
     tune_blocks: int = 4  # sequences the end-to-end steps cycle over
 
     def help_line(self) -> str:
-        return f"{self.name:<8} {self.fits}; auto: {self.auto}; {self.measured}; {self.cost}"
+        return f"{self.name:<8} {self.fits}; auto: {self.auto}"
 
 
 STRATEGIES: dict[str, Strategy] = {s.name: s for s in (
     Strategy("block", fits="saturating start, 60 steps a block fitting its norms and weights to the original block's "
                            "output, 30 KL steps", auto="RMSNorm models",
-             measured="SmolLM2 perplexity ELN 461 (original 36)", cost="650 s on 2 cores for 64 x 512 tokens",
              init="saturating", block_steps=60, block_rows=1, block_weights_lr=1e-4, tune_steps=30, tune_blocks=16),
     Strategy("encoder", fits="least squares, then 300 hidden-state steps over 64 sequences",
-             auto="LayerNorm models ending in hidden states", measured="MiniLM cosine ELN 0.872, DyT 0.871",
-             cost="124 s of steps on MiniLM", init="analytic", fit=("shape", "weight", "bias"), tune_steps=300,
-             tune_blocks=64),
+             auto="LayerNorm models ending in hidden states", init="analytic", fit=("shape", "weight", "bias"),
+             tune_steps=300, tune_blocks=64),
     Strategy("kl", fits="least squares, then 30 KL steps over 4 sequences", auto="LayerNorm models with a head",
-             measured="MiniLM cosine ELN 0.804 (least squares alone 0.584)", cost="39 s on MiniLM",
              init="analytic", fit=("shape", "weight", "bias"), tune_steps=30),
-    Strategy("fast", fits="block's saturating start alone", auto="never (a cheap start)",
-             measured="SmolLM2 perplexity ELN 10,709", cost="1.4x the forward passes", init="saturating"),
+    Strategy("fast", fits="block's saturating start alone", auto="never (a cheap start)", init="saturating"),
 )}
 DEFAULT_STRATEGY = "auto"  # block, encoder or kl, by each row's ``auto``
 

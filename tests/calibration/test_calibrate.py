@@ -286,7 +286,7 @@ def test_every_strategy_has_its_line_in_convert_help_and_the_readme(capsys):
     for strategy in STRATEGIES.values():
         assert strategy.help_line() in help_text
         row = next(line for line in readme.splitlines() if line.startswith(f"| `{strategy.name}` |"))
-        assert strategy.measured in row and strategy.cost in row and strategy.auto in row
+        assert strategy.fits in row and strategy.auto in row
 
 
 def test_calibration_blocks_fit_the_model_context():
