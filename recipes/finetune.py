@@ -175,16 +175,11 @@ def mixed(parts: list):
     return parts[0] if len(parts) == 1 else datasets.interleave_datasets(parts, stopping_strategy="all_exhausted")
 
 
-def token_share(budget: int | None, sources: list[str], least: int = 1) -> int | None:
-    """Each source's share of a token budget (None: all of every source)."""
-    return None if budget is None else max(budget // len(sources), least)
-
-
 def training_blocks(config, tokenizer, original, state):
-    """``train_data`` packed into blocks, each source of a mix up to its share of the budget."""
-    share = token_share(training_budget(config, state.num_processes), config.train_sources, config.block_len)
-    return mixed([block_dataset(tokenizer, spec, "calibration", config.block_len, share, original=original,
-                                state=state) for spec in config.train_sources])
+    """``train_data`` packed into blocks, each source of a mix up to its share (``training_budget``)."""
+    return mixed([block_dataset(tokenizer, spec, "calibration", config.block_len,
+                                training_budget(config, spec, state.num_processes), original=original, state=state)
+                  for spec in config.train_sources])
 
 
 def streamed_dataset(config, tokenizer):
@@ -198,19 +193,23 @@ def streamed_dataset(config, tokenizer):
         raise SystemExit(f"finetune: {config.train_data}: {error}") from None
 
 
-def training_budget(config, world_size: int) -> int | None:
-    """Tokens of training text to read: ``max_train_tokens`` (None: all of it); for the original's samples, which
-    have no end, what the run trains on over every launch (``train_tokens``, else ``training.max_steps`` global
-    batches) within that cap."""
+def training_budget(config, spec: str, world_size: int) -> int | None:
+    """Tokens to read of one training source: its share of ``max_train_tokens`` (None: all of it); for the
+    original's samples, which have no end, its share of what the run trains on over every launch (``train_tokens``,
+    else ``training.max_steps`` global batches) within that cap. A share is at least a block."""
     from hf_normswap.generated import is_generated
+
+    def share(tokens):
+        return None if tokens is None else max(tokens // len(config.train_sources), config.block_len)
 
     training = config.training
     steps = training.get("max_steps", -1)
-    budget = config.train_tokens or (steps * training["per_device_train_batch_size"] * world_size * config.block_len
-                                     * training.get("gradient_accumulation_steps", 1) if steps > 0 else None)
-    if not any(map(is_generated, config.train_sources)) or budget is None:
-        return config.max_train_tokens
-    return min(budget, config.max_train_tokens or budget)
+    run = config.train_tokens or (steps * training["per_device_train_batch_size"] * world_size * config.block_len
+                                  * training.get("gradient_accumulation_steps", 1) if steps > 0 else None)
+    cap = share(config.max_train_tokens)
+    if not is_generated(spec) or run is None:
+        return cap
+    return min(share(run), cap or share(run))
 
 
 def sentence_dataset(tokenizer, spec: str, max_len: int, max_tokens: int | None = None):
@@ -520,8 +519,8 @@ def main(argv=None) -> int:
         fail("a sentence encoder has no logits: train it on hidden states alone, distill.weight=1 "
              "distill.logits=false and distill.hidden or distill.embedding > 0 (recipes/configs/minilm-eln.yaml)")
     if encoder:  # trained on hidden states alone; evaluated by embedding cosine after training
-        share = token_share(config.max_train_tokens, config.train_sources)
-        train_set = mixed([sentence_dataset(tokenizer, spec, config.block_len, share) for spec in config.train_sources])
+        train_set = mixed([sentence_dataset(tokenizer, spec, config.block_len, training_budget(config, spec, 1))
+                           for spec in config.train_sources])
         eval_set = None
     else:
         train_set = (streamed_dataset(config, tokenizer) if config.streaming

@@ -240,8 +240,8 @@ def test_block_dataset_packs_blocks_within_the_limits(tiny_setup):
 
 
 def test_a_mix_trains_on_equal_shares_of_its_sources_in_turn(tiny_setup, tmp_path, monkeypatch):
-    """``train_data: [A, B]``: A's and B's blocks alternate, the shorter source read again until the longer ends; with
-    the original's samples in the mix, each source is read up to half the run's tokens."""
+    """``train_data: [A, B]``: A's and B's blocks alternate, the shorter source read again until the longer ends; the
+    original's samples in a mix are drawn up to half the run's tokens, a corpus is read whole."""
     import types
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -270,8 +270,8 @@ def test_a_mix_trains_on_equal_shares_of_its_sources_in_turn(tiny_setup, tmp_pat
                                  "train_tokens=256"])
     rows = recipe.training_blocks(config, tokenizer, original, state)["input_ids"]
     sampled = blocks(spec, 128, original)  # from the cache the mix filled
-    assert 0 < len(sampled) <= 4 and len(rows) == 8
-    assert rows[1::2] == long[:4] and rows[0::2] == [sampled[i % len(sampled)] for i in range(4)]
+    assert 0 < len(sampled) <= 4 and len(rows) == 2 * len(long)
+    assert rows[1::2] == long and rows[0::2] == [sampled[i % len(sampled)] for i in range(len(long))]
 
 
 def test_a_sentence_encoder_trains_on_sentences_with_its_special_tokens(tmp_path):
@@ -471,12 +471,13 @@ def test_two_processes_train_on_the_originals_samples_and_a_second_run_reuses_th
 
 
 @pytest.mark.parametrize("train_data, training, max_train_tokens, expected", [
-    ("wiki.txt", {"max_steps": 10}, None, None),  # a corpus is read whole, whatever the steps
-    ("wiki.txt", {"max_steps": 10}, 5000, 5000),
-    ("generated", {"max_steps": 10}, None, 10 * 2 * 3 * 4 * 16),  # steps x batch x accumulation x processes x len
-    ("generated", {"max_steps": 10}, 3000, 3000),  # within the cap
-    ("generated", {"max_steps": -1}, None, None),  # epochs: no step count to size the samples by
-    (["wiki.txt", "generated"], {"max_steps": 10}, None, 10 * 2 * 3 * 4 * 16),  # a mix holding samples: the run's
+    ("wiki.txt", {"max_steps": 10}, None, [None]),  # a corpus is read whole, whatever the steps
+    ("wiki.txt", {"max_steps": 10}, 5000, [5000]),
+    ("generated", {"max_steps": 10}, None, [10 * 2 * 3 * 4 * 16]),  # steps x batch x accumulation x processes x len
+    ("generated", {"max_steps": 10}, 3000, [3000]),  # within the cap
+    ("generated", {"max_steps": -1}, None, [None]),  # epochs: no step count to size the samples by
+    (["wiki.txt", "generated"], {"max_steps": 10}, None, [None, 10 * 2 * 3 * 4 * 16 // 2]),  # a mix: half each
+    (["wiki.txt", "generated"], {"max_steps": 10}, 3000, [1500, 1500]),
 ])
 def test_the_training_text_is_sized_by_the_run_only_for_the_originals_samples(train_data, training, max_train_tokens,
                                                                                expected):
@@ -487,4 +488,4 @@ def test_the_training_text_is_sized_by_the_run_only_for_the_originals_samples(tr
     config = types.SimpleNamespace(train_sources=sources, train_tokens=None, max_train_tokens=max_train_tokens,
                                    block_len=16, training={**training, "per_device_train_batch_size": 2,
                                                            "gradient_accumulation_steps": 3})
-    assert recipe.training_budget(config, world_size=4) == expected
+    assert [recipe.training_budget(config, spec, world_size=4) for spec in sources] == expected
