@@ -22,16 +22,21 @@ of the calibrated start. The recipe's final evaluation gives the numbers: WikiTe
         --schedule cosine --run-per-budget --budgets 0 77000 308000 --out out/recovery-minilm \\
         --train-data PATH/wiki.valid.tokens --eval-data PATH/wiki.test.raw
     python scripts/bench_recovery.py --out out/recovery --plot-only
+    python scripts/bench_recovery.py --norms eln --methods blockwise-240x1+layerwise --budgets 0 102400 \\
+        --set train_data=generated --other-data builtin:evaluation --out out/samples ...   # text of another kind
+    python scripts/bench_recovery.py --out out/samples --plot-only --compare out/recovery   # curves side by side
 
 Methods (:data:`METHODS`, overrides on top of the config; ``--set KEY=VALUE`` adds overrides to every method and wins
 over a method's own setting of the same key, so one method can be measured with one setting changed; every JSON line
-records them as ``overrides``).
+records them as ``overrides``). A curve is one norm, method and ``train_data``; each point records the CPU time of
+its launch, sampling included, so curves of different training text compare against CPU-hours too.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import subprocess
 import sys
@@ -178,6 +183,24 @@ def recipe_overrides(args, norm: str, method: str, budget: int, run_dir: Path) -
             *METHODS[method], *args.set]
 
 
+def other_text(args, norm: str, method: str, run_dir: Path, checkpoint: Path) -> dict:
+    """A point on ``--other-data``, text that neither calibration nor training read: ``normswap eval`` of the
+    checkpoint against the original, on as many tokens in windows as long as the recipe's final evaluation."""
+    from hf_normswap.training.config import read_recipe_config
+
+    config = read_recipe_config(args.config, recipe_overrides(args, norm, method, 1, run_dir))
+    command = [sys.executable, "-c", "import sys; from hf_normswap.cli import main; sys.exit(main())", "eval",
+               str(checkpoint), "--against", config.original or config.model, "--data", args.other_data,
+               "--max-tokens", str(config.final_eval.max_tokens), "--max-length", str(config.final_eval.max_length),
+               "--json"]
+    result = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS":
+                                                                          str(args.threads)})
+    if result.returncode != 0:
+        raise SystemExit(f"bench_recovery: normswap eval {checkpoint} on {args.other_data} failed:\n"
+                         f"{result.stderr[-2000:]}")
+    return {"data": args.other_data, **point({"converted": json.loads(result.stdout)}, "converted")}
+
+
 def run_chunk(args, norm: str, method: str, budget: int, run_dir: Path) -> tuple[dict, float, float, int]:
     """One launch of the recipe up to ``budget`` tokens; (summary, wall s, CPU s, return code)."""
     command = [sys.executable, str(RECIPE), "--config", args.config,
@@ -229,9 +252,13 @@ def measure(args) -> None:
                            **point(summary, "finetuned"), "chunk_start_tokens": launch.get("start_tokens"),
                            "chunk_wall_s": round(wall, 1), "chunk_cpu_s": round(cpu, 1),
                            "train_wall_s": summary["training"]["wall_seconds"]}
+                    if args.other_data:
+                        row["other"] = other_text(args, norm, method, run_dir, Path(summary["checkpoint"]))
                     if 0 in args.budgets and (norm, method, 0) not in done:
                         zero = {"norm": norm, "method": method, "budget": 0, "tokens": 0,
                                 **point(summary, "calibrated"), **context}
+                        if args.other_data:
+                            zero["other"] = other_text(args, norm, method, run_dir, run_dir / "calibrated")
                         with curve.open("a") as f:
                             f.write(json.dumps(zero) + "\n")
                         done.add((norm, method, 0))
@@ -242,41 +269,78 @@ def measure(args) -> None:
                 print(f"[bench_recovery] {norm} {method} {row['tokens']:,} tokens: {describe(row)}", flush=True)
 
 
-def plot(curve: Path, path: Path) -> Path:
+def source(row: dict) -> str:
+    """The training text a point's run read when ``--set`` named one (the last ``train_data=`` wins), else ''."""
+    named = [item.partition("=")[2] for item in row.get("overrides") or [] if item.startswith("train_data=")]
+    return named[-1] if named else ""
+
+
+def series(points: list[dict]) -> dict[str, list[dict]]:
+    """The points of each curve, in token order: one curve a norm, method and training text."""
+    found: dict[tuple, list[dict]] = {}
+    for p in points:
+        found.setdefault((p["norm"], p["method"], source(p)), []).append(p)
+    return {" ".join(filter(None, (norm.upper(), method, text and f"[{text}]"))): sorted(rows, key=lambda p: p["tokens"])
+            for (norm, method, text), rows in sorted(found.items())}
+
+
+def cpu_hours(rows: list[dict]) -> list[float] | None:
+    """CPU-hours spent to reach each point of one curve (its launches' CPU time summed, sampling included; the
+    calibrated start at 0), or None when a point lacks its launch's time."""
+    spent, hours = 0.0, []
+    for p in rows:
+        if p["tokens"] and "chunk_cpu_s" not in p:
+            return None
+        spent += p.get("chunk_cpu_s", 0.0)
+        hours.append(spent / 3600)
+    return hours
+
+
+def plot(curve: Path, path: Path, compare: list[Path] = ()) -> Path:
     """Ratio, KL and top-1 agreement (an encoder: cosine, neighbours, rank correlation) against training tokens (log
-    x; 0 sits on the linear part of a symlog axis); one colour per method, solid ELN, dashed DyT."""
+    x; 0 sits on the linear part of a symlog axis), the first against CPU-hours too, and the ratio on ``--other-data``
+    where points have it; one colour a method and training text, solid ELN, dashed DyT. ``compare``: other curves'
+    JSON lines drawn beside."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    points = read_points(curve)
+    points = [p for file in (curve, *compare) for p in read_points(file)]
     metrics = METRICS if all(metrics_of(p) is METRICS for p in points) else ENCODER_METRICS
-    points = [p for p in points if metrics_of(p) is metrics]
-    series: dict[tuple[str, str], list[dict]] = {}
-    for p in points:
-        series.setdefault((p["norm"], p["method"]), []).append(p)
-    methods = sorted({m for _, m in series})
-    colours = {m: f"C{i}" for i, m in enumerate(methods)}
-    positive = [p["tokens"] for p in points if p["tokens"] > 0]
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
-    for (norm, method), rows in sorted(series.items()):
-        rows = sorted(rows, key=lambda p: p["tokens"])
-        style = "-" if norm == "eln" else "--"
-        for ax, key in zip(axes, metrics):
-            ax.plot([p["tokens"] for p in rows], [p[key] for p in rows], style, marker="o", ms=3,
-                    c=colours[method], label=f"{norm.upper()} {method}")
-    for ax, label in zip(axes, metrics.values()):
-        if positive:
-            ax.set_xscale("symlog", linthresh=min(positive))
-        ax.set(xlabel="training tokens", ylabel=label)
-        ax.grid(alpha=0.3, which="both")
+    curves = series([p for p in points if metrics_of(p) is metrics])
     first = next(iter(metrics))
-    if first == "ratio":
-        axes[0].set_yscale("log")
+    other = next((p["other"]["data"] for rows in curves.values() for p in rows if "other" in p), None)
+    panels = [*metrics.items(), ("cpu", f"{metrics[first]}, against CPU-hours")]
+    if other:
+        panels.append(("other", f"{metrics[first]} on {other}"))
+    labels = sorted({label.replace("ELN ", "").replace("DYT ", "") for label in curves})
+    colours = {label: f"C{i}" for i, label in enumerate(labels)}
+    positive = [p["tokens"] for rows in curves.values() for p in rows if p["tokens"] > 0]
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4.5))
+    for label, rows in curves.items():
+        style = "-" if label.startswith("ELN") else "--"
+        colour = colours[label.replace("ELN ", "").replace("DYT ", "")]
+        for ax, (key, _) in zip(axes, panels):
+            if key == "cpu":
+                x, y = cpu_hours(rows), [p[first] for p in rows]
+            elif key == "other":
+                kept = [p for p in rows if "other" in p]
+                x, y = [p["tokens"] for p in kept], [p["other"][first] for p in kept]
+            else:
+                x, y = [p["tokens"] for p in rows], [p[key] for p in rows]
+            if x:
+                ax.plot(x, y, style, marker="o", ms=3, c=colour, label=label)
+    for ax, (key, label) in zip(axes, panels):
+        if key != "cpu" and positive:
+            ax.set_xscale("symlog", linthresh=min(positive))
+        ax.set(xlabel="CPU-hours" if key == "cpu" else "training tokens", ylabel=label)
+        ax.grid(alpha=0.3, which="both")
+        if key in (first, "cpu", "other") and first == "ratio":
+            ax.set_yscale("log")
     axes[0].axhline(GOALS[first], c="k", ls=":", lw=0.8, label=f"goal {GOALS[first]}")
     axes[0].legend(fontsize=7)
-    fig.suptitle(f"Recovery per training token ({curve})", fontsize=10)
+    fig.suptitle(f"Recovery per training token ({', '.join(map(str, (curve, *compare)))})", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)
@@ -297,13 +361,20 @@ def main(argv=None) -> int:
                         help="each budget a whole run from the calibrated start (for a schedule that decays over the "
                              "run, such as cosine), not one run extended budget by budget")
     parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="recipe overrides for every run; they win over the method's own")
+    parser.add_argument("--other-data", metavar="SPEC",
+                        help="a second evaluation text, read by neither calibration nor training (e.g. "
+                             "builtin:evaluation): each point is also scored on it (a language model)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--timeout", type=float, default=None, help="seconds per launch of the recipe")
     parser.add_argument("--out", default="out/recovery")
     parser.add_argument("--plot-only", action="store_true")
+    parser.add_argument("--compare", nargs="+", default=[], metavar="OUT",
+                        help="other --out directories whose curves are drawn beside this one's")
     args = parser.parse_args(argv)
     if not args.plot_only:
-        missing = [name for name, value in (("--train-data", args.train_data), ("--eval-data", args.eval_data))
+        texts = (("--train-data", args.train_data), ("--eval-data", args.eval_data),
+                 *((("--other-data", args.other_data),) if args.other_data else ()))
+        missing = [name for name, value in texts
                    if not value or (not value.startswith("builtin") and not Path(value).exists())]
         if missing:
             parser.error(f"{', '.join(missing)}: give existing text files (or builtin:...)")
@@ -317,7 +388,8 @@ def main(argv=None) -> int:
     if not read_points(curve):
         print(f"[bench_recovery] no points in {curve} yet", flush=True)
         return 0
-    print(f"[bench_recovery] {plot(curve, Path(args.out) / 'curve.png')}", flush=True)
+    compare = [Path(other) / "curve.jsonl" for other in args.compare]
+    print(f"[bench_recovery] {plot(curve, Path(args.out) / 'curve.png', compare)}", flush=True)
     return 0
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 
 import pytest
 
@@ -21,6 +22,50 @@ def test_plot_draws_every_series_from_the_json_lines(tmp_path):
     curve.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     path = bench.plot(curve, tmp_path / "curve.png")
     assert path.stat().st_size > 10_000
+
+
+def test_curves_of_other_training_text_are_drawn_apart_and_against_cpu_hours(tmp_path):
+    """One curve a norm, method and --set train_data, from this and compared directories; CPU-hours add up each
+    launch's time (the calibrated start at 0); a curve with a launch of unknown time has none."""
+    def rows(text, cpu):
+        return [{"norm": "eln", "method": "config", "budget": t, "tokens": t, "ratio": 4.0 / (1 + t / 1e5),
+                 "kl": 1.0, "top1": 0.5, "overrides": [f"train_data={text}"] if text else [],
+                 **({"chunk_cpu_s": cpu} if t else {}), "other": {"data": "builtin:evaluation", "ratio": 5.0}}
+                for t in (0, 102400, 256000)]
+    for name, text in (("wiki", None), ("samples", "generated:batch_size=128")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "curve.jsonl").write_text("\n".join(json.dumps(r) for r in rows(text, 1800.0)) + "\n")
+    points = [p for name in ("wiki", "samples") for p in bench.read_points(tmp_path / name / "curve.jsonl")]
+    curves = bench.series(points)
+    assert sorted(curves) == ["ELN config", "ELN config [generated:batch_size=128]"]
+    assert bench.cpu_hours(curves["ELN config"]) == [0.0, 0.5, 1.0]
+    assert bench.cpu_hours([{"tokens": 0}, {"tokens": 5}]) is None
+    bench.main(["--out", str(tmp_path / "wiki"), "--plot-only", "--compare", str(tmp_path / "samples")])
+    assert (tmp_path / "wiki" / "curve.png").stat().st_size > 10_000
+
+
+def test_a_point_on_other_text_is_normswap_eval_of_its_checkpoint_as_the_recipe_evaluates(tmp_path, monkeypatch):
+    """``--other-data``: the checkpoint scored against the config's original, on the final evaluation's tokens and
+    window length."""
+    calls = []
+
+    def run(command, **kwargs):
+        calls.append(command)
+        evaluation = {"tokens": 8192, "max_length": 512, "ratio": {"converted": 3.0}, "kl": {"converted": 1.1},
+                      "top1_agreement": {"converted": 0.5}, "results": {"converted": {"token_perplexity": 45.0},
+                                                                        "original": {"token_perplexity": 15.0}}}
+        return subprocess.CompletedProcess(command, 0, json.dumps(evaluation), "")
+
+    monkeypatch.setattr(bench.subprocess, "run", run)
+    args = argparse.Namespace(set=["final_eval.max_tokens=4096"], train_data="train.txt", eval_data="test.txt",
+                              threads=1, schedule="constant_with_warmup", other_data="builtin:evaluation",
+                              config=str(bench.ROOT / "recipes/configs/smollm2-eln.yaml"))
+    point = bench.other_text(args, "eln", "config", tmp_path / "run", tmp_path / "run" / "final")
+    assert point["data"] == "builtin:evaluation" and point["ratio"] == 3.0 and point["kl"] == 1.1
+    command = calls[0]
+    assert command[command.index("eval") + 1] == str(tmp_path / "run" / "final")
+    assert [command[command.index(flag) + 1] for flag in ("--against", "--data", "--max-tokens", "--max-length")] == [
+        "offline:smollm2", "builtin:evaluation", "4096", "512"]
 
 
 def test_an_encoders_curve_is_its_embedding_agreement(tmp_path):
@@ -91,6 +136,10 @@ def test_missing_data_is_refused_before_any_run(tmp_path, capsys):
         bench.main(["--train-data", str(tmp_path / "absent.txt"), "--eval-data", str(tmp_path / "absent.txt"),
                     "--out", str(tmp_path / "out")])
     assert exit_info.value.code == 2 and "--train-data" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main(["--train-data", "builtin:calibration", "--eval-data", "builtin:evaluation",
+                    "--other-data", str(tmp_path / "absent.txt"), "--out", str(tmp_path / "out")])
+    assert exit_info.value.code == 2 and "--other-data" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
 
 
