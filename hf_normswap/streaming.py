@@ -40,7 +40,8 @@ def _documents(source, column: str):
     """``(text, ends a document)`` pairs that read as ``data`` reads the split whole. Rows are documents, unless the
     first :data:`LINE_PROBE_ROWS` hold an empty one: then the dataset is one line a row, blank lines kept (WikiText),
     and the split is one text, its rows joined by newlines. That text is handed on in pieces of about
-    :data:`PIECE_CHARS`, each cut where a paragraph begins after a blank line, where a tokenizer's own split falls."""
+    :data:`PIECE_CHARS`, each cut where a paragraph begins after a blank line: byte-level BPE tokenizers split there
+    anyway (a run of newlines is its own token), so the pieces tokenize as the whole does."""
     if not any(row[column] == "" for row in source.take(LINE_PROBE_ROWS)):
         yield from ((row[column], True) for row in source if row[column] and row[column].strip())
         return

@@ -226,7 +226,7 @@ def sentence_dataset(tokenizer, spec: str, max_len: int, max_tokens: int | None 
     except DataError as error:
         raise SystemExit(f"finetune: {spec}: {error}") from None
     if not found:
-        within = f" within its {max_tokens} tokens of max_train_tokens" if max_tokens else ""
+        within = f" within {max_tokens} tokens (max_train_tokens)" if max_tokens else ""
         raise SystemExit(f"finetune: {spec}: no prose sentences to train a sentence encoder on{within}")
     return datasets.Dataset.from_dict(dict(tokenizer(found, truncation=True, max_length=max_len)))
 
