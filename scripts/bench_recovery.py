@@ -270,9 +270,15 @@ def measure(args) -> None:
 
 
 def source(row: dict) -> str:
-    """The training text a point's run read when ``--set`` named one (the last ``train_data=`` wins), else ''."""
+    """The training text a point's run read when ``--set`` named one (the last ``train_data=`` wins; a mix as
+    ``A + B``, files by name), else ''."""
+    import yaml
+
     named = [item.partition("=")[2] for item in row.get("overrides") or [] if item.startswith("train_data=")]
-    return named[-1] if named else ""
+    if not named:
+        return ""
+    texts = yaml.safe_load(named[-1])
+    return " + ".join(Path(text).name if "/" in text else text for text in (texts if isinstance(texts, list) else [texts]))
 
 
 def series(points: list[dict]) -> dict[str, list[dict]]:
@@ -339,9 +345,10 @@ def plot(curve: Path, path: Path, compare: list[Path] = ()) -> Path:
         if key in (first, "cpu", "other") and first == "ratio":
             ax.set_yscale("log")
     axes[0].axhline(GOALS[first], c="k", ls=":", lw=0.8, label=f"goal {GOALS[first]}")
-    axes[0].legend(fontsize=7)
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=min(3, len(labels)), fontsize=8)
     fig.suptitle(f"Recovery per training token ({', '.join(map(str, (curve, *compare)))})", fontsize=10)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.06 * (1 + len(labels) // 3), 1, 1))
     fig.savefig(path, dpi=90)
     plt.close(fig)
     return path
