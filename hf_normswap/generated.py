@@ -179,7 +179,7 @@ class InverseCdfSampler(LogitsProcessor):
     """Draws each row's token from ``softmax(scores)`` by the inverse of its cumulative distribution (one uniform
     variate a row) and leaves only that token finite, so that generate's argmax returns the sample. generate's own
     sampling (``torch.multinomial``) draws an exponential variate for every vocabulary entry, which took longer on
-    the CPU than the model's matmuls (BENCHMARKS.md, "The original's samples")."""
+    the CPU than the model's matmuls (BENCHMARKS.md, "Fresh text")."""
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         cumulative = torch.softmax(scores.float(), dim=-1).cumsum_(dim=-1)
