@@ -278,7 +278,8 @@ def source(row: dict) -> str:
     if not named:
         return ""
     texts = yaml.safe_load(named[-1])
-    return " + ".join(Path(text).name if "/" in text else text for text in (texts if isinstance(texts, list) else [texts]))
+    texts = texts if isinstance(texts, list) else [texts]
+    return " + ".join(Path(text).name if "/" in text else text for text in map(str, texts))
 
 
 def series(points: list[dict]) -> dict[str, list[dict]]:
@@ -286,8 +287,8 @@ def series(points: list[dict]) -> dict[str, list[dict]]:
     found: dict[tuple, list[dict]] = {}
     for p in points:
         found.setdefault((p["norm"], p["method"], source(p)), []).append(p)
-    return {" ".join(filter(None, (norm.upper(), method, text and f"[{text}]"))): sorted(rows, key=lambda p: p["tokens"])
-            for (norm, method, text), rows in sorted(found.items())}
+    return {" ".join(filter(None, (norm.upper(), method, text and f"[{text}]"))):
+            sorted(rows, key=lambda p: p["tokens"]) for (norm, method, text), rows in sorted(found.items())}
 
 
 def cpu_hours(rows: list[dict]) -> list[float] | None:
