@@ -32,7 +32,8 @@ def test_curves_of_other_training_text_are_drawn_apart_and_against_cpu_hours(tmp
                  "kl": 1.0, "top1": 0.5, "overrides": [f"train_data={text}"] if text else [],
                  **({"chunk_cpu_s": cpu} if t else {}), "other": {"data": "builtin:evaluation", "ratio": 5.0}}
                 for t in (0, 102400, 256000)]
-    for name, text in (("wiki", None), ("samples", "generated:batch_size=128"), ("mix", "[generated, /data/w.txt]")):
+    sources = (("wiki", None), ("samples", "generated:batch_size=128"), ("mix", "[generated, /data/w.txt]"))
+    for name, text in sources:
         (tmp_path / name).mkdir()
         (tmp_path / name / "curve.jsonl").write_text("\n".join(json.dumps(r) for r in rows(text, 1800.0)) + "\n")
     points = [p for name in ("wiki", "samples", "mix") for p in bench.read_points(tmp_path / name / "curve.jsonl")]
