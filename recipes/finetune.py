@@ -519,7 +519,8 @@ def main(argv=None) -> int:
         fail("a sentence encoder has no logits: train it on hidden states alone, distill.weight=1 "
              "distill.logits=false and distill.hidden or distill.embedding > 0 (recipes/configs/minilm-eln.yaml)")
     if encoder:  # trained on hidden states alone; evaluated by embedding cosine after training
-        train_set = mixed([sentence_dataset(tokenizer, spec, config.block_len, training_budget(config, spec, 1))
+        train_set = mixed([sentence_dataset(tokenizer, spec, config.block_len,
+                                            training_budget(config, spec, state.num_processes))
                            for spec in config.train_sources])
         eval_set = None
     else:

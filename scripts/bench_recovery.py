@@ -282,13 +282,13 @@ def source(row: dict) -> str:
     return " + ".join(Path(text).name if "/" in text else text for text in map(str, texts))
 
 
-def series(points: list[dict]) -> dict[str, list[dict]]:
-    """The points of each curve, in token order: one curve a norm, method and training text."""
-    found: dict[tuple, list[dict]] = {}
+def series(points: list[dict]) -> dict[tuple[str, str], list[dict]]:
+    """The points of each curve, in token order, by (norm, method and training text): one curve each."""
+    found: dict[tuple[str, str], list[dict]] = {}
     for p in points:
-        found.setdefault((p["norm"], p["method"], source(p)), []).append(p)
-    return {" ".join(filter(None, (norm.upper(), method, text and f"[{text}]"))):
-            sorted(rows, key=lambda p: p["tokens"]) for (norm, method, text), rows in sorted(found.items())}
+        text = source(p)
+        found.setdefault((p["norm"], f"{p['method']} [{text}]" if text else p["method"]), []).append(p)
+    return {key: sorted(rows, key=lambda p: p["tokens"]) for key, rows in sorted(found.items())}
 
 
 def cpu_hours(rows: list[dict]) -> list[float] | None:
@@ -321,13 +321,11 @@ def plot(curve: Path, path: Path, compare: list[Path] = ()) -> Path:
     panels = [*metrics.items(), ("cpu", f"{metrics[first]}, against CPU-hours")]
     if other:
         panels.append(("other", f"{metrics[first]} on {other}"))
-    labels = sorted({label.replace("ELN ", "").replace("DYT ", "") for label in curves})
-    colours = {label: f"C{i}" for i, label in enumerate(labels)}
+    colours = {label: f"C{i}" for i, label in enumerate(sorted({label for _, label in curves}))}
     positive = [p["tokens"] for rows in curves.values() for p in rows if p["tokens"] > 0]
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4.5))
-    for label, rows in curves.items():
-        style = "-" if label.startswith("ELN") else "--"
-        colour = colours[label.replace("ELN ", "").replace("DYT ", "")]
+    for (norm, label), rows in curves.items():
+        style, colour = "-" if norm == "eln" else "--", colours[label]
         for ax, (key, _) in zip(axes, panels):
             if key == "cpu":
                 x, y = cpu_hours(rows), [p[first] for p in rows]
@@ -337,7 +335,7 @@ def plot(curve: Path, path: Path, compare: list[Path] = ()) -> Path:
             else:
                 x, y = [p["tokens"] for p in rows], [p[key] for p in rows]
             if x:
-                ax.plot(x, y, style, marker="o", ms=3, c=colour, label=label)
+                ax.plot(x, y, style, marker="o", ms=3, c=colour, label=f"{norm.upper()} {label}")
     for ax, (key, label) in zip(axes, panels):
         if key != "cpu" and positive:
             ax.set_xscale("symlog", linthresh=min(positive))

@@ -38,8 +38,9 @@ def test_curves_of_other_training_text_are_drawn_apart_and_against_cpu_hours(tmp
         (tmp_path / name / "curve.jsonl").write_text("\n".join(json.dumps(r) for r in rows(text, 1800.0)) + "\n")
     points = [p for name in ("wiki", "samples", "mix") for p in bench.read_points(tmp_path / name / "curve.jsonl")]
     curves = bench.series(points)
-    assert sorted(curves) == ["ELN config", "ELN config [generated + w.txt]", "ELN config [generated:batch_size=128]"]
-    assert bench.cpu_hours(curves["ELN config"]) == [0.0, 0.5, 1.0]
+    assert sorted(curves) == [("eln", "config"), ("eln", "config [generated + w.txt]"),
+                              ("eln", "config [generated:batch_size=128]")]
+    assert bench.cpu_hours(curves["eln", "config"]) == [0.0, 0.5, 1.0]
     assert bench.cpu_hours([{"tokens": 0}, {"tokens": 5}]) is None
     bench.main(["--out", str(tmp_path / "wiki"), "--plot-only", "--compare", str(tmp_path / "samples"),
                 str(tmp_path / "mix")])
