@@ -24,6 +24,7 @@ of the calibrated start. The recipe's final evaluation gives the numbers: WikiTe
     python scripts/bench_recovery.py --out out/recovery --plot-only
     python scripts/bench_recovery.py --norms eln --methods blockwise-240x1+layerwise --budgets 0 102400 \\
         --set train_data=generated --other-data builtin:evaluation --out out/samples ...   # text of another kind
+    python scripts/bench_recovery.py ... --train-data generated --eval-data PATH/wiki.test.raw   # no data at all
     python scripts/bench_recovery.py --out out/samples --plot-only --compare out/recovery   # curves side by side
 
 Methods (:data:`METHODS`, overrides on top of the config; ``--set KEY=VALUE`` adds overrides to every method and wins
@@ -42,6 +43,9 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from hf_normswap.data import is_builtin
+from hf_normswap.generated import is_generated
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "recipes" / "finetune.py"
@@ -381,9 +385,9 @@ def main(argv=None) -> int:
         texts = (("--train-data", args.train_data), ("--eval-data", args.eval_data),
                  *((("--other-data", args.other_data),) if args.other_data else ()))
         missing = [name for name, value in texts
-                   if not value or (not value.startswith("builtin") and not Path(value).exists())]
+                   if not value or (not is_builtin(value) and not is_generated(value) and not Path(value).exists())]
         if missing:
-            parser.error(f"{', '.join(missing)}: give existing text files (or builtin:...)")
+            parser.error(f"{', '.join(missing)}: give existing text files (or builtin:..., generated...)")
         if not Path(args.config).is_file():
             parser.error(f"--config {args.config}: no such file")
         if args.schedule in DECAYING and len([b for b in args.budgets if b > 0]) > 1 and not args.run_per_budget:
