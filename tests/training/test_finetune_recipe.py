@@ -23,6 +23,7 @@ import torch
 import yaml
 
 import hf_normswap
+from hf_normswap.generated import is_generated
 from hf_normswap.training.distill import (distillation_loss, group_learning_rates, norm_parameter_names, parameter_groups,
                                  set_trainable)
 from hf_normswap.training.progressive import ProgressiveSwap, schedule
@@ -418,7 +419,7 @@ def test_configs_name_hub_or_builtin_data_and_local_files_override_them(config, 
     recipe = import_file("recipes/finetune.py")
     named = recipe.load_config(["--config", str(config)])
     for spec in (named.calibration.data, named.train_data, named.eval_data):
-        assert spec.startswith(("wikitext:wikitext-2-raw-v1:", "builtin")), spec  # nothing outside the repository
+        assert spec.startswith(("wikitext:wikitext-2-raw-v1:", "builtin", "generated")), spec  # nothing outside the repo
     text = tmp_path / "text.txt"
     text.write_text(" ".join(WORDS))
     local = [f"calibration.data={text}", f"train_data={text}", "eval_data=builtin:evaluation"]
@@ -429,6 +430,18 @@ def test_configs_name_hub_or_builtin_data_and_local_files_override_them(config, 
     assert error.value.code == 2
     assert re.fullmatch(r"finetune: error: eval_data: data file not found: .*missing.txt.*\(eval_data=PATH\)\n",
                         capsys.readouterr().err)
+
+
+@pytest.mark.parametrize("config", sorted((ROOT / "recipes" / "configs").glob("smollm2-*.yaml")), ids=lambda p: p.name)
+def test_smollm2_configs_need_no_data_argument_and_no_network(config, capsys):
+    """Calibrated and trained on the original's samples, evaluated on the offline text: nothing to download."""
+    recipe = import_file("recipes/finetune.py")
+    named = recipe.load_config(["--config", str(config)])
+    assert named.model.startswith("offline:")
+    assert is_generated(named.calibration.data) and is_generated(named.train_data), named
+    assert named.eval_data == "builtin:evaluation"
+    recipe.check_data(named)
+    assert capsys.readouterr().err == ""
 
 
 def test_a_converted_checkpoint_needs_no_calibration_data(tmp_path):
