@@ -165,7 +165,7 @@ blocks, where this job uses {args.tune_blocks}):
   normswap eval {out}/smollm2-eln --against {MODEL} --data {args.data} --{window.format("")}
 
 Next:
-  a longer recovery of the calibrated ELN, on WikiText-2 from the Hub:
+  a longer recovery of the calibrated ELN, on the original's samples (the config's training text: no data needed):
     python recipes/finetune.py --config recipes/configs/smollm2-eln.yaml model={out}/smollm2-eln original={MODEL} \\
       train_tokens=100000 output_dir={out}/smollm2-eln-longer
   load without hf_normswap:  AutoModelForCausalLM.from_pretrained("{out}/smollm2-eln", trust_remote_code=True)

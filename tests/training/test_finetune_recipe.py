@@ -419,7 +419,7 @@ def test_configs_name_hub_or_builtin_data_and_local_files_override_them(config, 
     recipe = import_file("recipes/finetune.py")
     named = recipe.load_config(["--config", str(config)])
     for spec in (named.calibration.data, named.train_data, named.eval_data):
-        assert spec.startswith(("wikitext:wikitext-2-raw-v1:", "builtin", "generated")), spec  # nothing outside the repo
+        assert spec.startswith(("wikitext:wikitext-2-raw-v1:", "builtin", "generated")), spec  # nothing outside it
     text = tmp_path / "text.txt"
     text.write_text(" ".join(WORDS))
     local = [f"calibration.data={text}", f"train_data={text}", "eval_data=builtin:evaluation"]
