@@ -74,15 +74,28 @@ def _calibration_section(calibration) -> str:
     return "\n".join(rows)
 
 
+def _loss(distill: dict) -> str:
+    """The recipe's loss in words (``DistillSettings``): ``(1 - weight) * CE + weight * distillation``."""
+    terms = [f"KL divergence to the original's logits (temperature {_number(distill.get('temperature', 1.0))})"
+             if distill.get("logits", True) else None,
+             f"every block's output toward the original's (weight {_number(distill['hidden'])})"
+             if distill.get("hidden") else None,
+             f"1 - cosine of the pooled embedding to the original's (weight {_number(distill['embedding'])})"
+             if distill.get("embedding") else None]
+    distillation = " plus ".join(filter(None, terms))
+    weight = distill.get("weight") or 0
+    if not weight or not distillation:
+        return "causal-LM cross-entropy"
+    if weight == 1:
+        return f"distillation from the original alone, {distillation}"
+    return f"causal-LM cross-entropy ({_number(1 - weight)}) and distillation ({_number(weight)}), {distillation}"
+
+
 def _training_section(training) -> str | None:
     """Fine-tuning after calibration (recipes/finetune.py records this block), or None when there was none."""
     if not training:
         return None
-    distill = training.get("distill") or {}
-    loss = "causal-LM cross-entropy"
-    if distill.get("weight"):
-        loss += (f" and KL divergence to the original's logits (weight {distill['weight']}, temperature "
-                 f"{distill.get('temperature', 1.0)})")
+    loss = _loss(training.get("distill") or {})
     data = training.get("train_data")
     data = " + ".join(map(str, data)) if isinstance(data, list) else data  # a mix of sources
     lines = [f"Fine-tuned after calibration with `recipes/finetune.py` (transformers `Trainer`): {loss}; trained "

@@ -212,6 +212,28 @@ def test_model_card_base_model_evaluation_and_calibration():
     assert model_card.hub_id("/tmp/some/local/dir") is None
 
 
+@pytest.mark.parametrize("distill, loss", [
+    ({"weight": 1.0, "temperature": 1.0, "logits": True, "hidden": 10.0, "embedding": 0.0},
+     "distillation from the original alone, KL divergence to the original's logits (temperature 1) plus every "
+     "block's output toward the original's (weight 10);"),
+    ({"weight": 0.5, "temperature": 2.0, "logits": True, "hidden": 0.0, "embedding": 0.0},
+     "causal-LM cross-entropy (0.5) and distillation (0.5), KL divergence to the original's logits (temperature 2);"),
+    ({"weight": 1.0, "logits": False, "hidden": 1.0, "embedding": 1.0},
+     "distillation from the original alone, every block's output toward the original's (weight 1) plus 1 - cosine "
+     "of the pooled embedding to the original's (weight 1);"),
+    ({"weight": 0.0, "temperature": 1.0, "logits": True}, "causal-LM cross-entropy;"),
+])
+def test_model_card_names_the_recovery_loss_the_recipe_trained_with(distill, loss):
+    """(1 - weight) * CE + weight * distillation: the SmolLM2 configs' weight 1 has no cross-entropy at all."""
+    config = {"model_type": "normswap_llama", "normswap": {
+        "method": "eln", "base": {"architecture": "LlamaForCausalLM", "model_type": "llama"}, "converted": {},
+        "training": {"distill": distill, "trainable": "all", "steps": 4, "tokens_seen": 4096,
+                     "train_data": ["generated", "wiki.txt"], "wall_seconds": 1.0}}}
+    text = ModelCard(model_card.render(config)).text
+    assert f"(transformers `Trainer`): {loss} trained parameters: `all`" in text
+    assert "4096 tokens of `generated + wiki.txt`" in text
+
+
 def test_model_save_pretrained_writes_the_full_checkpoint(tmp_path):
     model = tiny_model("qwen3")
     hf_normswap.convert(model, to="eln")
