@@ -24,7 +24,7 @@ of the calibrated start. The recipe's final evaluation gives the numbers: WikiTe
     python scripts/bench_recovery.py --out out/recovery --plot-only
     python scripts/bench_recovery.py --norms eln --methods blockwise-240x1+layerwise --budgets 0 102400 \\
         --set train_data=generated --other-data builtin:evaluation --out out/samples ...   # text of another kind
-    python scripts/bench_recovery.py ... --train-data generated --eval-data PATH/wiki.test.raw   # no data at all
+    python scripts/bench_recovery.py ... --train-data generated --eval-data PATH/wiki.test.raw   # the configs: samples
     python scripts/bench_recovery.py --out out/samples --plot-only --compare out/recovery   # curves side by side
 
 Methods (:data:`METHODS`, overrides on top of the config; ``--set KEY=VALUE`` adds overrides to every method and wins
