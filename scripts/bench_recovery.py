@@ -44,8 +44,9 @@ import sys
 import time
 from pathlib import Path
 
-from hf_normswap.data import is_builtin
-from hf_normswap.generated import is_generated
+import yaml
+
+from hf_normswap.data import DataError, check_spec
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "recipes" / "finetune.py"
@@ -276,8 +277,6 @@ def measure(args) -> None:
 def source(row: dict) -> str:
     """The training text a point's run read when ``--set`` named one (the last ``train_data=`` wins; a mix as
     ``A + B``, files by name), else ''."""
-    import yaml
-
     named = [item.partition("=")[2] for item in row.get("overrides") or [] if item.startswith("train_data=")]
     if not named:
         return ""
@@ -357,6 +356,17 @@ def plot(curve: Path, path: Path, compare: list[Path] = ()) -> Path:
     return path
 
 
+def unreadable(spec: str | None) -> str | None:
+    """Why a text spec cannot be read, checked as the recipe checks it before any model loads; None when it can."""
+    if not spec:
+        return "give a text file, builtin:..., generated... or a Hub dataset"
+    try:
+        check_spec(spec)
+    except DataError as error:
+        return str(error)
+    return None
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default=str(ROOT / "recipes" / "configs" / "smollm2-eln.yaml"))
@@ -384,10 +394,9 @@ def main(argv=None) -> int:
     if not args.plot_only:
         texts = (("--train-data", args.train_data), ("--eval-data", args.eval_data),
                  *((("--other-data", args.other_data),) if args.other_data else ()))
-        missing = [name for name, value in texts
-                   if not value or (not is_builtin(value) and not is_generated(value) and not Path(value).exists())]
-        if missing:
-            parser.error(f"{', '.join(missing)}: give existing text files (or builtin:..., generated...)")
+        problems = [f"{name}: {problem}" for name, value in texts if (problem := unreadable(value))]
+        if problems:
+            parser.error("; ".join(problems))
         if not Path(args.config).is_file():
             parser.error(f"--config {args.config}: no such file")
         if args.schedule in DECAYING and len([b for b in args.budgets if b > 0]) > 1 and not args.run_per_budget:

@@ -76,13 +76,14 @@ def _calibration_section(calibration) -> str:
 
 def _loss(distill: dict) -> str:
     """The recipe's loss in words (``DistillSettings``): ``(1 - weight) * CE + weight * distillation``."""
-    terms = [f"KL divergence to the original's logits (temperature {_number(distill.get('temperature', 1.0))})"
-             if distill.get("logits", True) else None,
-             f"every block's output toward the original's (weight {_number(distill['hidden'])})"
-             if distill.get("hidden") else None,
-             f"1 - cosine of the pooled embedding to the original's (weight {_number(distill['embedding'])})"
-             if distill.get("embedding") else None]
-    distillation = " plus ".join(filter(None, terms))
+    terms = []
+    if distill.get("logits", True):
+        terms.append(f"KL divergence to the original's logits (temperature {_number(distill.get('temperature', 1.0))})")
+    if distill.get("hidden"):
+        terms.append(f"every block's output toward the original's (weight {_number(distill['hidden'])})")
+    if distill.get("embedding"):
+        terms.append(f"1 - cosine of the pooled embedding to the original's (weight {_number(distill['embedding'])})")
+    distillation = " plus ".join(terms)
     weight = distill.get("weight") or 0
     if not weight or not distillation:
         return "causal-LM cross-entropy"

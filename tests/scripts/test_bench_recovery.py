@@ -144,6 +144,11 @@ def test_missing_data_is_refused_before_any_run(tmp_path, capsys):
                     "--other-data", str(tmp_path / "absent.txt"), "--out", str(tmp_path / "out")])
     error = capsys.readouterr().err.splitlines()[-1]  # the original's samples need no file: only --other-data
     assert exit_info.value.code == 2 and "--other-data" in error and "--train-data" not in error
+    with pytest.raises(SystemExit) as exit_info:  # sampling settings are checked as the recipe checks them
+        bench.main(["--train-data", "generated:temperature=0", "--eval-data", "builtin:evaluation",
+                    "--out", str(tmp_path / "out")])
+    assert exit_info.value.code == 2 and "--train-data: generated: temperature must be above 0" in \
+        capsys.readouterr().err
     assert not (tmp_path / "out").exists()
 
 
