@@ -81,8 +81,9 @@ def _prefix(files: list[Path], chars: int) -> list[str]:
 
 
 def _local(paths: list[Path], max_tokens: int | None = None) -> list[str]:
-    import datasets
-
+    """The texts of local files: one per text file, read directly (as ``datasets``' text loader with
+    ``sample_by="document"`` reads them, so a machine without ``datasets`` reads them too); json/jsonl and parquet
+    through ``datasets``."""
     files = [f for p in paths for f in (sorted(x for x in p.rglob("*") if x.is_file()) if p.is_dir() else [p])]
     if not files:
         raise DataError(f"no files under {', '.join(map(str, paths))}")
@@ -95,9 +96,15 @@ def _local(paths: list[Path], max_tokens: int | None = None) -> list[str]:
             return _prefix(files, max_tokens * CHARS_PER_TOKEN)
         except UnicodeDecodeError:
             raise DataError(_decode_problem(None, files, loader)) from None
-    kwargs = {"sample_by": "document"} if loader == "text" else {}  # one text per file
+    if loader == "text":
+        try:
+            return [text for f in files if (text := f.read_text(encoding="utf-8")).strip()]
+        except UnicodeDecodeError:
+            raise DataError(_decode_problem(None, files, loader)) from None
+    import datasets
+
     try:
-        dataset = datasets.load_dataset(loader, data_files=[str(f) for f in files], split="train", **kwargs)
+        dataset = datasets.load_dataset(loader, data_files=[str(f) for f in files], split="train")
     except Exception as error:  # datasets raises many types for malformed json / parquet
         raise DataError(f"cannot read {', '.join(map(str, paths))} as {loader}: {_decode_problem(error, files, loader)}") from None
     return [t for t in dataset[_text_column(dataset)] if t and t.strip()]

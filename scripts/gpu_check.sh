@@ -12,14 +12,19 @@
 #                 against the original's (bench_model.json)
 #   bench_train   the recipe's training step (student forward + backward, teacher forward) against a plain bf16
 #                 Trainer step of the same student, tokens/s (bench_train.json)
-#   recovery      recipes/finetune.py with recipes/configs/smollm2-eln.yaml for 5 minutes, offline data, when the
-#                 config exists and SmolLM2 can load: offline:smollm2 (needs `gguf`), or SMOLLM2_DIR, the folder of
-#                 scripts/export_smollm2_safetensors.py's parts
-#   fsdp          3 recipe steps under recipes/accelerate_configs/fsdp2.yaml on the one GPU (fsdp.log names the shard
-#                 units)
+#   recovery      recipes/configs/smollm2-{eln,dyt}.yaml side by side on the one GPU, bf16, constant learning rate
+#                 after warmup (as scripts/bench_recovery.py's curves), up to RECOVERY_TOKENS training tokens (default
+#                 2,000,000) or RECOVERY_MINUTES of training (default 4), evaluated every 102,400 tokens
+#                 (recovery-NORM/summary.json), when SmolLM2 can load: offline:smollm2 (needs `gguf`), or SMOLLM2_DIR,
+#                 the folder of scripts/export_smollm2_safetensors.py's parts. Data: the configs' own (the original's
+#                 samples, builtin:evaluation), or with WIKITEXT_DIR (wiki.valid.tokens, wiki.test.raw) BENCHMARKS'
+#                 mix: calibration on WikiText-2 validation, training on half samples and half that text, evaluation
+#                 on WikiText-2 test
+#   fsdp          3 recipe steps under recipes/accelerate_configs/fsdp2.yaml on the one GPU, beside the recovery runs
+#                 (a smoke test, not a timing; fsdp.log names the shard units)
 # OUT_DIR/summary.json: each step's status ("passed", "failed: exit N", "timed out: after N s", "skipped: REASON")
-# and seconds. One call to the GPU machine runs at most 10 minutes: run the recovery step in a call of its own
-# (--steps recovery) and the rest in another.
+# and seconds. One call to the GPU machine runs at most 10 minutes: run recovery and fsdp in a call of their own
+# (--steps recovery,fsdp) and the rest in another.
 #
 # --dry-run: the same steps on the CPU (any GPU hidden) at toy sizes, so that the script is checked without a GPU (the
 # CUDA tests skip, and are recorded as skipped; the recovery run is left to the GPU). PYTHON: the interpreter
@@ -48,11 +53,12 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 TOKENIZERS_
 
 record() { printf '%s\t%s\t%s\n' "$1" "$2" "$3" >>"$OUT/steps.tsv"; }
 
-# step NAME SECONDS COMMAND...: the command's output in OUT/NAME.log, its status and seconds in steps.tsv
+# step NAME SECONDS COMMAND...: the command's output in OUT/NAME.log, its status and seconds in steps.tsv; NAME is
+# selected by --steps, or by its part before a '-' (recovery-eln is a recovery step)
 step() {
   local name=$1 limit=$2 start=$SECONDS rc status
   shift 2
-  case ",$STEPS," in *",$name,"*) ;; *) record "$name" "skipped: not in --steps" 0; return ;; esac
+  case ",$STEPS," in *",${name%%-*},"*) ;; *) record "$name" "skipped: not in --steps" 0; return ;; esac
   echo "gpu_check: $name (at most ${limit}s)"
   timeout --kill-after=10 "$limit" "$@" >"$OUT/$name.log" 2>&1
   rc=$?
@@ -123,8 +129,19 @@ elif [ -n "$REASON" ]; then
 elif [ $DRY = 1 ]; then
   skip recovery "dry run: SmolLM2 recovery is left to the GPU (it would run with $SPEC)"
 else
-  step recovery 570 "$PYTHON" recipes/finetune.py --config "$CONFIG" max_minutes=5 output_dir="$OUT/recovery" \
-    model="$SPEC" calibration.data=builtin train_data=builtin:calibration eval_data=builtin:evaluation
+  if [ -n "${WIKITEXT_DIR:-}" ]; then
+    DATA=(calibration.data="$WIKITEXT_DIR/wiki.valid.tokens" eval_data="$WIKITEXT_DIR/wiki.test.raw"
+          "train_data=[generated:batch_size=128, $WIKITEXT_DIR/wiki.valid.tokens]")
+  else
+    DATA=()
+  fi
+  for NORM in eln dyt; do  # each its own sample cache: two runs sampling at once never share a file
+    HF_NORMSWAP_CACHE="$OUT/cache-$NORM" step recovery-$NORM 570 "$PYTHON" recipes/finetune.py \
+      --config recipes/configs/smollm2-$NORM.yaml output_dir="$OUT/recovery-$NORM" model="$SPEC" "${DATA[@]}" \
+      precision=bf16 train_tokens="${RECOVERY_TOKENS:-2000000}" max_minutes="${RECOVERY_MINUTES:-4}" \
+      training.lr_scheduler_type=constant_with_warmup training.eval_steps=100 eval_blocks=16 \
+      training.save_strategy=no &
+  done
 fi
 if [ ! -f "$CONFIG" ] || [ -n "$REASON" ]; then
   skip fsdp "${REASON:-$CONFIG does not exist}"
@@ -136,6 +153,7 @@ else  # a few recipe steps under accelerate's FSDP2 plugin on the one GPU; the l
     calibration.data=builtin calibration.strategy=fast calibration.num_blocks=4 train_data=builtin:calibration \
     eval_data=builtin:evaluation training.max_steps=3 training.eval_strategy=no training.save_strategy=no
 fi
+wait  # the recovery runs
 
 "$PYTHON" - "$OUT" $DRY <<'EOF'
 """summary.json from steps.tsv; the CUDA tests' counts from their junit xml (all of them skipped: the step skipped)."""

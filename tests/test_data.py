@@ -1,5 +1,7 @@
 """Text sources: how Hub datasets become documents."""
 
+import sys
+
 import datasets
 import pytest
 
@@ -26,3 +28,17 @@ def test_an_unreachable_hub_fails_at_once_naming_the_offline_switch(monkeypatch)
     monkeypatch.setattr(datasets, "load_dataset", retried)
     with pytest.raises(data.DataError, match="unreachable.*HF_HUB_OFFLINE=1"):
         data.load_texts("someone/text:config:test", "evaluation")
+
+
+def test_local_text_files_read_as_datasets_documents_without_datasets(tmp_path, monkeypatch):
+    """One text per file, newlines as ``datasets``' text loader gives them; the GPU machine has no ``datasets``."""
+    (tmp_path / "a.txt").write_bytes(b" = Title = \r\n\r\n first line\n second line\n")
+    (tmp_path / "b.txt").write_text("another document")
+    (tmp_path / "blank.txt").write_text("  \n")
+    theirs = datasets.load_dataset("text", data_files=[str(tmp_path / n) for n in ("a.txt", "b.txt", "blank.txt")],
+                                   split="train", sample_by="document", cache_dir=str(tmp_path / "cache"))
+    expected = [t for t in theirs["text"] if t.strip()]
+    monkeypatch.setitem(sys.modules, "datasets", None)  # import datasets now fails
+    assert data.load_texts(str(tmp_path / "a.txt"), "calibration") + data.load_texts(
+        str(tmp_path / "b.txt"), "calibration") == expected == [" = Title = \n\n first line\n second line\n",
+                                                                  "another document"]
