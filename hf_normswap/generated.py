@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import inspect
 import json
 import math
 import os
@@ -230,6 +231,12 @@ def preallocated_cache(model: nn.Module, length: int) -> DynamicCache | None:
     return cache
 
 
+def cache_argument(model: nn.Module) -> str:
+    """generate's keyword for a cache made beforehand, as the installed transformers names it: ``cache`` where the
+    model's forward takes it (later 5.x releases), else ``past_key_values`` (earlier ones, e.g. 5.17)."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
 def batches_for(max_tokens: int, settings: SamplingSettings) -> int:
     return max(1, math.ceil(max_tokens / (settings.length * settings.batch_size)))
 
@@ -294,7 +301,8 @@ def draw(model: nn.Module, tokenizer, cache: SampleCache, indices: list[int], *,
                 with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
                     torch.manual_seed(settings.seed * 1_000_003 + index)
                     out = model.generate(input_ids=prompts, attention_mask=torch.ones_like(prompts),
-                                         logits_processor=sampler, cache=preallocated_cache(model, settings.length))
+                                         logits_processor=sampler,
+                                         **{cache_argument(model): preallocated_cache(model, settings.length)})
                 cache.write(index, out.cpu(), _lengths(out, prompts.shape[1], eos).cpu(), precision)
                 bar.update(settings.batch_size * settings.length)
     finally:

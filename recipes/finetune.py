@@ -269,8 +269,23 @@ def original_spec(config) -> str:
     return spec
 
 
+def place_for_training(model, config, state):
+    """``model`` on the device accelerate trains on, so that calibration, the original's samples and the evaluations
+    run there too (each runs where the model is). Under FSDP2 the model stays in CPU memory for accelerate to shard,
+    and calibration's blocks visit the device one at a time (``calibration.device``)."""
+    from hf_normswap.training.sharding import fsdp2_requested
+
+    if state.device.type == "cpu":
+        return model
+    if fsdp2_requested():
+        config.calibration.device = config.calibration.device or str(state.device)
+        return model
+    return model.to(state.device)
+
+
 def load_models(config, state):
-    """(student, original, tokenizer). The main process calibrates and caches; the others load its result."""
+    """(student, original, tokenizer), on the training device (:func:`place_for_training`). The main process
+    calibrates and caches; the others load its result."""
     import hf_normswap
     from hf_normswap.checkpoint.save_load import read_config
     from hf_normswap.checkpoint.loading import load_model
@@ -279,13 +294,14 @@ def load_models(config, state):
     if converted_checkpoint(config) is not None:
         student, tokenizer = load_model(config.model)
         original, _ = load_model(original_spec(config), with_tokenizer=False)
-        return student, original, tokenizer
+        return place_for_training(student, config, state), place_for_training(original, config, state), tokenizer
     original, tokenizer = load_model(config.model)
+    original = place_for_training(original, config, state)
     with state.main_process_first():
         # the main process reuses the cache on a resume (check_calibration_cache: it matches the config); the others
         # come after it and load what it has just written
         if read_config(cache) is not None and (config.resume or not state.is_main_process):
-            student = hf_normswap.load(cache)
+            student = place_for_training(hf_normswap.load(cache), config, state)
             print(f"[finetune] calibrated model from {cache}", flush=True)
         else:
             student = copy.deepcopy(original)

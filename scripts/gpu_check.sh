@@ -135,10 +135,12 @@ else
   else
     DATA=()
   fi
-  for NORM in eln dyt; do  # each its own sample cache: two runs sampling at once never share a file
+  # each run its own sample cache (two runs sampling at once never share a file) and 4 CPU threads (three processes
+  # at the default thread count, one a core, would oversubscribe the cores)
+  for NORM in eln dyt; do
     HF_NORMSWAP_CACHE="$OUT/cache-$NORM" step recovery-$NORM 570 "$PYTHON" recipes/finetune.py \
       --config recipes/configs/smollm2-$NORM.yaml output_dir="$OUT/recovery-$NORM" model="$SPEC" "${DATA[@]}" \
-      precision=bf16 train_tokens="${RECOVERY_TOKENS:-2000000}" max_minutes="${RECOVERY_MINUTES:-4}" \
+      precision=bf16 train_tokens="${RECOVERY_TOKENS:-2000000}" max_minutes="${RECOVERY_MINUTES:-4}" threads=4 \
       training.lr_scheduler_type=constant_with_warmup training.eval_steps=100 eval_blocks=16 \
       training.save_strategy=no &
   done

@@ -207,13 +207,14 @@ def test_one_recipe_step_on_cuda_in_bf16(tmp_path):
 def test_the_originals_samples_on_cuda_use_the_preallocated_cache(tmp_path):
     """Sampling on the GPU: the preallocated cache generates what transformers' own cache does, and a drawn batch
     reads back as whole sequences of the requested length."""
-    from hf_normswap.generated import SampleCache, SamplingSettings, draw, preallocated_cache
+    from hf_normswap.generated import SampleCache, SamplingSettings, cache_argument, draw, preallocated_cache
 
     model = tiny_model("llama").to("cuda").eval()
     prompts = torch.tensor([[1, 5, 9], [1, 7, 3]], device="cuda")
     kwargs = dict(input_ids=prompts, attention_mask=torch.ones_like(prompts), do_sample=False, max_new_tokens=20,
                   min_new_tokens=20, pad_token_id=0)
-    assert torch.equal(model.generate(**kwargs, cache=preallocated_cache(model, 23)), model.generate(**kwargs))
+    ready = {cache_argument(model): preallocated_cache(model, 23)}
+    assert torch.equal(model.generate(**kwargs, **ready), model.generate(**kwargs))
     tokenizer = full_length_tokenizer()
     cache = SampleCache(model, SamplingSettings(length=16, batch_size=4, precision="bf16"), tmp_path)
     assert draw(model, tokenizer, cache, [0], progress=False) == "bf16"

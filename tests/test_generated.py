@@ -126,7 +126,7 @@ def test_the_sampler_draws_from_the_softmax_and_never_a_masked_token():
 
 
 def test_the_preallocated_cache_generates_what_the_default_cache_does():
-    from hf_normswap.generated import PreallocatedLayer, preallocated_cache
+    from hf_normswap.generated import PreallocatedLayer, cache_argument, preallocated_cache
 
     model = tiny_model("llama").eval()
     prompts = torch.tensor([[1, 5, 9], [1, 7, 3]])
@@ -135,8 +135,24 @@ def test_the_preallocated_cache_generates_what_the_default_cache_does():
     cache = preallocated_cache(model, 23)
     assert len(cache.layers) == model.config.num_hidden_layers
     assert all(isinstance(layer, PreallocatedLayer) for layer in cache.layers)
-    assert torch.equal(model.generate(**kwargs, cache=cache), model.generate(**kwargs))
+    assert torch.equal(model.generate(**kwargs, **{cache_argument(model): cache}), model.generate(**kwargs))
     assert cache.layers[0].key_buffer.shape[-2] == 23 and cache.get_seq_length() == 22
+
+
+def test_the_cache_goes_to_generate_under_the_name_the_installed_transformers_takes():
+    """Later transformers 5.x name generate's cache ``cache``, earlier ones (5.17) ``past_key_values`` and refuse
+    ``cache`` as an unused model kwarg."""
+    import inspect
+
+    from hf_normswap.generated import cache_argument
+
+    class EarlierForward(torch.nn.Module):
+        def forward(self, input_ids=None, attention_mask=None, past_key_values=None, **kwargs):
+            return input_ids
+
+    model = tiny_model("llama")
+    assert cache_argument(model) in inspect.signature(model.forward).parameters
+    assert cache_argument(EarlierForward()) == "past_key_values"
 
 
 def test_sliding_window_layers_keep_their_own_cache():

@@ -82,9 +82,10 @@ def saturating_init(module: ElementwiseNorm, x: torch.Tensor, kind: str, input_s
 
 
 def squash_share(module: ElementwiseNorm, x: torch.Tensor) -> torch.Tensor:
-    """f(x) with |f| < 1 for each element, in the module's current parameters."""
+    """f(x) with |f| < 1 for each element, in the module's current parameters, computed where ``x`` is (the samples
+    stay on the CPU while the module sits on the device that computes its block)."""
     with torch.no_grad():
-        return module.squash(x.float(), module.shape_parameter().float())
+        return module.squash(x.float(), module.shape_parameter().float().to(x.device))
 
 
 def _weighted_mse(pred: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:

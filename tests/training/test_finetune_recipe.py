@@ -502,3 +502,25 @@ def test_the_training_text_is_sized_by_the_run_only_for_the_originals_samples(tr
                                    block_len=16, training={**training, "per_device_train_batch_size": 2,
                                                            "gradient_accumulation_steps": 3})
     assert [recipe.training_budget(config, spec, world_size=4) for spec in sources] == expected
+
+
+def test_the_models_go_to_the_training_device_and_under_fsdp2_only_the_blocks_do(monkeypatch):
+    """Calibration, sampling and evaluation run where the model is: on a GPU machine that is the GPU accelerate
+    trains on (the meta device stands in for it here). Under FSDP2 accelerate shards from CPU memory, so the model
+    stays there and calibration's blocks visit the device."""
+    from types import SimpleNamespace
+
+    from hf_normswap.placement import model_device
+
+    recipe = import_file("recipes/finetune.py")
+    gpu, cpu = SimpleNamespace(device=torch.device("meta")), SimpleNamespace(device=torch.device("cpu"))
+    for variable in ("ACCELERATE_USE_FSDP", "FSDP_VERSION"):
+        monkeypatch.delenv(variable, raising=False)
+    config = SimpleNamespace(calibration=SimpleNamespace(device=None))
+    assert model_device(recipe.place_for_training(tiny_model("llama"), config, cpu)).type == "cpu"
+    assert model_device(recipe.place_for_training(tiny_model("llama"), config, gpu)).type == "meta"
+    assert config.calibration.device is None
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    monkeypatch.setenv("FSDP_VERSION", "2")
+    assert model_device(recipe.place_for_training(tiny_model("llama"), config, gpu)).type == "cpu"
+    assert config.calibration.device == "meta"
