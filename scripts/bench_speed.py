@@ -623,7 +623,8 @@ SAMPLING_TRAIN = ["recipe", "recipe-layerwise"]  # logit KL alone; with the laye
 
 def sampling_section(args) -> list[dict]:
     """The original's samples (``hf_normswap.generated``) against the recipe's training step: tokens/s of each,
-    interleaved in one process, sampling in the precision ``generated`` chooses (``precision=auto``). A sample costs
+    interleaved in one process, sampling in the precision ``generated`` chooses (``precision=auto``), each batch size
+    at each sample length (``sample-B`` at the training length, ``sample-BxL`` at another). A sample costs
     ``train tokens/s / sample tokens/s`` of a training step on the same number of tokens."""
     import tempfile
     import types
@@ -639,24 +640,27 @@ def sampling_section(args) -> list[dict]:
         steps, choices = train_steps(SAMPLING_TRAIN, student, teacher, inputs, directory)
         counter, drawn_in = iter(range(10 ** 6)), {}
 
-        def sampler(batch):
-            cache = SampleCache(teacher, SamplingSettings(length=args.seq, batch_size=batch), Path(directory) / "samples")
+        shapes = {(f"sample-{b}" if length == args.seq else f"sample-{b}x{length}"): (b, length)
+                  for b in args.sample_batches for length in args.sample_lengths or [args.seq]}
+
+        def sampler(name):
+            batch, length = shapes[name]
+            cache = SampleCache(teacher, SamplingSettings(length=length, batch_size=batch), Path(directory) / "samples")
 
             def sample():
-                drawn_in[batch] = draw(teacher, tokenizer, cache, [next(counter)], progress=False)
+                drawn_in[name] = draw(teacher, tokenizer, cache, [next(counter)], progress=False)
             return sample
 
-        candidates = {**{name: steps[name] for name in SAMPLING_TRAIN},
-                      **{f"sample-{b}": sampler(b) for b in args.sample_batches}}
+        candidates = {**{name: steps[name] for name in SAMPLING_TRAIN}, **{name: sampler(name) for name in shapes}}
         med = interleaved(candidates, args.train_reps)
     train_tok_s = {name: inputs["input_ids"].numel() / med[name] for name in SAMPLING_TRAIN}
     rows = [dict(section="sampling", model=args.models[0], variant=name, precision=choices[name].precision,
                  tokens=inputs["input_ids"].numel(), seconds=med[name], tokens_per_s=train_tok_s[name])
             for name in SAMPLING_TRAIN]
-    for batch in args.sample_batches:
-        tokens, seconds = batch * args.seq, med[f"sample-{batch}"]
-        rows.append(dict(section="sampling", model=args.models[0], variant=f"sample-{batch}",
-                         precision=drawn_in[batch], tokens=tokens, seconds=seconds,
+    for name, (batch, length) in shapes.items():
+        tokens, seconds = batch * length, med[name]
+        rows.append(dict(section="sampling", model=args.models[0], variant=name, length=length,
+                         precision=drawn_in[name], tokens=tokens, seconds=seconds,
                          tokens_per_s=tokens / seconds,
                          **{f"cost_of_{name}": rate / (tokens / seconds) for name, rate in train_tok_s.items()}))
     for row in rows:
@@ -723,6 +727,8 @@ def parse_args(argv=None):
     parser.add_argument("--train-precision", choices=("fp32", "bf16"),
                         help="train section: every variant in this precision instead of its own (bf16 on a GPU)")
     parser.add_argument("--sample-batches", default="8,32", help="sampling section: sequences a generate call")
+    parser.add_argument("--sample-lengths", default=None,
+                        help="sampling section: tokens a sample, comma-separated (default: --seq, the training length)")
     parser.add_argument("--head-dims", default="576,49152", help="head section: hidden size, vocabulary (SmolLM2)")
     parser.add_argument("--head-job", help=argparse.SUPPRESS)  # internal: one loss variant's peak RSS (a child)
     parser.add_argument("--json", help="write all rows to this file")
@@ -735,6 +741,7 @@ def parse_args(argv=None):
     args.sizes = [int(s) for s in args.sizes.split(",")]
     args.head_dims = [int(s) for s in args.head_dims.split(",")]
     args.sample_batches = [int(s) for s in args.sample_batches.split(",")]
+    args.sample_lengths = [int(s) for s in args.sample_lengths.split(",")] if args.sample_lengths else None
     try:
         check_device(args.device, "--device")
     except ValueError as error:

@@ -70,3 +70,23 @@ def test_device_is_checked_and_kept_to_the_sections_it_times(capsys):
         bench.parse_args(["--device", "cuda"])
     assert exit.value.code == 2 and "--device" in capsys.readouterr().err
     assert bench.parse_args(["--device", "cpu", "--sections", "model", "--models", "smollm2-random"]).layers == 30
+
+
+def test_quick_sampling_section_prices_each_batch_and_length_in_training_time(tmp_path):
+    import torch
+
+    bench = import_file("scripts/bench_speed.py")
+    out = tmp_path / "sampling.json"
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert bench.main(["--quick", "--sections", "sampling", "--seq", "32", "--sample-batches", "2",
+                           "--sample-lengths", "16,32", "--json", str(out)]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    rows = {r["variant"]: r for r in json.loads(out.read_text())["rows"]}
+    assert (rows["sample-2x16"]["tokens"], rows["sample-2"]["tokens"]) == (2 * 16, 2 * 32)
+    for name in ("sample-2x16", "sample-2"):
+        row = rows[name]
+        assert row["tokens_per_s"] > 0 and row["precision"] in ("fp32", "bf16")
+        assert all(row[f"cost_of_{step}"] > 0 for step in bench.SAMPLING_TRAIN)
