@@ -39,6 +39,7 @@ import argparse
 import json
 import os
 import resource
+import shutil
 import subprocess
 import sys
 import time
@@ -47,6 +48,7 @@ from pathlib import Path
 import yaml
 
 from hf_normswap.data import DataError, check_spec
+from hf_normswap.training.run_dir import RECORD
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "recipes" / "finetune.py"
@@ -158,7 +160,8 @@ def calibration_settings(args, method: str) -> list[str]:
 def share_calibration(args, norm: str, method: str, run_dir: Path) -> None:
     """Start from another run's calibrated model when the calibration settings are the same: the same start for
     every method and budget (the curves then differ by the recovery alone) and one calibration instead of one per
-    run."""
+    run. The other run's record (``run.json``: the model it calibrated) comes along, or the recipe would refuse a
+    directory it did not write."""
     cache = run_dir / "calibrated"
     if cache.exists():
         return
@@ -169,6 +172,9 @@ def share_calibration(args, norm: str, method: str, run_dir: Path) -> None:
         if other in METHODS and calibration_settings(args, other) == calibration_settings(args, method):
             run_dir.mkdir(parents=True, exist_ok=True)
             cache.symlink_to(source.parent.resolve(), target_is_directory=True)
+            record = source.parent.parent / RECORD
+            if record.exists() and not (run_dir / RECORD).exists():
+                shutil.copyfile(record, run_dir / RECORD)
             return
 
 

@@ -5,10 +5,12 @@ from __future__ import annotations
 import argparse
 import json
 import subprocess
+from types import SimpleNamespace
 
 import pytest
 
 from file_modules import import_file
+from hf_normswap.training.run_dir import RECORD, WRITTEN_BY, check_run_dir, write_json
 
 bench = import_file("scripts/bench_recovery.py")
 recipe = import_file("recipes/finetune.py")
@@ -105,8 +107,11 @@ def test_a_run_per_budget_has_its_own_directory_and_shares_the_calibrated_start(
     assert first.name == "eln-config-77000" and second.name == "eln-config-308000"
     (first / "calibrated").mkdir(parents=True)
     (first / "calibrated" / "config.json").write_text("{}")
+    write_json(first / RECORD, {"written_by": WRITTEN_BY, "model": {"model": "m"}, "parameters": {}})
     bench.share_calibration(args, "eln", "config", second)
     assert (second / "calibrated").resolve() == (first / "calibrated").resolve()
+    # with the record of the run it came from, the recipe takes the directory as its own
+    check_run_dir(SimpleNamespace(output_dir=str(second), resume=False))
     bench.share_calibration(args, "eln", "blockwise", bench.run_directory(args, "eln", "blockwise", 77000))
     assert not (tmp_path / "runs" / "eln-blockwise-77000" / "calibrated").exists()  # its own calibration
     chunks = argparse.Namespace(out=str(tmp_path), run_per_budget=False)
