@@ -662,7 +662,7 @@ def sampling_section(args) -> list[dict]:
         rows.append(dict(section="sampling", model=args.models[0], variant=name, length=length,
                          precision=drawn_in[name], tokens=tokens, seconds=seconds,
                          tokens_per_s=tokens / seconds,
-                         **{f"cost_of_{name}": rate / (tokens / seconds) for name, rate in train_tok_s.items()}))
+                         **{f"cost_of_{step}": rate / (tokens / seconds) for step, rate in train_tok_s.items()}))
     for row in rows:
         costs = ", ".join(f"{row[f'cost_of_{name}']:.2f}x {name}" for name in SAMPLING_TRAIN if f"cost_of_{name}" in row)
         log(f"sampling {row['variant']:<16} {row['precision']}: {row['tokens_per_s']:.1f} tok/s"

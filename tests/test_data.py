@@ -31,7 +31,7 @@ def test_an_unreachable_hub_fails_at_once_naming_the_offline_switch(monkeypatch)
 
 
 def test_local_text_files_read_as_datasets_documents_without_datasets(tmp_path, monkeypatch):
-    """One text per file, newlines as ``datasets``' text loader gives them; the GPU machine has no ``datasets``."""
+    """One text per file, newlines as ``datasets``' text loader gives them, also where ``datasets`` is missing."""
     (tmp_path / "a.txt").write_bytes(b" = Title = \r\n\r\n first line\n second line\n")
     (tmp_path / "b.txt").write_text("another document")
     (tmp_path / "blank.txt").write_text("  \n")
