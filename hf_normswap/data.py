@@ -91,13 +91,11 @@ def _local(paths: list[Path], max_tokens: int | None = None) -> list[str]:
     if len(loaders) > 1:
         raise DataError("mixed file types: pass text, json/jsonl or parquet files, one kind at a time")
     loader = loaders.pop()
-    if loader == "text" and max_tokens is not None and sum(f.stat().st_size for f in files) > LAZY_BYTES:
-        try:  # a large file read up to the budget: its first CHARS_PER_TOKEN characters a token at most
-            return _prefix(files, max_tokens * CHARS_PER_TOKEN)
-        except UnicodeDecodeError:
-            raise DataError(_decode_problem(None, files, loader)) from None
     if loader == "text":
         try:
+            if max_tokens is not None and sum(f.stat().st_size for f in files) > LAZY_BYTES:
+                # a large file read up to the budget: its first CHARS_PER_TOKEN characters a token at most
+                return _prefix(files, max_tokens * CHARS_PER_TOKEN)
             return [text for f in files if (text := f.read_text(encoding="utf-8")).strip()]
         except UnicodeDecodeError:
             raise DataError(_decode_problem(None, files, loader)) from None

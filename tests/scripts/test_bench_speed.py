@@ -11,6 +11,18 @@ from file_modules import import_file
 from hf_normswap.precision import SLOW_MATMUL
 
 
+@pytest.fixture
+def one_thread(monkeypatch):
+    """torch and the peak-RSS children at one thread: two threads on a loaded machine crawl."""
+    import torch
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def test_quick_model_section_measures_every_variant_of_a_finite_conversion(tmp_path):
     bench = import_file("scripts/bench_speed.py")
     out = tmp_path / "speed.json"
@@ -38,18 +50,10 @@ def test_model_variants_are_calibrated_unless_asked_not_to():
             assert len(norms) == 9 and all(m.per_channel == calibrate for m in norms)
 
 
-def test_quick_train_section_writes_the_keys_a_script_checks(tmp_path, monkeypatch):
-    import torch
-
+def test_quick_train_section_writes_the_keys_a_script_checks(tmp_path, one_thread):
     bench = import_file("scripts/bench_speed.py")
     out = tmp_path / "train.json"
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the peak-RSS children; two threads on a loaded machine crawl
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        assert bench.main(["--quick", "--sections", "train", "--seq", "32", "--json", str(out)]) == 0
-    finally:
-        torch.set_num_threads(threads)
+    assert bench.main(["--quick", "--sections", "train", "--seq", "32", "--json", str(out)]) == 0
     result = json.loads(out.read_text())
     for key in ("baseline_tokens_per_s", "recipe_tokens_per_s", "baseline_peak_rss_mb", "recipe_peak_rss_mb"):
         assert result[key] > 0, key
@@ -72,18 +76,11 @@ def test_device_is_checked_and_kept_to_the_sections_it_times(capsys):
     assert bench.parse_args(["--device", "cpu", "--sections", "model", "--models", "smollm2-random"]).layers == 30
 
 
-def test_quick_sampling_section_prices_each_batch_and_length_in_training_time(tmp_path):
-    import torch
-
+def test_quick_sampling_section_prices_each_batch_and_length_in_training_time(tmp_path, one_thread):
     bench = import_file("scripts/bench_speed.py")
     out = tmp_path / "sampling.json"
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        assert bench.main(["--quick", "--sections", "sampling", "--seq", "32", "--sample-batches", "2",
-                           "--sample-lengths", "16,32", "--json", str(out)]) == 0
-    finally:
-        torch.set_num_threads(threads)
+    assert bench.main(["--quick", "--sections", "sampling", "--seq", "32", "--sample-batches", "2",
+                       "--sample-lengths", "16,32", "--json", str(out)]) == 0
     rows = {r["variant"]: r for r in json.loads(out.read_text())["rows"]}
     assert (rows["sample-2x16"]["tokens"], rows["sample-2"]["tokens"]) == (2 * 16, 2 * 32)
     for name in ("sample-2x16", "sample-2"):
