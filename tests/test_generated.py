@@ -125,6 +125,23 @@ def test_the_sampler_draws_from_the_softmax_and_never_a_masked_token():
     assert torch.allclose(share, expected, atol=0.01)  # 3 standard errors of a share near 0.5 at 40,000 draws: 0.0075
 
 
+def test_the_two_level_search_draws_across_blocks_and_the_tail_and_never_a_masked_token():
+    from hf_normswap.generated import InverseCdfSampler
+
+    block = InverseCdfSampler.BLOCK
+    width = 2 * block + 7  # two whole blocks and a tail
+    row = torch.full((width,), float("-inf"))
+    allowed = [0, block - 2, block + 3, 2 * block + 1, width - 1]  # the first two blocks end masked
+    row[allowed] = torch.tensor([1.0, 0.0, 2.0, 0.5, 1.5])
+    scores = row.expand(40_000, width).contiguous()
+    torch.manual_seed(0)
+    drawn = InverseCdfSampler()(None, scores.clone()).argmax(dim=-1)
+    share = torch.bincount(drawn, minlength=width) / len(drawn)
+    expected = torch.softmax(row, dim=-1)
+    assert share.sum() == 1 and share[allowed].sum() == 1  # no masked token, no token past the vocabulary
+    assert torch.allclose(share, expected, atol=0.01)
+
+
 def test_the_preallocated_cache_generates_what_the_default_cache_does():
     from hf_normswap.generated import PreallocatedLayer, cache_argument, preallocated_cache
 

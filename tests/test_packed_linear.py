@@ -1,0 +1,61 @@
+"""Linear layers on packed weights: the same outputs, chosen by timing, and the model as it was afterwards."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny_models import tiny_model
+from torch import nn
+
+from hf_normswap import packed_linear
+from hf_normswap.packed_linear import packed_linears
+
+pytestmark = pytest.mark.skipif(not packed_linear._ops_available(), reason="this torch has no oneDNN linear ops")
+
+
+class Scaled(nn.Linear):
+    """A subclass with its own forward, as LoRA and quantized layers have."""
+
+    def forward(self, inputs):
+        return 2 * super().forward(inputs)
+
+
+def _always(monkeypatch, speedup: float) -> None:
+    monkeypatch.setattr(packed_linear, "packing_speedup", lambda layers, packed, rows: speedup)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_layers_give_the_outputs_of_their_own_weights(monkeypatch, dtype):
+    _always(monkeypatch, 2.0)
+    model = tiny_model("llama").to(dtype).eval()
+    ids = torch.tensor([[1, 5, 9, 3], [2, 4, 6, 8]])
+    with torch.no_grad():
+        expected = model(input_ids=ids).logits
+        with packed_linears(model, rows=2) as packed:
+            assert packed and all("forward" in m.__dict__ for m in model.modules() if type(m) is nn.Linear)
+            logits = model(input_ids=ids).logits
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(logits, expected, rtol=tolerance, atol=tolerance)
+    assert not any("forward" in m.__dict__ for m in model.modules())  # the model's own forward again
+
+
+def test_layers_stay_as_they_are_where_packing_is_not_faster(monkeypatch):
+    _always(monkeypatch, 1.0)
+    model = tiny_model("llama")
+    with packed_linears(model, rows=2) as packed:
+        assert not packed and not any("forward" in m.__dict__ for m in model.modules())
+
+
+def test_subclasses_and_other_devices_dtypes_keep_their_own_forward(monkeypatch):
+    _always(monkeypatch, 2.0)
+    model = nn.Sequential(nn.Linear(8, 8), Scaled(8, 8), nn.Linear(8, 8).half())
+    inputs = torch.randn(3, 8)
+    with torch.no_grad(), packed_linears(model, rows=3):
+        assert ["forward" in m.__dict__ for m in model] == [True, False, False]
+        assert torch.allclose(model[1](inputs), 2 * nn.functional.linear(inputs, model[1].weight, model[1].bias))
+
+
+def test_the_timing_compares_the_same_layers_both_ways():
+    layers = [nn.Linear(16, 32), nn.Linear(32, 16, bias=False)]
+    packed = [torch.ops.mkldnn._reorder_linear_weight(layer.weight.detach(), 4) for layer in layers]
+    assert 0 < packed_linear.packing_speedup(layers, packed, rows=4) < float("inf")
