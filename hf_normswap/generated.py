@@ -314,7 +314,8 @@ def draw(model: nn.Module, tokenizer, cache: SampleCache, indices: list[int], *,
     bar = tqdm(total=len(missing) * settings.batch_size * settings.length, unit="tok", unit_scale=True,
                desc="sampling the original", disable=not progress)
     try:
-        with weights_in(model, WEIGHT_DTYPES[precision]), packed_linears(model, settings.batch_size):
+        with weights_in(model, WEIGHT_DTYPES[precision]), packed_linears(model, settings.batch_size) as packed:
+            bar.set_postfix_str(f"{precision} weights{', packed' if packed else ''}", refresh=False)
             for index in missing:
                 prompts = _prompts(settings, tokenizer, prompt_texts, settings.batch_size, index * settings.batch_size)
                 prompts = prompts.to(device)

@@ -39,6 +39,7 @@ import argparse
 import contextlib
 import copy
 import json
+import logging
 import os
 import platform
 import statistics
@@ -630,6 +631,9 @@ def sampling_section(args) -> list[dict]:
     import types
 
     from hf_normswap.generated import SampleCache, SamplingSettings, draw
+
+    logging.basicConfig(format="[bench_speed] %(name)s: %(message)s")
+    logging.getLogger("hf_normswap.packed_linear").setLevel(logging.INFO)  # whether each draw packed its weights
 
     student, teacher, inputs = train_setup(args)
     teacher.config.use_cache = True
