@@ -61,7 +61,7 @@ class SamplingSettings:
     temperature: float = 1.0
     top_p: float = 1.0
     length: int = 512  # tokens a sequence, prompt included
-    batch_size: int = 64  # sequences a generate call (and a cache file); chosen by measuring (BENCHMARKS.md)
+    batch_size: int = 64  # sequences a generate call (and a cache file); more are faster a token (the configs: 128)
     prompt: str = "bos"  # bos, or a text spec whose documents' first prompt_tokens tokens start the sequences
     prompt_tokens: int = 8
     seed: int = 0
