@@ -6,6 +6,7 @@ import pytest
 import torch
 from tiny_models import full_length_tokenizer, tiny_model, tiny_tokenizer
 
+from hf_normswap import packed_linear
 from hf_normswap.data import DataError, load_texts
 from hf_normswap.generated import SampleCache, SamplingSettings, sample_texts
 
@@ -18,6 +19,12 @@ def _counting(model, calls: list):
     generate = model.generate
     model.generate = lambda **kw: calls.append(kw["input_ids"].shape) or generate(**kw)
     return model
+
+
+@pytest.fixture(autouse=True)
+def unpacked(monkeypatch):
+    """Packing is timed too, and packed matmuls round differently: the tests that compare draws keep it off."""
+    monkeypatch.setattr(packed_linear, "packing_speedup", lambda layers, packed, rows: 1.0)
 
 
 @pytest.fixture()
@@ -34,6 +41,18 @@ def test_a_second_call_reads_the_cache_without_sampling(counted, tmp_path):
     assert sample_texts(model, tokenizer, SETTINGS, BUDGET, cache_dir=tmp_path, progress=False) == first
     assert len(calls) == 3
     assert len(list(tmp_path.rglob("batch-*.safetensors"))) == 3 and not list(tmp_path.rglob("*.partial*"))
+
+
+@pytest.mark.skipif(not packed_linear._ops_available(), reason="this torch has no oneDNN linear ops")
+def test_a_draw_on_packed_weights_gives_full_samples_and_leaves_the_model_as_it_was(tmp_path, monkeypatch):
+    monkeypatch.setattr(packed_linear, "packing_speedup", lambda layers, packed, rows: 2.0)
+    calls, packed_forward = [], packed_linear._packed_forward
+    monkeypatch.setattr(packed_linear, "_packed_forward",
+                        lambda inputs, **kw: calls.append(1) or packed_forward(inputs, **kw))
+    model = tiny_model("llama")
+    texts = sample_texts(model, full_length_tokenizer(), SETTINGS, BUDGET, cache_dir=tmp_path, progress=False)
+    assert calls and len(texts) == 9 and len(set(texts)) == 9
+    assert not any("forward" in module.__dict__ for module in model.modules())
 
 
 def test_a_changed_setting_or_model_makes_a_new_cache(tmp_path):
