@@ -86,7 +86,7 @@ def packed_linears(model: nn.Module, rows: int):
             logger.info("linear layers stay unpacked: %s", error)
             speedup = 0.0
         else:
-            logger.info("linear layers on packed weights: %.2fx their own speed at %d rows", speedup, rows)
+            logger.info("linear layers on packed weights ran at %.2fx their own speed at %d rows", speedup, rows)
         if speedup < 1 / (1 - MARGIN):
             layers, packed = [], []
     try:
