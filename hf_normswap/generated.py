@@ -195,14 +195,14 @@ class InverseCdfSampler(LogitsProcessor):
         sums = weights[:, :whole].view(rows, -1, self.BLOCK).sum(dim=-1)
         if whole < width:
             sums = torch.cat([sums, weights[:, whole:].sum(dim=-1, keepdim=True)], dim=1)
-        cumulative = sums.cumsum_(dim=-1)
+        cumulative = sums.cumsum(dim=-1)
         # Below the total by at least one rounding step, so that the search never ends past the last entry of
         # weight above 0, in the blocks or within one.
         below_one = 1 - 2 ** -23
         targets = torch.rand(rows, 1, device=scores.device) * below_one * cumulative[:, -1:]
         block = torch.searchsorted(cumulative, targets, right=True)
-        before = torch.where(block > 0, cumulative.gather(1, (block - 1).clamp(min=0)), 0.0)
-        within = ((targets - before) / (cumulative.gather(1, block) - before)).clamp_(0, below_one)
+        mass = sums.gather(1, block)
+        within = ((targets - cumulative.gather(1, block) + mass) / mass).clamp_(0, below_one)
         columns = block * self.BLOCK + torch.arange(self.BLOCK, device=scores.device)
         inside = torch.where(columns < width, weights.gather(1, columns.clamp(max=width - 1)), 0.0).cumsum_(dim=-1)
         tokens = block * self.BLOCK + torch.searchsorted(inside, within * inside[:, -1:], right=True)

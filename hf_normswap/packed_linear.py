@@ -14,9 +14,12 @@ import contextlib
 import functools
 import logging
 import time
+from typing import Callable
 
 import torch
 from torch import nn
+
+from .precision import interleaved_seconds
 
 MARGIN = 0.05  # packing must save at least this share of the layers' time, so that noise never picks a slower one
 REPETITIONS = 3
@@ -44,29 +47,23 @@ def _packed_forward(inputs: torch.Tensor, *, packed: torch.Tensor, bias: torch.T
     return torch.ops.mkldnn._linear_pointwise(inputs, packed, bias, "none", [], "")
 
 
-def _seconds(layers: list[nn.Linear], inputs: dict, forwards: list) -> float:
-    start = time.perf_counter()
-    for layer, forward in zip(layers, forwards):
-        forward(inputs[layer.in_features, layer.weight.dtype])
-    return time.perf_counter() - start
-
-
-def packing_speedup(layers: list[nn.Linear], packed: list[torch.Tensor], rows: int) -> float:
-    """Seconds of one pass over ``layers`` with their own weights / with ``packed``, on ``rows`` rows: the fastest
-    of :data:`REPETITIONS` interleaved rounds after a warm-up (a short timing is easily interrupted on a shared
-    machine; the fastest is its own speed)."""
-    inputs = {(layer.in_features, layer.weight.dtype): torch.randn(rows, layer.in_features, dtype=layer.weight.dtype)
-              for layer in layers}
-    plain = [layer.forward for layer in layers]
+def packing_speedup(layers: list[nn.Linear], packed: list[torch.Tensor], rows: int, *,
+                    clock: Callable[[], float] = time.perf_counter) -> float:
+    """Seconds of one pass over ``layers`` on ``rows`` rows with their own weights over seconds with ``packed``:
+    the fastest of :data:`REPETITIONS` interleaved rounds (:func:`precision.interleaved_seconds`; a short timing is
+    easily interrupted on a shared machine, the fastest is its own speed)."""
+    shared = {(layer.in_features, layer.weight.dtype): torch.randn(rows, layer.in_features, dtype=layer.weight.dtype)
+              for layer in layers}  # one input a shape
+    inputs = [shared[layer.in_features, layer.weight.dtype] for layer in layers]
     fast = [functools.partial(_packed_forward, packed=weight, bias=layer.bias) for layer, weight in zip(layers, packed)]
-    times = {"plain": [], "packed": []}
+
+    def one_pass(forwards) -> Callable[[], None]:
+        return lambda: [forward(x) for forward, x in zip(forwards, inputs)]
+
+    steps = {"plain": one_pass([layer.forward for layer in layers]), "packed": one_pass(fast)}
     with torch.no_grad():
-        for round_ in range(REPETITIONS + 1):
-            for name, forwards in (("plain", plain), ("packed", fast)):
-                seconds = _seconds(layers, inputs, forwards)
-                if round_:
-                    times[name].append(seconds)
-    return min(times["plain"]) / min(times["packed"])
+        seconds = interleaved_seconds(steps, repetitions=REPETITIONS, clock=clock, statistic=min)
+    return seconds["plain"] / seconds["packed"]
 
 
 @contextlib.contextmanager

@@ -101,27 +101,39 @@ def matmul_speedup(device: torch.device | str = "cpu", repetitions: int = 5) -> 
     return fp32 / bf16
 
 
+def interleaved_seconds(steps: dict[str, Callable[[], object]], *, repetitions: int = 3,
+                        clock: Callable[[], float] = time.perf_counter,
+                        statistic: Callable[[list[float]], float] = statistics.median) -> dict[str, float]:
+    """``statistic`` of each step's seconds: one untimed warm-up of each, then ``repetitions`` timed rounds with the
+    steps interleaved, so that a load change on a shared machine hits all of them."""
+    times = {name: [] for name in steps}
+    for step in steps.values():
+        step()
+    for _ in range(repetitions):
+        for name, step in steps.items():
+            start = clock()
+            step()
+            times[name].append(clock() - start)
+    return {name: statistic(seconds) for name, seconds in times.items()}
+
+
 def probe(step: Callable[[], object], *, device: torch.device | str = "cpu", repetitions: int = 3,
           timer: Callable[[], float] = time.perf_counter,
           statistic: Callable[[list[float]], float] = statistics.median) -> tuple[float, float]:
-    """Seconds of ``step()`` in fp32 and under bf16 autocast (``statistic`` of the timed rounds, median by
-    default): one untimed warm-up of each, then ``repetitions`` timed rounds, fp32 and bf16 interleaved so that a
-    load change on a shared machine hits both. The random state is restored afterwards, so probing does not change
-    what training draws."""
+    """Seconds of ``step()`` in fp32 and under bf16 autocast (:func:`interleaved_seconds`, median by default). The
+    random state is restored afterwards, so probing does not change what training draws."""
     device_type = torch.device(device).type
-    clock = _synchronized(device_type, timer)
-    times = {False: [], True: []}
-    with torch.random.fork_rng(devices=[] if device_type != "cuda" else None):
-        for bf16 in (False, True):
+
+    def under(bf16: bool) -> Callable[[], object]:
+        def run():
             with autocast(bf16, device):
-                step()
-        for _ in range(repetitions):
-            for bf16 in (False, True):
-                start = clock()
-                with autocast(bf16, device):
-                    step()
-                times[bf16].append(clock() - start)
-    return statistic(times[False]), statistic(times[True])
+                return step()
+        return run
+
+    with torch.random.fork_rng(devices=[] if device_type != "cuda" else None):
+        seconds = interleaved_seconds({"fp32": under(False), "bf16": under(True)}, repetitions=repetitions,
+                                      clock=_synchronized(device_type, timer), statistic=statistic)
+    return seconds["fp32"], seconds["bf16"]
 
 
 def choose_precision(precision: str, step: Callable[[], object] | None = None, *,

@@ -15,7 +15,8 @@ PACKAGE = Path(hf_normswap.__file__).parent
 # The pipeline, bottom to top: a module may import its own stage (its subpackage) and the stages below it.
 STAGES = [
     ("version", "modules"),
-    ("kernels", "model_inputs", "packed_linear", "placement", "precision", "validation"),
+    ("kernels", "model_inputs", "placement", "precision", "validation"),
+    ("packed_linear",),
     ("generated",),
     ("data",),
     ("streaming",),

@@ -46,7 +46,7 @@ def test_layers_stay_as_they_are_where_packing_is_not_faster(monkeypatch):
         assert not packed and not any("forward" in m.__dict__ for m in model.modules())
 
 
-def test_subclasses_and_other_devices_dtypes_keep_their_own_forward(monkeypatch):
+def test_subclasses_and_fp16_layers_keep_their_own_forward(monkeypatch):
     _always(monkeypatch, 2.0)
     model = nn.Sequential(nn.Linear(8, 8), Scaled(8, 8), nn.Linear(8, 8).half())
     inputs = torch.randn(3, 8)
@@ -55,7 +55,17 @@ def test_subclasses_and_other_devices_dtypes_keep_their_own_forward(monkeypatch)
         assert torch.allclose(model[1](inputs), 2 * nn.functional.linear(inputs, model[1].weight, model[1].bias))
 
 
-def test_the_timing_compares_the_same_layers_both_ways():
+def test_the_speedup_is_plain_seconds_over_packed_seconds_on_inputs_of_each_layers_shape(monkeypatch):
+    now, shapes = [0.0], {"plain": [], "packed": []}
+
+    def costing(name, seconds):
+        return lambda inputs, **kw: shapes[name].append(tuple(inputs.shape)) or now.__setitem__(0, now[0] + seconds)
+
     layers = [nn.Linear(16, 32), nn.Linear(32, 16, bias=False)]
-    packed = [torch.ops.mkldnn._reorder_linear_weight(layer.weight.detach(), 4) for layer in layers]
-    assert 0 < packed_linear.packing_speedup(layers, packed, rows=4) < float("inf")
+    for layer in layers:
+        layer.forward = costing("plain", 2.0)
+    monkeypatch.setattr(packed_linear, "_packed_forward", costing("packed", 0.5))
+    speedup = packed_linear.packing_speedup(layers, [None, None], rows=4, clock=lambda: now[0])
+    assert speedup == 4.0
+    rounds = packed_linear.REPETITIONS + 1  # a warm-up, then the timed rounds
+    assert shapes["plain"] == shapes["packed"] == [(4, 16), (4, 32)] * rounds
