@@ -197,7 +197,7 @@ def test_an_output_that_is_a_symlink_is_written_through(converted, source, tmp_p
 
 def test_push_of_a_symlinked_checkpoint_uploads_its_files(converted, tmp_path, monkeypatch, capsys):
     """The Hub cache's snapshots are links into its blobs."""
-    from hub_mirror import TOKEN, HubMirror
+    from hf_normswap.hub_mirror import TOKEN, HubMirror
 
     snapshot = tmp_path / "snapshot"
     snapshot.mkdir()
