@@ -24,8 +24,6 @@ import argparse
 import copy
 import json
 import os
-import resource
-import sys
 import time
 from pathlib import Path
 
@@ -37,8 +35,8 @@ from hf_normswap.data import load_texts
 from hf_normswap.checkpoint.loading import load_model
 from hf_normswap.precision import PRECISIONS
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_speed import machine  # noqa: E402  the CPU and its bf16 / AMX flags, recorded as every benchmark does
+from _common import machine, peak_rss_mb
+
 
 WIKITEXT = os.environ.get("WIKITEXT")  # a directory with WikiText-2's files, when the data are not named
 
@@ -49,10 +47,6 @@ def rss_mb() -> float:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) / 1024
     return float("nan")
-
-
-def peak_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def sentence_similarity(original, models: dict, tokenizer, texts: list[str], count: int) -> dict[str, float]:
@@ -166,7 +160,7 @@ def main(argv=None) -> int:
         record["norms_converted"] = len(report.converted)
         record["worst_rel_error"] = max(c.fit["stats"]["rel_error"] for c in report.converted)
     record["rss_before_calibration_mb"] = round(rss_before, 1)
-    record["peak_rss_mb"] = round(peak_mb(), 1)
+    record["peak_rss_mb"] = round(peak_rss_mb(), 1)
 
     texts = load_texts(args.eval, "evaluation")
     models = {"converted": model}

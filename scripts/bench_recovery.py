@@ -50,11 +50,9 @@ import yaml
 from hf_normswap.data import DataError, check_spec
 from hf_normswap.training.run_dir import RECORD
 
-ROOT = Path(__file__).resolve().parents[1]
-RECIPE = ROOT / "recipes" / "finetune.py"
+from _common import ROOT, commit, machine
 
-sys.path.insert(0, str(ROOT / "scripts"))
-from bench_speed import machine  # noqa: E402  the CPU and its bf16 / AMX flags, recorded as every benchmark does
+RECIPE = ROOT / "recipes" / "finetune.py"
 
 LOGITS_ONLY = "distill.hidden=0"  # no layer-wise term (the SmolLM2 configs have one)
 
@@ -102,14 +100,6 @@ METHODS: dict[str, list[str]] = {
     # the same with four times the block steps, over 64 sequences: the SmolLM2 configs
     "blockwise-240x1+layerwise": [*BLOCKWISE_240X1, "distill.hidden=10.0"],
 }
-
-
-def commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def read_points(path: Path) -> list[dict]:

@@ -1,4 +1,5 @@
-"""Per-process peak memory and loss of recipes/finetune.py sharded with FSDP2 against DDP, at the same global batch.
+"""Per-process peak memory and loss of the recovery recipe (``hf_normswap.training.recipe``) sharded with FSDP2 against
+DDP, at the same global batch.
 
 Two CPU processes over gloo (or GPUs, where there are), every weight of SmolLM2 trained against its frozen original
 (logit KL and the layer-wise term, fp32), N steps in each mode from one converted start (analytic ELN, no
@@ -19,15 +20,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-RECIPE = ROOT / "recipes" / "finetune.py"
+from _common import ROOT, machine, peak_rss_mb
+
 MODES = {"ddp": (["--multi_gpu"], []),
          "fsdp2": (["--config_file", str(ROOT / "recipes" / "accelerate_configs" / "fsdp2.yaml")], []),
          "fsdp2-whole-teacher": (["--config_file", str(ROOT / "recipes" / "accelerate_configs" / "fsdp2.yaml")],
@@ -36,12 +36,10 @@ MODES = {"ddp": (["--multi_gpu"], []),
 
 def worker(out: Path, recipe_args: list[str]) -> int:
     """One process of a launch: the recipe's main with a resident-memory sampler, peaks written per rank."""
-    import importlib.util
-
     import psutil
 
     import hf_normswap
-    from hf_normswap.training import distill
+    from hf_normswap.training import distill, recipe
 
     rank = int(os.environ.get("RANK", 0))
     phase = ["loading"]
@@ -67,16 +65,13 @@ def worker(out: Path, recipe_args: list[str]) -> int:
     distill.NormSwapTrainer.train = marked_train
     thread = threading.Thread(target=sample, daemon=True)
     thread.start()
-    spec = importlib.util.spec_from_file_location("finetune", RECIPE)
-    recipe = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(recipe)
     code = recipe.main(recipe_args)
     done.set()
     thread.join()
     out.mkdir(parents=True, exist_ok=True)
     (out / f"rank{rank}.json").write_text(json.dumps({
         "rank": rank, "package": hf_normswap.__file__,
-        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,  # kB on Linux
+        "peak_rss_mb": peak_rss_mb(),
         "peak_rss_mb_by_phase": {k: round(v / 2 ** 20, 1) for k, v in peaks.items()}}, indent=1))
     return code
 
@@ -147,9 +142,6 @@ def main(argv=None) -> int:
                         help="glibc MALLOC_MMAP_THRESHOLD_ of the processes in bytes (0: glibc's dynamic default, "
                              "which keeps freed memory of the load in the heap and counts it in RSS)")
     args = parser.parse_args(argv)
-    sys.path.insert(0, str(ROOT / "scripts"))
-    from bench_speed import machine
-
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     converted = prepare(out)

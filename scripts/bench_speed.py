@@ -41,7 +41,6 @@ import copy
 import json
 import logging
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -52,12 +51,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from hf_normswap import convert, kernels
+from hf_normswap.discovery.norms import find_norms
+from hf_normswap.modules import DyT, ELN
+from hf_normswap.placement import check_device
+from hf_normswap.training.recipe_models import trainable_dense
 
-from hf_normswap import convert, kernels  # noqa: E402
-from hf_normswap.discovery.norms import find_norms  # noqa: E402
-from hf_normswap.modules import DyT, ELN  # noqa: E402
-from hf_normswap.placement import check_device  # noqa: E402
+from _common import machine
 
 kernels.install()  # modules built by hand here: route them through the fused path (--eager runs turn it off)
 
@@ -488,23 +488,12 @@ TRAIN_VARIANTS = {
 }
 
 
-def _trainable_dense():
-    """recipes/finetune.py's trainable_dense (the GGUF model's inference-only quantizer dropped for the Trainer)."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("finetune", Path(__file__).resolve().parents[1] / "recipes" /
-                                                  "finetune.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.trainable_dense
-
-
 def train_setup(args):
     """(student, teacher, inputs): the converted model (a calibrated start), the original, one batch."""
     original, vocab = {"smollm2": smollm2_model, "gpt2": gpt2_model,
                        "smollm2-random": lambda: smollm2_random_model(args.layers)}[args.models[0]]()
     original.config.use_cache = False
-    student = _trainable_dense()(model_variants(original, args.methods[0], args.model_calib, vocab, args.seq)[0])
+    student = trainable_dense(model_variants(original, args.methods[0], args.model_calib, vocab, args.seq)[0])
     original.requires_grad_(False)
     ids = torch.randint(0, vocab, (args.train_batch, args.seq), generator=torch.Generator().manual_seed(4))
     device = torch.device(args.device)
@@ -682,22 +671,6 @@ def train_summary(rows: list[dict]) -> dict:
 
 
 # ----------------------------------------------------------------------------------------------------------- main
-MATMUL_FLAGS = {"avx2", "fma", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8"}
-
-
-def machine() -> dict:
-    """CPU model, the `lscpu` flags that decide fp32 / bf16 matmul speed, threads and load: recorded with every row."""
-    try:
-        lscpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-        cpu = next((l.split(":", 1)[1].strip() for l in lscpu.splitlines() if l.startswith("Model name")), "?")
-    except OSError:
-        lscpu, cpu = "", platform.processor()
-    flags = set(next((l.split(":", 1)[1].split() for l in lscpu.splitlines() if l.startswith("Flags")), []))
-    return dict(cpu=cpu, cpu_flags=sorted(flags & MATMUL_FLAGS),
-                cores=os.cpu_count(), threads=torch.get_num_threads(), torch=torch.__version__,
-                load_average=os.getloadavg()[0])
-
-
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="smoke run: C=576 fp32, tiny GPT-2, few reps, no compile")

@@ -92,6 +92,7 @@ else
 fi
 
 step imports 120 "$PYTHON" -c "import sys; sys.modules['datasets'] = sys.modules['gguf'] = None
+sys.path.insert(0, 'scripts')  # as python puts a script's folder first: the benchmarks import _common
 import hf_normswap.cli, runpy; runpy.run_path('scripts/bench_speed.py', run_name='imported')"
 step pytest 420 "$PYTHON" -m pytest -m cuda -q -p no:cacheprovider -rs --junitxml="$OUT/pytest-cuda.xml" tests
 step bench_module 240 "$PYTHON" scripts/bench_speed.py --device $DEVICE --sections module --dtypes bf16 "${MODULE[@]}" \

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from hf_normswap import cli
+from hf_normswap.training import recipe
 
 
 def run_cli(argv, capsys) -> tuple[int, str]:
@@ -22,8 +23,8 @@ def run_cli(argv, capsys) -> tuple[int, str]:
     return code, lines[-1] if lines else ""
 
 
-def recipe_refusal(recipe, argv, capsys) -> str:
-    """The recipe's (``recipes/finetune.py`` imported) one error line for ``argv``, asserting exit code 2."""
+def recipe_refusal(argv, capsys) -> str:
+    """The recipe's (``hf_normswap.training.recipe``) one error line for ``argv``, asserting exit code 2."""
     with pytest.raises(SystemExit) as exit:
         recipe.main([str(a) for a in argv])
     err = capsys.readouterr().err

@@ -27,11 +27,3 @@ def converted(tmp_path_factory):
     directory = tmp_path_factory.mktemp("converted") / "llama-eln"
     hf_normswap.save_pretrained(model, directory)
     return directory
-
-
-@pytest.fixture(scope="module")
-def recipe():
-    """``recipes/finetune.py`` imported as a module."""
-    from file_modules import import_file
-
-    return import_file("recipes/finetune.py")

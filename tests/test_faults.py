@@ -19,6 +19,7 @@ import torch
 import hf_normswap
 from hf_normswap import cli
 from hf_normswap.checkpoint import save_load
+from hf_normswap.training import recipe_models, recipe_settings
 from hf_normswap.validation import ValidationError
 from cli_runs import file_tree, recipe_refusal, run_cli as _cli
 from tiny_models import tiny_model
@@ -440,31 +441,31 @@ def test_non_utf8_data_names_the_encoding(tmp_path):
     (["--config", "/nonexistent/config.yaml"], "--config /nonexistent/config.yaml"),
     (["noequals"], "is not KEY=VALUE"),
 ])
-def test_recipe_refuses_bad_settings_in_one_line_before_loading(recipe, capsys, argv, message):
-    assert message in recipe_refusal(recipe, argv, capsys)
+def test_recipe_refuses_bad_settings_in_one_line_before_loading(capsys, argv, message):
+    assert message in recipe_refusal(argv, capsys)
 
 
-def test_recipe_refuses_a_save_dir_holding_other_files_before_loading(recipe, tmp_path, capsys):
+def test_recipe_refuses_a_save_dir_holding_other_files_before_loading(tmp_path, capsys):
     (tmp_path / "checkpoint-1").mkdir()
     with pytest.raises(SystemExit) as exit:
-        recipe.load_config([f"save_dir={tmp_path}"])
+        recipe_settings.load_config([f"save_dir={tmp_path}"])
     assert exit.value.code == 2 and "not a checkpoint saved by hf_normswap" in capsys.readouterr().err
     assert [p.name for p in tmp_path.iterdir()] == ["checkpoint-1"]
 
 
-def test_recipe_config_file_must_be_a_mapping(recipe, tmp_path, capsys):
+def test_recipe_config_file_must_be_a_mapping(tmp_path, capsys):
     (tmp_path / "list.yaml").write_text("- model\n- method\n")
     with pytest.raises(SystemExit) as exit:
-        recipe.load_config(["--config", str(tmp_path / "list.yaml")])
+        recipe_settings.load_config(["--config", str(tmp_path / "list.yaml")])
     assert exit.value.code == 2 and "expected a mapping of settings" in capsys.readouterr().err
 
 
-def test_recipe_accepts_its_shipped_configs(recipe):
-    for config in sorted(Path(recipe.__file__).parent.glob("configs/*.yaml")):
-        assert recipe.load_config(["--config", str(config)]).method in ("eln", "dyt")
+def test_recipe_accepts_its_shipped_configs():
+    for config in sorted((Path(__file__).resolve().parents[1] / "recipes").glob("configs/*.yaml")):
+        assert recipe_settings.load_config(["--config", str(config)]).method in ("eln", "dyt")
 
 
-def test_recipe_sets_a_pad_token_when_the_tokenizer_has_none(recipe):
+def test_recipe_sets_a_pad_token_when_the_tokenizer_has_none():
     """Like GPT-2's and Llama's tokenizers: EOS, no pad; the Trainer's collator then pads with EOS."""
     from tokenizers import Tokenizer, models
     from transformers import PreTrainedTokenizerFast
@@ -473,7 +474,7 @@ def test_recipe_sets_a_pad_token_when_the_tokenizer_has_none(recipe):
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="<unk>")),
                                         eos_token="<eos>")
     assert tokenizer.pad_token is None
-    recipe.ensure_pad_token(tokenizer)
+    recipe_models.ensure_pad_token(tokenizer)
     assert tokenizer.pad_token == "<eos>"
     assert tokenizer.pad([{"input_ids": [2]}, {"input_ids": [2, 2]}])["input_ids"] == [[2, 1], [2, 2]]
 

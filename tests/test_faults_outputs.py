@@ -197,7 +197,7 @@ def test_an_output_that_is_a_symlink_is_written_through(converted, source, tmp_p
 
 def test_push_of_a_symlinked_checkpoint_uploads_its_files(converted, tmp_path, monkeypatch, capsys):
     """The Hub cache's snapshots are links into its blobs."""
-    from hub_mirror import TOKEN, HubMirror
+    from hf_normswap.hub_mirror import TOKEN, HubMirror
 
     snapshot = tmp_path / "snapshot"
     snapshot.mkdir()
@@ -366,13 +366,12 @@ def test_the_recipe_checks_a_large_text_file_without_reading_it_whole(tmp_path, 
     budget; before, the check itself read and tokenized all of it."""
     import datasets
 
-    from file_modules import import_file
     from hf_normswap import data
+    from hf_normswap.training import recipe_data, recipe_settings
 
     big = tmp_path / "big.txt"
     line = "the norm of the data is the scale of the model and the text reads the block\n"
     big.write_text(line * (data.LAZY_BYTES // len(line) + 1000))
     monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: pytest.fail("the whole file was loaded"))
-    recipe = import_file("recipes/finetune.py")
-    recipe.check_data(recipe.load_config([f"calibration.data={big}", f"train_data={big}", f"eval_data={big}",
+    recipe_data.check_data(recipe_settings.load_config([f"calibration.data={big}", f"train_data={big}", f"eval_data={big}",
                                           f"output_dir={tmp_path / 'run'}"]))

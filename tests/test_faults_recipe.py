@@ -12,7 +12,7 @@ import os
 import pytest
 
 from cli_runs import file_tree, recipe_refusal
-from hf_normswap.training import run_dir
+from hf_normswap.training import recipe_settings, run_dir
 from tiny_models import tiny_model
 
 
@@ -30,10 +30,10 @@ def models(tmp_path_factory):
 
 @pytest.mark.parametrize("setting", ["training.push_to_hub=true", "training.hub_token=hf_SECRET",
                                      "training.hub_model_id=me/run", "training.hub_strategy=all_checkpoints"])
-def test_the_trainers_own_hub_upload_is_refused_and_no_token_is_written(recipe, tmp_path, capsys, setting):
+def test_the_trainers_own_hub_upload_is_refused_and_no_token_is_written(tmp_path, capsys, setting):
     """The Trainer's push uploads all of output_dir, with training_args.bin holding the token; the recipe's
     push_to_hub uploads the final checkpoint alone."""
-    err = recipe_refusal(recipe, [f"output_dir={tmp_path / 'run'}", setting], capsys)
+    err = recipe_refusal([f"output_dir={tmp_path / 'run'}", setting], capsys)
     assert f"training.{setting.split('.')[1].split('=')[0]} is refused" in err and "push_to_hub: OWNER/NAME" in err
     assert "hf_SECRET" not in err and not (tmp_path / "run").exists()
 
@@ -41,7 +41,7 @@ def test_the_trainers_own_hub_upload_is_refused_and_no_token_is_written(recipe, 
 # --------------------------------------------------------------------------------- the recipe owns output_dir
 
 
-def test_an_output_dir_the_recipe_did_not_write_is_refused(recipe, tmp_path, capsys):
+def test_an_output_dir_the_recipe_did_not_write_is_refused(tmp_path, capsys):
     """A user's checkpoint-3 and summary.json: rotation would delete one and the run would overwrite the other, or
     resume from the foreign checkpoint."""
     out = tmp_path / "mine"
@@ -50,39 +50,39 @@ def test_an_output_dir_the_recipe_did_not_write_is_refused(recipe, tmp_path, cap
     (out / "summary.json").write_text('{"mine": 1}')
     before = file_tree(out)
     for resume in ("true", "false"):
-        err = recipe_refusal(recipe, [f"output_dir={out}", f"resume={resume}"], capsys)
+        err = recipe_refusal([f"output_dir={out}", f"resume={resume}"], capsys)
         assert "holds files the recipe did not write (checkpoint-3, summary.json)" in err
     assert file_tree(out) == before and sorted(p.name for p in out.iterdir()) == ["checkpoint-3", "summary.json"]
 
 
-def test_a_resume_naming_another_model_or_other_weights_is_refused_before_loading(recipe, models, tmp_path, capsys):
+def test_a_resume_naming_another_model_or_other_weights_is_refused_before_loading(models, tmp_path, capsys):
     out = tmp_path / "run"
-    first = recipe.load_config([f"model={models / 'llama-0'}", f"output_dir={out}"])
+    first = recipe_settings.load_config([f"model={models / 'llama-0'}", f"output_dir={out}"])
     run_dir.claim_run_dir(first)  # what the recipe records before calibrating
     (out / "summary.json").write_text('{"calibrated": {}}')
     before = file_tree(out)
-    err = recipe_refusal(recipe, [f"model={models / 'llama-1'}", f"output_dir={out}"], capsys)
+    err = recipe_refusal([f"model={models / 'llama-1'}", f"output_dir={out}"], capsys)
     assert "was calibrated and trained from model" in err and "resume=false" in err
     (models / "copy").mkdir()  # the same path, other weights
     for file in (models / "llama-0").iterdir():
         (models / "copy" / file.name).write_bytes(file.read_bytes())
-    run_dir.claim_run_dir(recipe.load_config([f"model={models / 'copy'}", f"output_dir={tmp_path / 'other'}"]))
+    run_dir.claim_run_dir(recipe_settings.load_config([f"model={models / 'copy'}", f"output_dir={tmp_path / 'other'}"]))
     (models / "copy" / "model.safetensors").write_bytes((models / "llama-1" / "model.safetensors").read_bytes())
-    err = recipe_refusal(recipe, [f"model={models / 'copy'}", f"output_dir={tmp_path / 'other'}"], capsys)
+    err = recipe_refusal([f"model={models / 'copy'}", f"output_dir={tmp_path / 'other'}"], capsys)
     assert "other weights of" in err
     assert file_tree(out) == before
-    recipe.load_config([f"model={models / 'llama-1'}", f"output_dir={out}", "resume=false"])  # a new run: allowed
+    recipe_settings.load_config([f"model={models / 'llama-1'}", f"output_dir={out}", "resume=false"])  # a new run: allowed
 
 
-def test_a_resume_training_other_parameters_is_refused_before_loading(recipe, models, tmp_path, capsys):
+def test_a_resume_training_other_parameters_is_refused_before_loading(models, tmp_path, capsys):
     """The optimizer state of checkpoint-N fits the parameters it trained; another trainable set crashed on load."""
     out = tmp_path / "run"
     base = [f"model={models / 'llama-0'}", f"output_dir={out}"]
-    run_dir.claim_run_dir(recipe.load_config(base))
-    recipe.load_config([*base, "trainable=all"])  # no checkpoint yet: nothing to mismatch
+    run_dir.claim_run_dir(recipe_settings.load_config(base))
+    recipe_settings.load_config([*base, "trainable=all"])  # no checkpoint yet: nothing to mismatch
     (out / "checkpoint-2").mkdir()
     (out / "checkpoint-2" / "trainer_state.json").write_text('{"global_step": 2}')
-    err = recipe_refusal(recipe, [*base, "trainable=all"], capsys)
+    err = recipe_refusal([*base, "trainable=all"], capsys)
     assert "'trainable': 'norms'" in err and "'trainable': 'all'" in err and "optimizer state" in err
     assert (out / "checkpoint-2" / "trainer_state.json").read_text() == '{"global_step": 2}'
 
@@ -145,13 +145,13 @@ def test_summary_is_written_whole_or_not_at_all(tmp_path, monkeypatch):
     (["train_data=[generated, 'generated:temperature=1.0']"], "names the same text twice"),
     (["train_data=[builtin:calibration, builtin:calibration]"], "names the same text twice"),
 ])
-def test_every_setting_is_checked_before_loading(recipe, capsys, argv, message):
-    assert message in recipe_refusal(recipe, argv, capsys)
+def test_every_setting_is_checked_before_loading(capsys, argv, message):
+    assert message in recipe_refusal(argv, capsys)
 
 
-def test_the_push_is_checked_before_loading(recipe, tmp_path, monkeypatch, capsys):
+def test_the_push_is_checked_before_loading(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("HF_TOKEN", "hf_fake")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    assert "HF_HUB_OFFLINE is set" in recipe_refusal(recipe, ["push_to_hub=me/model",
+    assert "HF_HUB_OFFLINE is set" in recipe_refusal(["push_to_hub=me/model",
                                                                  f"output_dir={tmp_path / 'run'}"], capsys)
     assert not (tmp_path / "run").exists()

@@ -120,12 +120,11 @@ def test_auto_calibration_probes_the_model_and_records_both_timings(bf16_matmuls
 
 
 def test_recipe_rejects_an_unknown_precision_before_any_work(capsys):
-    from file_modules import import_file
+    from hf_normswap.training import recipe_settings
 
-    recipe = import_file("recipes/finetune.py")
-    assert recipe.load_config(["precision=bf16"]).precision == "bf16"
+    assert recipe_settings.load_config(["precision=bf16"]).precision == "bf16"
     with pytest.raises(SystemExit) as error:
-        recipe.load_config(["precision=fp16"])
+        recipe_settings.load_config(["precision=fp16"])
     assert error.value.code == 2 and "precision 'fp16' is unknown: choose auto, fp32 or bf16" in capsys.readouterr().err
 
 

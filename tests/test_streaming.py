@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from hub_mirror import HubMirror, write_text_dataset
+from hf_normswap.hub_mirror import HubMirror, write_text_dataset
 from tiny_models import tiny_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -1,5 +1,6 @@
 """Evaluation: how close a converted model is to its original.
 
+- ``texts.py``: the evaluation texts, and those texts as scored documents (tokens, words, bytes).
 - ``perplexity.py``: token / word / byte perplexity, KL and top-1 agreement against the original.
 - ``embeddings.py``: a sentence encoder's embeddings against the original's.
 - ``sensitivity.py``: the damage of each norm converted alone, and the greedy order (``normswap sensitivity``).

@@ -23,9 +23,7 @@ positions where both argmaxes agree.
 
 from __future__ import annotations
 
-import logging
 import math
-import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
@@ -33,6 +31,7 @@ import torch
 from torch import nn
 
 from ..placement import model_device
+from .texts import Document, documents
 
 DEFAULT_MAX_LENGTH = 2048  # lm-eval's default when neither config nor tokenizer gives one
 TOKENIZER_INFINITY = 1000000000000000019884624838656
@@ -44,59 +43,12 @@ class EvaluationError(ValueError):
     """The evaluation request cannot be run; the message says what to change."""
 
 
-@dataclass
-class Document:
-    """One scored text: its tokens (no special tokens) and the word / byte counts of the same text."""
-
-    tokens: list[int]
-    words: int
-    bytes: int
-
-
-def count_words(text: str) -> int:
-    """lm-eval's word count (``len(re.split(r"\\s+", text))``)."""
-    return len(re.split(r"\s+", text))
-
-
-def count_bytes(text: str) -> int:
-    return len(text.encode("utf-8"))
-
-
 def _exp(x: float) -> float:
     """``exp`` that returns inf instead of raising: broken conversions reach perplexities beyond 1e308."""
     try:
         return math.exp(x)
     except OverflowError:
         return math.inf
-
-
-def documents(tokenizer, texts: Iterable[str], max_tokens: int | None = None) -> list[Document]:
-    """Tokenize texts into :class:`Document` s, stopping at ``max_tokens`` tokens in all.
-
-    A document cut by the budget counts the words and bytes of the text its kept tokens cover.
-    """
-    fast = bool(getattr(tokenizer, "is_fast", False))
-    docs: list[Document] = []
-    total = 0
-    logger = logging.getLogger("transformers.tokenization_utils_base")
-    level = logger.level
-    logger.setLevel(logging.ERROR)  # "sequence longer than the model's maximum" is expected: we window it
-    try:
-        for text in texts:
-            if max_tokens is not None and total >= max_tokens:
-                break
-            encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=fast)
-            ids = list(encoding["input_ids"])
-            if not ids:
-                continue
-            if max_tokens is not None and total + len(ids) > max_tokens:
-                ids = ids[: max_tokens - total]
-                text = text[: encoding["offset_mapping"][len(ids) - 1][1]] if fast else tokenizer.decode(ids)
-            docs.append(Document(ids, count_words(text), count_bytes(text)))
-            total += len(ids)
-    finally:
-        logger.setLevel(level)
-    return docs
 
 
 def rolling_windows(n_tokens: int, max_length: int, stride: int | None = None) -> list[tuple[int, int, int]]:

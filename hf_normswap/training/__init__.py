@@ -1,5 +1,8 @@
-"""Training: recovery of a converted model against its frozen original (``recipes/finetune.py``).
+"""Training: recovery of a converted model against its frozen original.
 
+- ``recipe.py``: the recovery recipe (``normswap recover``, ``recipes/finetune.py``): train, from the pieces below.
+- ``recipe_settings.py``, ``recipe_models.py``, ``recipe_data.py``, ``recipe_results.py``: its settings checked
+  before any load, its models, its training text, its final evaluation and save.
 - ``distill.py``: :class:`NormSwapTrainer` (cross-entropy, logit KL, layer-wise and embedding terms) and helpers.
 - ``head_loss.py``: the logit KL computed in chunks through the output head.
 - ``layerwise.py``: every block's output pulled toward the original's.

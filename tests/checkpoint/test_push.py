@@ -12,7 +12,7 @@ from huggingface_hub import ModelCard, constants
 
 import hf_normswap
 from hf_normswap import cli
-from hub_mirror import TOKEN, USER, HubMirror
+from hf_normswap.hub_mirror import TOKEN, USER, HubMirror
 from tiny_models import tiny_model
 
 

@@ -13,8 +13,8 @@ from hf_normswap import convert
 from hf_normswap.cli import main
 from hf_normswap.data import fingerprint, load_texts
 from hf_normswap.evaluation.embeddings import _spearman, evaluate_embeddings
-from hf_normswap.evaluation.perplexity import (Document, EvaluationError, count_bytes, count_words, documents, evaluate,
-                                  overlap_warning, rolling_windows)
+from hf_normswap.evaluation.perplexity import EvaluationError, evaluate, overlap_warning, rolling_windows
+from hf_normswap.evaluation.texts import Document, count_bytes, count_words, documents, evaluation_texts
 from tiny_models import tiny_model
 
 TEXTS = [
@@ -153,6 +153,12 @@ def test_kl_is_zero_against_itself_and_positive_after_conversion():
 def test_not_a_causal_lm_is_a_user_error():
     with pytest.raises(EvaluationError, match="causal"):
         evaluate(tiny_model("t5"), docs=random_docs([4]), prefix_token=1, progress=False)
+
+
+def test_the_evaluation_texts_are_the_held_out_half_unless_the_spec_names_a_split():
+    held_out = evaluation_texts("builtin", None, None, None)
+    assert held_out == load_texts("builtin", "evaluation") != load_texts("builtin", "calibration")
+    assert evaluation_texts("builtin:calibration", None, None, None) == load_texts("builtin", "calibration")
 
 
 def test_overlap_warning(tmp_path):

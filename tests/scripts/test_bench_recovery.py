@@ -10,10 +10,10 @@ from types import SimpleNamespace
 import pytest
 
 from file_modules import import_file
+from hf_normswap.training import recipe_settings
 from hf_normswap.training.run_dir import RECORD, WRITTEN_BY, check_run_dir, write_json
 
 bench = import_file("scripts/bench_recovery.py")
-recipe = import_file("recipes/finetune.py")
 
 
 def test_plot_draws_every_series_from_the_json_lines(tmp_path):
@@ -134,7 +134,7 @@ def test_the_command_line_wins_over_the_methods_own_setting(tmp_path):
     args = argparse.Namespace(set=["distill.hidden=30", "calibration.block_steps=120"], train_data="train.txt",
                               eval_data="test.txt", threads=1, schedule="constant_with_warmup")
     overrides = bench.recipe_overrides(args, "eln", "blockwise-60x1+layerwise", 1024, tmp_path / "run")
-    config = recipe.load_config(["--config", str(bench.ROOT / "recipes/configs/smollm2-eln.yaml"), *overrides])
+    config = recipe_settings.load_config(["--config", str(bench.ROOT / "recipes/configs/smollm2-eln.yaml"), *overrides])
     assert config.distill.hidden == 30 and config.calibration.block_steps == 120
     assert "calibration.block_steps=120" in bench.calibration_settings(args, "blockwise-60x1+layerwise")
 
@@ -161,7 +161,7 @@ def resolved(method: str, config: str = "recipes/configs/smollm2-eln.yaml") -> d
     args = argparse.Namespace(set=[], train_data="train.txt", eval_data="test.txt", threads=1,
                               schedule="constant_with_warmup")
     overrides = bench.recipe_overrides(args, "eln", method, 1024, bench.ROOT / "out" / "unused")
-    return recipe.load_config(["--config", str(bench.ROOT / config), *overrides]).to_dict()
+    return recipe_settings.load_config(["--config", str(bench.ROOT / config), *overrides]).to_dict()
 
 
 @pytest.mark.parametrize("config", ["recipes/configs/smollm2-eln.yaml", "recipes/configs/smollm2-dyt.yaml"])

@@ -24,11 +24,11 @@ import yaml
 
 import hf_normswap
 from hf_normswap.generated import is_generated
+from hf_normswap.training import recipe_data, recipe_models, recipe_results, recipe_settings
 from hf_normswap.training.distill import (distillation_loss, group_learning_rates, norm_parameter_names, parameter_groups,
                                  set_trainable)
 from hf_normswap.training.progressive import ProgressiveSwap, schedule
 from hf_normswap.training.run_dir import claim_run_dir
-from file_modules import import_file
 from tiny_models import tiny_model
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -176,32 +176,31 @@ def test_a_resumed_run_refuses_a_cached_calibration_the_config_does_not_describe
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     root, model_dir = tiny_setup
-    recipe = import_file("recipes/finetune.py")
     output = tmp_path / "run"
     base = ["--config", str(write_config(root, model_dir, output)), "calibration.precision=auto"]
-    config = recipe.load_config(base)
+    config = recipe_settings.load_config(base)
     claim_run_dir(config)  # what the recipe records before calibrating
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     hf_normswap.convert(model, to="eln", calibration=dataclasses.replace(config.calibration, tokenizer=tokenizer))
     hf_normswap.save_pretrained(model, output / "calibrated", tokenizer=tokenizer)
 
-    recipe.load_config([*base, "calibration.progress=true"])  # calibrated as asked: the run goes on
+    recipe_settings.load_config([*base, "calibration.progress=true"])  # calibrated as asked: the run goes on
     capsys.readouterr()
     for override, named in (("method=dyt", "method 'eln' (the config: 'dyt')"),
                             ("calibration.num_blocks=3", "num_blocks 4 (the config: 3)"),
                             ("calibration.precision=fp32", "precision 'auto' (the config: 'fp32')")):
         with pytest.raises(SystemExit) as error:
-            recipe.load_config([*base, override])
+            recipe_settings.load_config([*base, override])
         assert error.value.code == 2
         message = capsys.readouterr().err
         assert named in message and "resume=false" in message and message.count("\n") == 1, message
     from accelerate import PartialState
 
     state = PartialState(cpu=True)
-    resumed, _, _ = recipe.load_models(recipe.load_config(base), state)  # the cache, as calibrated
+    resumed, _, _ = recipe_models.load_models(recipe_settings.load_config(base), state)  # the cache, as calibrated
     assert resumed.config.normswap["method"] == "eln" and "calibrated model from" in capsys.readouterr().out
-    anew, _, _ = recipe.load_models(recipe.load_config([*base, "method=dyt", "resume=false"]), state)
+    anew, _, _ = recipe_models.load_models(recipe_settings.load_config([*base, "method=dyt", "resume=false"]), state)
     assert anew.config.normswap["method"] == "dyt" and "converted" in capsys.readouterr().out
 
 
@@ -211,16 +210,15 @@ def test_a_resumed_run_refuses_a_cached_calibration_the_config_does_not_describe
 def test_sharding_other_than_fsdp2_is_refused_before_anything_loads(env, named, monkeypatch, capsys):
     """The whole model is gathered for the final evaluation and save with FSDP2's state dict API
     (tests/training/test_sharding.py); FSDP1 and ZeRO-3 would wait forever for the other ranks' shards."""
-    recipe = import_file("recipes/finetune.py")
-    recipe.load_config([])
+    recipe_settings.load_config([])
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
     monkeypatch.setenv("FSDP_VERSION", "2")
-    recipe.load_config([])  # FSDP2 goes on
+    recipe_settings.load_config([])  # FSDP2 goes on
     monkeypatch.delenv("ACCELERATE_USE_FSDP")
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     with pytest.raises(SystemExit) as error:
-        recipe.load_config([])
+        recipe_settings.load_config([])
     assert error.value.code == 2 and named in capsys.readouterr().err
 
 
@@ -228,16 +226,15 @@ def test_block_dataset_packs_blocks_within_the_limits(tiny_setup):
     from transformers import AutoTokenizer
 
     root, model_dir = tiny_setup
-    recipe = import_file("recipes/finetune.py")
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     text = str(root / "train.txt")
-    full = recipe.block_dataset(tokenizer, text, "calibration", 32)
+    full = recipe_data.block_dataset(tokenizer, text, "calibration", 32)
     assert len(full) > 20 and all(len(row) == 32 for row in full["input_ids"]) and full["labels"] == full["input_ids"]
-    assert len(recipe.block_dataset(tokenizer, text, "calibration", 32, max_tokens=100)) == 3  # 100 // 32
-    assert len(recipe.block_dataset(tokenizer, text, "calibration", 32, max_tokens=1000, max_blocks=5)) == 5
-    assert recipe.block_dataset(tokenizer, text, "calibration", 32, max_blocks=2)["input_ids"] == full["input_ids"][:2]
+    assert len(recipe_data.block_dataset(tokenizer, text, "calibration", 32, max_tokens=100)) == 3  # 100 // 32
+    assert len(recipe_data.block_dataset(tokenizer, text, "calibration", 32, max_tokens=1000, max_blocks=5)) == 5
+    assert recipe_data.block_dataset(tokenizer, text, "calibration", 32, max_blocks=2)["input_ids"] == full["input_ids"][:2]
     with pytest.raises(SystemExit, match="fewer than one block"):
-        recipe.block_dataset(tokenizer, text, "calibration", 32, max_tokens=10)
+        recipe_data.block_dataset(tokenizer, text, "calibration", 32, max_tokens=10)
 
 
 def test_a_mix_trains_on_equal_shares_of_its_sources_in_turn(tiny_setup, tmp_path, monkeypatch):
@@ -249,7 +246,6 @@ def test_a_mix_trains_on_equal_shares_of_its_sources_in_turn(tiny_setup, tmp_pat
 
     root, model_dir = tiny_setup
     monkeypatch.setenv("HF_NORMSWAP_CACHE", str(tmp_path / "cache"))
-    recipe = import_file("recipes/finetune.py")
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     state = types.SimpleNamespace(process_index=0, num_processes=1)
     short = tmp_path / "short.txt"
@@ -257,19 +253,19 @@ def test_a_mix_trains_on_equal_shares_of_its_sources_in_turn(tiny_setup, tmp_pat
     corpus, spec = str(root / "train.txt"), "generated:length=32,batch_size=2,temperature=1.0"
 
     def blocks(source, max_tokens=None, original=None):
-        return recipe.block_dataset(tokenizer, source, "calibration", 32, max_tokens, original=original,
+        return recipe_data.block_dataset(tokenizer, source, "calibration", 32, max_tokens, original=original,
                                     state=state)["input_ids"]
 
-    config = recipe.load_config([f"model={model_dir}", f"train_data=[{corpus}, {short}]", "block_len=32"])
-    rows = recipe.training_blocks(config, tokenizer, None, state)["input_ids"]
+    config = recipe_settings.load_config([f"model={model_dir}", f"train_data=[{corpus}, {short}]", "block_len=32"])
+    rows = recipe_data.training_blocks(config, tokenizer, None, state)["input_ids"]
     long, few = blocks(corpus), blocks(str(short))
     assert len(few) == 2 < len(long) and len(rows) == 2 * len(long)
     assert rows[0::2] == long and rows[1::2] == [few[i % len(few)] for i in range(len(long))]
 
     original = AutoModelForCausalLM.from_pretrained(model_dir)
-    config = recipe.load_config([f"model={model_dir}", f"train_data=['{spec}', {corpus}]", "block_len=32",
+    config = recipe_settings.load_config([f"model={model_dir}", f"train_data=['{spec}', {corpus}]", "block_len=32",
                                  "train_tokens=256"])
-    rows = recipe.training_blocks(config, tokenizer, original, state)["input_ids"]
+    rows = recipe_data.training_blocks(config, tokenizer, original, state)["input_ids"]
     sampled = blocks(spec, 128, original)  # from the cache the mix filled
     assert 0 < len(sampled) <= 4 and len(rows) == 2 * len(long)
     assert rows[1::2] == long and rows[0::2] == [sampled[i % len(sampled)] for i in range(len(long))]
@@ -286,17 +282,16 @@ def test_a_sentence_encoder_trains_on_sentences_with_its_special_tokens(tmp_path
         tokenizer = AutoTokenizer.from_pretrained(packaged_path("offline:minilm"))
     except PackagedModelMissing as missing:
         pytest.skip(str(missing))
-    recipe = import_file("recipes/finetune.py")
     text = tmp_path / "text.txt"
     text.write_text("A short first sentence of prose here. The second sentence is a little longer than that one.\n"
                     "= Heading =\nToo short.\n")
-    rows = recipe.sentence_dataset(tokenizer, str(text), 128)["input_ids"]
+    rows = recipe_data.sentence_dataset(tokenizer, str(text), 128)["input_ids"]
     assert [tokenizer.decode(r) for r in rows] == [
         "[CLS] a short first sentence of prose here. [SEP]",
         "[CLS] the second sentence is a little longer than that one. [SEP]"]
-    rows_of_128 = recipe.sentence_dataset(tokenizer, str(text), 128)
-    assert recipe.tokens_per_row(rows_of_128) == (len(rows[0]) + len(rows[1])) / 2
-    assert len(recipe.sentence_dataset(tokenizer, str(text), 6)["input_ids"][1]) == 6  # cut to block_len
+    rows_of_128 = recipe_data.sentence_dataset(tokenizer, str(text), 128)
+    assert recipe_data.tokens_per_row(rows_of_128) == (len(rows[0]) + len(rows[1])) / 2
+    assert len(recipe_data.sentence_dataset(tokenizer, str(text), 6)["input_ids"][1]) == 6  # cut to block_len
 
 
 # ------------------------------------------------------------------------------------------ library pieces
@@ -338,7 +333,7 @@ def test_each_group_learning_rate_is_logged_and_plotted_under_its_name_over_toke
 
     figures = []
     monkeypatch.setattr(plt, "close", figures.append)  # keep the figure to look at it
-    import_file(RECIPE).plot_history(history, tmp_path / "curve.png", 20.0, "test")
+    recipe_results.plot_history(history, tmp_path / "curve.png", 20.0, "test")
     loss, lr, ppl = figures[0].axes
     assert sorted(line.get_label() for line in lr.lines) == ["gamma", "no_decay", "shape"]
     assert list(lr.lines[0].get_xdata()) == [512, 1024, 1536, 2048] and lr.get_xlabel() == "training tokens"
@@ -354,7 +349,7 @@ def test_an_encoder_s_curve_plots_its_hidden_state_terms_without_a_perplexity_le
     monkeypatch.setattr(plt, "close", figures.append)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # matplotlib warns when asked for a legend of no lines
-        import_file(RECIPE).plot_history(history, tmp_path / "curve.png", None, "encoder")
+        recipe_results.plot_history(history, tmp_path / "curve.png", None, "encoder")
     loss, _, ppl = figures[0].axes
     assert [line.get_label() for line in loss.lines] == ["training loss", "layer-wise", "1 - embedding cosine"]
     assert not ppl.lines and ppl.get_legend() is None
@@ -416,17 +411,16 @@ def test_progressive_swap_blends_from_original_to_converted():
 
 @pytest.mark.parametrize("config", sorted((ROOT / "recipes" / "configs").glob("*.yaml")), ids=lambda p: p.name)
 def test_configs_name_hub_or_builtin_data_and_local_files_override_them(config, tmp_path, capsys):
-    recipe = import_file("recipes/finetune.py")
-    named = recipe.load_config(["--config", str(config)])
+    named = recipe_settings.load_config(["--config", str(config)])
     for spec in (named.calibration.data, named.train_data, named.eval_data):
         assert spec.startswith(("wikitext:wikitext-2-raw-v1:", "builtin", "generated")), spec  # nothing outside it
     text = tmp_path / "text.txt"
     text.write_text(" ".join(WORDS))
     local = [f"calibration.data={text}", f"train_data={text}", "eval_data=builtin:evaluation"]
-    recipe.check_data(recipe.load_config(["--config", str(config), *local]))
+    recipe_data.check_data(recipe_settings.load_config(["--config", str(config), *local]))
     capsys.readouterr()
     with pytest.raises(SystemExit) as error:
-        recipe.check_data(recipe.load_config(["--config", str(config), *local, f"eval_data={tmp_path}/missing.txt"]))
+        recipe_data.check_data(recipe_settings.load_config(["--config", str(config), *local, f"eval_data={tmp_path}/missing.txt"]))
     assert error.value.code == 2
     assert re.fullmatch(r"finetune: error: eval_data: data file not found: .*missing.txt.*\(eval_data=PATH\)\n",
                         capsys.readouterr().err)
@@ -435,32 +429,29 @@ def test_configs_name_hub_or_builtin_data_and_local_files_override_them(config, 
 @pytest.mark.parametrize("config", sorted((ROOT / "recipes" / "configs").glob("smollm2-*.yaml")), ids=lambda p: p.name)
 def test_smollm2_configs_need_no_data_argument_and_no_network(config, capsys):
     """Calibrated and trained on the original's samples, evaluated on the offline text: nothing to download."""
-    recipe = import_file("recipes/finetune.py")
-    named = recipe.load_config(["--config", str(config)])
+    named = recipe_settings.load_config(["--config", str(config)])
     assert named.model.startswith("offline:")
     assert is_generated(named.calibration.data) and is_generated(named.train_data), named
     assert named.eval_data == "builtin:evaluation"
-    recipe.check_data(named)
+    recipe_data.check_data(named)
     assert capsys.readouterr().err == ""
 
 
 def test_a_converted_checkpoint_needs_no_calibration_data(tmp_path):
     """The main job's recovery: the recipe on a saved calibrated checkpoint reads no calibration text."""
-    recipe = import_file("recipes/finetune.py")
     model, _, _ = converted_tiny()
     hf_normswap.save_pretrained(model, tmp_path / "converted")
     unreadable = f"calibration.data={tmp_path}/missing.txt"
-    recipe.check_data(recipe.load_config([f"model={tmp_path / 'converted'}", unreadable]))
+    recipe_data.check_data(recipe_settings.load_config([f"model={tmp_path / 'converted'}", unreadable]))
     with pytest.raises(SystemExit):  # an original to convert still needs it
-        recipe.check_data(recipe.load_config([f"model={tmp_path}", unreadable]))
+        recipe_data.check_data(recipe_settings.load_config([f"model={tmp_path}", unreadable]))
 
 
 def test_a_strategy_set_to_no_stays_no(tmp_path):
     """YAML reads an unquoted `no` as false; the Trainer's strategies take the word."""
-    recipe = import_file("recipes/finetune.py")
     config = tmp_path / "c.yaml"
     config.write_text("training: {save_strategy: no}\n")
-    loaded = recipe.load_config(["--config", str(config), "training.eval_strategy=no"])
+    loaded = recipe_settings.load_config(["--config", str(config), "training.eval_strategy=no"])
     assert loaded.training["eval_strategy"] == loaded.training["save_strategy"] == "no"
 
 
@@ -496,12 +487,11 @@ def test_the_training_text_is_sized_by_the_run_only_for_the_originals_samples(tr
                                                                                expected):
     import types
 
-    recipe = import_file("recipes/finetune.py")
     sources = train_data if isinstance(train_data, list) else [train_data]
     config = types.SimpleNamespace(train_sources=sources, train_tokens=None, max_train_tokens=max_train_tokens,
                                    block_len=16, training={**training, "per_device_train_batch_size": 2,
                                                            "gradient_accumulation_steps": 3})
-    assert [recipe.training_budget(config, spec, world_size=4) for spec in sources] == expected
+    assert [recipe_data.training_budget(config, spec, world_size=4) for spec in sources] == expected
 
 
 def test_the_models_go_to_the_training_device_and_under_fsdp2_only_the_blocks_do(monkeypatch):
@@ -512,15 +502,14 @@ def test_the_models_go_to_the_training_device_and_under_fsdp2_only_the_blocks_do
 
     from hf_normswap.placement import model_device
 
-    recipe = import_file("recipes/finetune.py")
     gpu, cpu = SimpleNamespace(device=torch.device("meta")), SimpleNamespace(device=torch.device("cpu"))
     for variable in ("ACCELERATE_USE_FSDP", "FSDP_VERSION"):
         monkeypatch.delenv(variable, raising=False)
     config = SimpleNamespace(calibration=SimpleNamespace(device=None))
-    assert model_device(recipe.place_for_training(tiny_model("llama"), config, cpu)).type == "cpu"
-    assert model_device(recipe.place_for_training(tiny_model("llama"), config, gpu)).type == "meta"
+    assert model_device(recipe_models.place_for_training(tiny_model("llama"), config, cpu)).type == "cpu"
+    assert model_device(recipe_models.place_for_training(tiny_model("llama"), config, gpu)).type == "meta"
     assert config.calibration.device is None
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
     monkeypatch.setenv("FSDP_VERSION", "2")
-    assert model_device(recipe.place_for_training(tiny_model("llama"), config, gpu)).type == "cpu"
+    assert model_device(recipe_models.place_for_training(tiny_model("llama"), config, gpu)).type == "cpu"
     assert config.calibration.device == "meta"

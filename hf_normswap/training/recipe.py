@@ -1,0 +1,226 @@
+"""The recovery recipe: convert with calibration, train against the original, evaluate, save.
+
+    normswap recover --config recipes/configs/smollm2-eln.yaml training.max_steps=50
+    accelerate launch recipes/finetune.py --config recipes/configs/smollm2-eln.yaml
+    accelerate launch --config_file recipes/accelerate_configs/multi_gpu.yaml recipes/finetune.py --config ...
+    accelerate launch --config_file recipes/accelerate_configs/fsdp2.yaml recipes/finetune.py --config ...  (sharded)
+    python recipes/finetune.py --config recipes/configs/smollm2-eln.yaml train_tokens=500000 output_dir=DIR
+
+Settings come from the YAML config, then from ``key=value`` overrides (dotted keys reach into sections; values are
+read as YAML), checked before anything loads (``recipe_settings``, ``recipe_data.check_data``). Steps:
+
+1. load the original (Hub id, directory, ``.gguf``, ``offline:smollm2``) and convert a copy with calibration, or
+   load an already converted checkpoint (its original from ``original:``); the calibrated model is cached in
+   ``OUTPUT/calibrated`` so a resumed run does not calibrate again (it refuses a cache calibrated otherwise;
+   ``resume=false`` calibrates anew) (``recipe_models``);
+2. evaluate the calibrated model against the original (main process);
+3. train with :class:`~hf_normswap.training.distill.NormSwapTrainer`: cross-entropy plus optional distillation from
+   the frozen original (its logits and / or every block's output; a sentence encoder trains on the blocks' outputs
+   alone), norm-only / full / LoRA training, optional progressive conversion, ``train_tokens`` in total over every
+   launch (it sets ``max_steps``); resumes from the last checkpoint, so a long run can be done in chunks;
+4. evaluate again (a sentence encoder: mean cosine of sentence embeddings to the original's), save the checkpoint
+   with remote code and a model card that records the training, check that it reloads with identical logits, draw
+   the loss / perplexity curve, optionally push to the Hub (``recipe_results``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from pathlib import Path
+
+import torch
+
+from .recipe_data import check_data, recipe_datasets, steps_for
+from .recipe_models import ensure_pad_token, load_models, original_spec
+from .recipe_results import final_evaluation, finish
+from .recipe_settings import fail, load_config
+
+
+@dataclasses.dataclass
+class TrainingRun:
+    """What step 3 leaves for step 4: the trainer after training and what the summary records of the launch."""
+
+    trainer: object
+    result: object
+    precision: object
+    swap: object
+    skeleton: object
+    eval_set: object
+    encoder: bool
+    wall: float
+    last: str | None
+    resumed: dict
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the recipe on ``argv`` (``--config FILE`` and ``key=value`` overrides; None: the command line)."""
+    config = load_config(argv)
+    check_data(config)
+    if config.threads:
+        torch.set_num_threads(int(config.threads))
+    from accelerate import PartialState
+    from transformers import set_seed
+
+    from .run_dir import claim_run_dir, read_json
+
+    # On a machine without GPU, `accelerate launch --multi_gpu --num_processes N` starts N CPU processes; they
+    # join with gloo only when the state is created with cpu=True (accelerate's --cpu starts a single process).
+    cpu = bool(config.training.get("use_cpu")) or not torch.cuda.is_available()
+    config.training["use_cpu"] = cpu
+    state = PartialState(cpu=cpu)
+    set_seed(config.seed)
+    if state.is_main_process:
+        claim_run_dir(config)
+    summary = (read_json(Path(config.output_dir) / "summary.json") or {}) if config.resume else {}
+    summary["config"] = config.to_dict()
+    log = (lambda *a: print("[finetune]", *a, flush=True)) if state.is_main_process else (lambda *a: None)
+
+    student, original, tokenizer = load_models(config, state)
+    ensure_pad_token(tokenizer)
+    original.eval().requires_grad_(False)
+    log(f"{len(student.config.normswap['converted'])} {student.config.normswap['method'].upper()} norms; "
+        f"original {original_spec(config)}")
+    eval_texts = evaluate_calibrated(config, student, original, tokenizer, summary, state, log)
+    run = train(config, student, original, tokenizer, state, log)
+    finish(config, state, run, original, tokenizer, eval_texts, summary, log)
+    state.wait_for_everyone()
+    return 0
+
+
+def evaluate_calibrated(config, student, original, tokenizer, summary: dict, state, log):
+    """The calibrated model against the original, once (a resumed run keeps the first measurement), on the main
+    process; returns the evaluation texts, which the final evaluation reads again (every process under FSDP2)."""
+    from ..evaluation.texts import evaluation_texts
+    from .run_dir import write_json
+    from .sharding import fsdp2_requested
+
+    def texts():
+        return evaluation_texts(config.eval_data, original, tokenizer, config.final_eval.max_tokens)
+
+    eval_texts = texts() if state.is_main_process else None
+    if state.is_main_process and "calibrated" not in summary:
+        start = time.time()
+        before = final_evaluation(student, original, tokenizer, eval_texts, config, "calibrated")
+        summary["calibrated"] = before.to_dict()
+        write_json(Path(config.output_dir) / "summary.json", summary)
+        log(f"after calibration ({time.time() - start:.0f}s):\n{before.table()}")
+    state.wait_for_everyone()
+    if fsdp2_requested() and not state.is_main_process:  # under FSDP2 every process takes part in the final one
+        eval_texts = texts()
+    return eval_texts
+
+
+def train(config, student, original, tokenizer, state, log) -> TrainingRun:
+    """Step 3: the training rows, the trainable parameters (norms, all, LoRA; progressive conversion), the
+    precision, then :class:`NormSwapTrainer` from the last checkpoint when resuming."""
+    from transformers import TrainingArguments
+
+    from ..model_inputs import ends_in_hidden_states
+    from .distill import NormSwapTrainer, WallClockStop
+    from .progressive import ProgressiveSwapCallback
+    from .recipe_models import skeleton_to_gather
+    from .run_dir import last_checkpoint, read_json
+
+    encoder = ends_in_hidden_states(original)
+    distill = config.distill
+    if encoder and not (distill.weight == 1 and not distill.logits and (distill.hidden or distill.embedding)):
+        fail("a sentence encoder has no logits: train it on hidden states alone, distill.weight=1 "
+             "distill.logits=false and distill.hidden or distill.embedding > 0 (recipes/configs/minilm-eln.yaml)")
+    train_set, eval_set = recipe_datasets(config, tokenizer, original, state, encoder)
+    if config.train_tokens is not None:  # takes precedence over max_steps
+        config.training["max_steps"] = steps_for(config, train_set, state.num_processes)
+    swap = progressive_swap(config, student, original, log)
+    student = choose_trainable(config, student, train_set, encoder, log)
+    precision = training_precision(config, student, original, train_set, tokenizer, state)
+    config.training["bf16"] = precision.bf16
+    log(precision.describe())
+    args = TrainingArguments(output_dir=str(Path(config.output_dir)), seed=config.seed, learning_rate=config.lr.base,
+                             prediction_loss_only=True, eval_on_start=not encoder,
+                             **{"include_num_input_tokens_seen": "non_padding" if encoder else "all",
+                                **config.training})
+    callbacks = [WallClockStop(config.max_minutes)] if config.max_minutes else []
+    if swap is not None:
+        callbacks.append(ProgressiveSwapCallback(swap))
+    skeleton = skeleton_to_gather(student)  # after LoRA and the trainable choice: the model as it is sharded
+    trainer = NormSwapTrainer(model=student, args=args, train_dataset=train_set, eval_dataset=eval_set,
+                              processing_class=tokenizer, callbacks=callbacks,
+                              teacher=original if distill.weight > 0 else None, distill_weight=distill.weight,
+                              temperature=distill.temperature, logits=distill.logits,
+                              hidden_weight=distill.hidden, sink_weight=distill.sink_weight,
+                              embedding_weight=distill.embedding,
+                              shape_lr=config.lr.shape, gamma_lr=config.lr.gamma,
+                              head_chunk=config.head_chunk, shard_teacher=config.shard_teacher)
+    last = last_checkpoint(Path(config.output_dir)) if config.resume else None
+    log(f"resuming from {last}" if last else "training from the calibrated model")
+    resumed = read_json(last / "trainer_state.json") if last else {}
+    last = str(last) if last else None
+    start = time.time()
+    result = trainer.train(resume_from_checkpoint=last)
+    return TrainingRun(trainer=trainer, result=result, precision=precision, swap=swap, skeleton=skeleton,
+                       eval_set=eval_set, encoder=encoder, wall=time.time() - start, last=last, resumed=resumed)
+
+
+def progressive_swap(config, student, original, log):
+    """The :class:`ProgressiveSwap` of ``progressive.enabled`` (None when off): the converted norms swapped in a few
+    at a time, the original's norms standing in for the others."""
+    from .progressive import ProgressiveSwap, schedule
+
+    progressive = config.progressive
+    if not progressive.enabled:
+        return None
+    converted = dict(student.config.normswap["converted"])
+    stages = schedule({name: entry["role"] for name, entry in converted.items()}, start=progressive.start,
+                      every=progressive.every, ramp=progressive.ramp, order=progressive.order,
+                      role_order=progressive.role_order, group=progressive.group)
+    swap = ProgressiveSwap(student, {n: original.get_submodule(n) for n in converted}, stages)
+    log(f"progressive: {len(stages)} stages by {progressive.order}, every {progressive.every} steps")
+    return swap
+
+
+def choose_trainable(config, student, train_set, encoder: bool, log):
+    """Dropout off, then the parameters ``trainable`` names (norms, all, or LoRA adapters), the embeddings frozen if
+    asked; returns the student (LoRA wraps it)."""
+    from .distill import apply_lora, disable_dropout, freeze_embeddings, set_trainable
+
+    dropout = disable_dropout(student)  # before LoRA, whose own dropout is the lora config's
+    if dropout:
+        log(f"dropout off in {dropout} places of the student: it is fitted to the original's exact outputs")
+    if config.trainable == "lora":
+        student = apply_lora(student, **dataclasses.asdict(config.lora))
+        trainable = sum(p.numel() for p in student.parameters() if p.requires_grad)
+    else:
+        trainable = set_trainable(student, config.trainable)
+    if config.freeze_embeddings:
+        trainable = freeze_embeddings(student)
+    rows = f"sentences (at most {config.block_len} tokens)" if encoder else f"blocks of {config.block_len} tokens"
+    log(f"training {trainable:,} parameters ({config.trainable}) on "
+        + (f"{config.train_data} streamed in {rows}" if config.streaming else
+           f"{len(train_set)} {rows}" + (f", a mix of {' + '.join(config.train_sources)}"
+                                          if len(config.train_sources) > 1 else "")))
+    return student
+
+
+def training_precision(config, student, original, train_set, tokenizer, state):
+    """fp32 or bf16 autocast (``precision``); ``auto`` times the recipe's own step (forward, loss, backward; one
+    batch of training rows) in both on the main process, and every process takes its answer."""
+    from accelerate.utils import broadcast_object_list
+
+    from .distill import training_step_precision
+
+    choice = [None]
+    if state.is_main_process or config.precision != "auto":
+        distill = config.distill
+        count = config.training["per_device_train_batch_size"]
+        rows = ([row["input_ids"] for row in train_set.take(count)] if config.streaming
+                else train_set[:count]["input_ids"])
+        batch = tokenizer.pad({"input_ids": rows}, return_tensors="pt")  # sentences differ in length
+        choice = [training_step_precision(config.precision, student, original, dict(batch), device=state.device,
+                                          head_chunk=config.head_chunk, distill_weight=distill.weight,
+                                          temperature=distill.temperature, logits=distill.logits,
+                                          hidden_weight=distill.hidden, sink_weight=distill.sink_weight,
+                                          embedding_weight=distill.embedding)]
+    if state.num_processes > 1 and config.precision == "auto":
+        choice = broadcast_object_list(choice)
+    return choice[0]
+

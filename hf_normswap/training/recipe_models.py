@@ -1,0 +1,118 @@
+"""The recipe's models: the original and its converted copy (calibrated, or an already converted checkpoint and the
+original it names), placed where accelerate trains, and the trained student made whole again for the save."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import time
+from pathlib import Path
+
+from .recipe_settings import converted_checkpoint, fail
+
+
+def original_spec(config) -> str:
+    """The original the converted model is trained toward (teacher and reference)."""
+    converted = converted_checkpoint(config)
+    if converted is None:
+        return config.model
+    spec = config.original or converted["normswap"].get("base_model")
+    if not spec:
+        raise SystemExit("finetune: the checkpoint does not name its original; set original: in the config")
+    return spec
+
+
+def place_for_training(model, config, state):
+    """``model`` on the device accelerate trains on, so that calibration, the original's samples and the evaluations
+    run there too (each runs where the model is). Under FSDP2 the model stays in CPU memory for accelerate to shard,
+    and calibration's blocks visit the device one at a time (``calibration.device``)."""
+    from .sharding import fsdp2_requested
+
+    if state.device.type == "cpu":
+        return model
+    if fsdp2_requested():
+        config.calibration.device = config.calibration.device or str(state.device)
+        return model
+    return model.to(state.device)
+
+
+def load_models(config, state):
+    """(student, original, tokenizer), on the training device (:func:`place_for_training`). The main process
+    calibrates and caches; the others load its result."""
+    import hf_normswap
+    from ..checkpoint.save_load import read_config
+    from ..checkpoint.loading import load_model
+
+    cache = Path(config.output_dir) / "calibrated"
+    if converted_checkpoint(config) is not None:
+        student, tokenizer = load_model(config.model)
+        original, _ = load_model(original_spec(config), with_tokenizer=False)
+        return place_for_training(student, config, state), place_for_training(original, config, state), tokenizer
+    original, tokenizer = load_model(config.model)
+    original = place_for_training(original, config, state)
+    with state.main_process_first():
+        # the main process reuses the cache on a resume (check_calibration_cache: it matches the config); the others
+        # come after it and load what it has just written
+        if read_config(cache) is not None and (config.resume or not state.is_main_process):
+            student = place_for_training(hf_normswap.load(cache), config, state)
+            print(f"[finetune] calibrated model from {cache}", flush=True)
+        else:
+            student = copy.deepcopy(original)
+            start = time.time()
+            report = hf_normswap.convert(student, to=config.method,
+                                         calibration=dataclasses.replace(config.calibration, tokenizer=tokenizer))
+            print(f"[finetune] converted {len(report.converted)} norms to {config.method.upper()} with "
+                  f"calibration in {time.time() - start:.0f}s", flush=True)
+            if state.is_main_process:
+                hf_normswap.save_pretrained(student, cache, tokenizer=tokenizer, overwrite=True)
+    return trainable_dense(student), original, tokenizer
+
+
+def ensure_pad_token(tokenizer) -> None:
+    """GPT-2's and Llama's tokenizers have no pad token, and the Trainer's collator pads with it: use EOS (or UNK).
+    The blocks are packed to one length, so padding never changes what the model sees."""
+    if tokenizer is not None and tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token or tokenizer.unk_token
+        if tokenizer.pad_token is None:
+            fail("the tokenizer has no pad, end-of-sequence or unknown token to pad with")
+
+
+def trainable_dense(model):
+    """A GGUF model is loaded dequantized into ordinary tensors but keeps its (inference-only) quantizer, and the
+    Trainer refuses quantized models: drop the quantizer when no weight is still packed."""
+    quantizer = getattr(model, "hf_quantizer", None)
+    if quantizer is not None and type(quantizer).__name__ == "GgufHfQuantizer":
+        if getattr(quantizer, "packed_modules", None):
+            raise SystemExit("finetune: the GGUF model holds packed weights; it cannot be trained")
+        model.hf_quantizer = None
+        model.is_quantized = False  # set as an instance attribute at load time
+        if getattr(model.config, "quantization_config", None) is not None:
+            del model.config.quantization_config
+    return model
+
+
+def skeleton_to_gather(student):
+    """Under FSDP2, a parameterless copy of the student made before it is sharded, into which the whole model is
+    gathered for the save (``whole_student``); None otherwise."""
+    from .sharding import empty_copy, fsdp2_requested
+
+    return empty_copy(student) if fsdp2_requested() else None
+
+
+def whole_student(trainer, model, skeleton, original, state):
+    """The trained ``model`` whole on the main process, for the save and the reload check: as it is under DDP or
+    one process (no ``skeleton``); sharded, gathered into ``skeleton`` (every process takes part, the others get
+    None), after which the sharded student and teacher are freed: their evaluation is done, and the main process
+    holds one whole model at a time."""
+    from .sharding import gathered, is_sharded, release
+
+    if skeleton is None:
+        return model
+    optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
+    optimizer.state.clear()  # training is over: its AdamW moments make room for the whole copy
+    if is_sharded(original):
+        release(original)
+    whole = gathered(model, skeleton, state.is_main_process)
+    release(model)
+    return whole
+

@@ -1,0 +1,162 @@
+"""The recipe's results: the converted model evaluated against the original (perplexity, or a sentence encoder's
+embedding cosine), the checkpoint saved with the record of its training, checked to reload with identical logits,
+and the loss / learning-rate / perplexity curve drawn."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+
+import torch
+
+
+def final_evaluation(model, original, tokenizer, texts: list[str], config, name: str):
+    """The converted model against the original on ``texts``. Sharded models are evaluated on every process
+    alike (each forward gathers its units from all of them)."""
+    from ..evaluation.perplexity import evaluate
+    from ..evaluation.embeddings import evaluate_embeddings
+    from ..model_inputs import ends_in_hidden_states
+
+    if ends_in_hidden_states(original):  # the embedding its users consume: cosine, neighbours and rank correlation
+        return evaluate_embeddings(model, original, tokenizer, texts, data=config.eval_data, **config.final_eval.arguments())
+    return evaluate({name: model}, tokenizer, texts, against=original, data=config.eval_data, progress=False,
+                    **config.final_eval.arguments())
+
+
+
+@torch.no_grad()
+def block_perplexity(model, dataset, batch_size: int = 4) -> float:
+    """exp(mean next-token loss) over the eval blocks: the same number the Trainer logs as eval_perplexity."""
+    model.eval()
+    losses = []
+    for start in range(0, len(dataset), batch_size):
+        ids = torch.tensor(dataset[start:start + batch_size]["input_ids"], device=next(model.parameters()).device)
+        losses.append(float(model(input_ids=ids, labels=ids).loss) * len(ids))
+    return math.exp(sum(losses) / len(dataset))
+
+
+
+def plot_history(history: list[dict], path: Path, original_ppl: float | None, title: str) -> Path:
+    """Training loss, each parameter group's learning rate, and eval perplexity, over training tokens (PNG)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    def tokens(rows):
+        return [h.get("num_input_tokens_seen", 0) for h in rows]
+
+    train = [h for h in history if "loss" in h]
+    evals = [h for h in history if "eval_perplexity" in h]
+    fig, (ax_loss, ax_lr, ax_ppl) = plt.subplots(1, 3, figsize=(15, 4))
+    if train:
+        ax_loss.plot(tokens(train), [h["loss"] for h in train], label="training loss")
+        for key, label in (("ce_loss", "cross-entropy"), ("kd_loss", "distillation KL"),
+                           ("hidden_loss", "layer-wise"), ("embedding_loss", "1 - embedding cosine")):
+            rows = [h for h in train if h.get(key)]  # a term that is off logs 0
+            if rows:
+                ax_loss.plot(tokens(rows), [h[key] for h in rows], lw=0.8, label=label)
+        ax_loss.legend(fontsize=8)
+    for key in sorted({k for h in train for k in h if k.startswith("learning_rate/")}):
+        rows = [h for h in train if key in h]
+        ax_lr.plot(tokens(rows), [h[key] for h in rows], label=key.split("/", 1)[1])
+    if ax_lr.lines:
+        ax_lr.legend(fontsize=8, title="parameter group", title_fontsize=8)
+    ax_loss.set(xlabel="training tokens", ylabel="loss", title="training")
+    ax_lr.set(xlabel="training tokens", ylabel="learning rate", title="learning rate per parameter group",
+              yscale="log")
+    if evals:
+        ax_ppl.plot(tokens(evals), [h["eval_perplexity"] for h in evals], "o-", label="converted")
+    if original_ppl is not None:
+        ax_ppl.axhline(original_ppl, c="k", ls="--", label=f"original ({original_ppl:.4g})")
+        ax_ppl.axhline(1.3 * original_ppl, c="grey", ls=":", label="1.3 x original")
+    ax_ppl.set(xlabel="training tokens", ylabel="perplexity", title="eval perplexity", yscale="log")
+    if ax_ppl.lines:  # an encoder has no perplexity (it is evaluated by embedding cosine after training)
+        ax_ppl.legend(fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
+
+def probe_logits(model, tokenizer) -> torch.Tensor:
+    """The model's output on a fixed input, for the reload check."""
+    from ..model_inputs import first_tensor
+
+    ids = tokenizer("Normalization layers can be replaced by element-wise functions.", return_tensors="pt")
+    model.eval()
+    with torch.no_grad():
+        return first_tensor(model(input_ids=ids["input_ids"].to(next(model.parameters()).device)))
+
+
+def reloads_identically(expected: torch.Tensor, directory: Path, tokenizer) -> bool:
+    """Load the saved checkpoint back (hf_normswap.load) and compare its logits with the saved model's
+    (``probe_logits`` before the save) bit for bit."""
+    import hf_normswap
+
+    reloaded = hf_normswap.load(directory).to(expected.device)
+    return torch.equal(expected, probe_logits(reloaded, tokenizer))
+
+
+
+def finish(config, state, run, original, tokenizer, eval_texts, summary: dict, log) -> None:
+    """After training: evaluate (every process when sharded), then on the main process save the checkpoint with
+    the record of its training (``config.normswap["training"]``) and its evaluation, check that it reloads with
+    identical logits, draw the curve, write ``summary.json`` and push if asked."""
+    import hf_normswap
+
+    from .distill import merge_lora, without_autocast_wrapper
+    from .recipe_models import whole_student
+    from .run_dir import write_json
+    from .sharding import is_sharded
+
+    out, save_dir, trainer, encoder = Path(config.output_dir), config.save_path, run.trainer, run.encoder
+    skeleton, run.skeleton = run.skeleton, None  # held here alone, so that it is freed once the save is checked
+    model = without_autocast_wrapper(trainer.accelerator.unwrap_model(trainer.model))
+    sharded = skeleton is not None and is_sharded(model)
+    if state.is_main_process or sharded:
+        after = final_evaluation(model, original, tokenizer, eval_texts, config, "finetuned")
+        original_block_ppl = None if encoder else block_perplexity(original, run.eval_set)
+    model = whole_student(trainer, model, skeleton if sharded else None, original, state)
+    if not state.is_main_process:
+        return
+    model = merge_lora(model).eval()
+    log(f"after training:\n{after.table()}")
+    history = trainer.state.log_history
+    tokens = trainer.state.num_input_tokens_seen
+    launches = summary.get("launches", []) + [{"resumed_from": run.last, "wall_seconds": round(run.wall, 1),
+                                               "start_step": run.resumed.get("global_step", 0),
+                                               "start_tokens": run.resumed.get("num_input_tokens_seen", 0),
+                                               "global_step": trainer.state.global_step, "tokens": tokens}]
+    training = {"steps": trainer.state.global_step, "tokens_seen": tokens, "trainable": config.trainable,
+                "distill": dataclasses.asdict(config.distill), "lr": dataclasses.asdict(config.lr),
+                "progressive": dataclasses.asdict(config.progressive) if run.swap else None,
+                "train_data": config.train_data, "block_len": config.block_len,
+                "precision": vars(run.precision), "freeze_embeddings": config.freeze_embeddings,
+                "wall_seconds": round(sum(s["wall_seconds"] for s in launches), 1),
+                "world_size": state.num_processes, "train_loss": run.result.training_loss}
+    model.config.normswap["training"] = training
+    expected = probe_logits(model, tokenizer)
+    hf_normswap.save_pretrained(model, save_dir, tokenizer=tokenizer, overwrite=True,
+                                evaluation=None if encoder else after.card("finetuned"))
+    if sharded:
+        del model, skeleton  # the gathered copy (the skeleton filled): the reloaded one takes its place
+    identical = reloads_identically(expected, save_dir, tokenizer)
+    curve = plot_history(history, out / "curve.png", original_block_ppl,
+                         f"{config.model} -> {config.method.upper()}, {config.trainable}, {tokens:,} tokens")
+    summary.update(finetuned=after.to_dict(), training=training, launches=launches, history=history,
+                   reload_identical=identical, curve=str(curve), checkpoint=str(save_dir),
+                   original_eval_block_perplexity=original_block_ppl)
+    write_json(out / "summary.json", summary)
+    ratio = {k: summary[k]["results"]["converted"]["cosine"] if encoder else summary[k]["ratio"].get(k)
+             for k in ("calibrated", "finetuned")}
+    log(f"{'embedding cosine to' if encoder else 'perplexity /'} original: {ratio['calibrated']:.4g} after "
+        f"calibration -> {ratio['finetuned']:.4g} after "
+        f"{trainer.state.global_step} steps ({tokens:,} tokens, {run.wall / 60:.1f} min); saved {save_dir} "
+        f"(reloads identically: {identical}); curve {curve}")
+    if config.push_to_hub:
+        from ..checkpoint.hub import push
+
+        log(f"pushed to {push(save_dir, config.push_to_hub)}")

@@ -1,0 +1,93 @@
+"""The recipe's settings: the YAML config and ``key=value`` overrides, every key, type and range checked, then what
+they name on disk (run directory, save directory, calibration cache, Hub repository), before anything is loaded."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+from pathlib import Path
+
+DESCRIPTION = "Fine-tune a DyT / ELN model against its original: convert with calibration, train, evaluate, save."
+
+
+def fail(message: str):
+    """A mistake in the settings: one line on stderr, exit code 2, before anything is loaded."""
+    print(f"finetune: error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def load_config(argv=None):
+    """The settings (``hf_normswap.training.config.RecipeConfig``) of the YAML file and the overrides, every key,
+    type and range checked, then what they name on disk, before anything is loaded."""
+    from ..checkpoint.hub import PushError, preflight
+    from ..checkpoint.loading import ModelLoadError
+    from ..checkpoint.packaged import PackagedModelMissing
+    from ..checkpoint.save_load import CheckpointError, check_output_dir
+    from .config import read_recipe_config
+    from .run_dir import check_run_dir
+    from ..validation import ValidationError
+
+    parser = argparse.ArgumentParser(description=DESCRIPTION)
+    parser.add_argument("--config", help="YAML file (recipes/configs/*.yaml)")
+    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="e.g. training.max_steps=20 method=dyt")
+    args = parser.parse_args(argv)
+    try:
+        check_sharding()  # first: a DeepSpeed environment fails the TrainingArguments check with another reason
+        config = read_recipe_config(args.config, args.overrides)
+        check_run_dir(config)
+        check_output_dir(config.save_path, overwrite=True)
+        check_calibration_cache(config)
+        if config.push_to_hub:
+            preflight(config.push_to_hub)
+    except (ValidationError, CheckpointError, PushError, ModelLoadError, PackagedModelMissing) as error:
+        fail(str(error))
+    return config
+
+
+def check_sharding() -> None:
+    """FSDP2 is the sharded engine (``hf_normswap.training.sharding``); FSDP1 and DeepSpeed ZeRO-3 are refused
+    before anything loads: the gather for the final evaluation and save is FSDP2's, and ZeRO-3 is untested here."""
+    from .sharding import fsdp2_requested
+    from ..validation import ValidationError
+
+    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true" and not fsdp2_requested():
+        raise ValidationError("FSDP1 is not supported: launch with recipes/accelerate_configs/fsdp2.yaml "
+                              "(fsdp_version: 2)")
+    if os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE") == "3":
+        raise ValidationError("DeepSpeed ZeRO-3 is not supported: shard with FSDP2 "
+                              "(recipes/accelerate_configs/fsdp2.yaml)")
+
+
+def check_calibration_cache(config) -> None:
+    """A resumed run reuses ``OUTPUT/calibrated`` only if it was converted as the config asks: another method or
+    other calibration settings in the same output_dir would otherwise train a start the config does not describe.
+    The cached model's own record (``ConvertConfig.from_pretrained``) is compared with the config."""
+    from ..checkpoint.save_load import read_config
+    from ..convert import ConvertConfig
+    from ..validation import ValidationError
+
+    cache = Path(config.output_dir) / "calibrated"
+    if not (config.resume and converted_checkpoint(config) is None and read_config(cache)):
+        return
+    made = ConvertConfig.from_pretrained(cache)
+    how_it_ran = ("progress", "plots", "device", "cache_memory_mb", "tokenizer")  # not what it made
+    names = [f.name for f in dataclasses.fields(config.calibration) if f.name not in how_it_ran]
+    asked = {"method": config.method, **{name: getattr(config.calibration, name) for name in names}}
+    recorded = {"method": made.method, **{name: getattr(made.calibration, name) for name in names}}
+    filled_in = (None, "auto")  # left to the strategy: recorded as the strategy resolved them
+    differ = [f"{key} {recorded[key]!r} (the config: {value!r})" for key, value in asked.items()
+              if value not in filled_in and recorded[key] != value]
+    if differ:
+        raise ValidationError(f"{cache} was calibrated with {', '.join(differ)}: name another output_dir, or set "
+                              "resume=false to calibrate again")
+
+
+
+def converted_checkpoint(config) -> dict | None:
+    """config.json of ``model`` when it is a checkpoint converted by hf_normswap (no calibration then), else None."""
+    from ..checkpoint.save_load import read_config
+
+    return read_config(config.model) if Path(config.model).is_dir() else None
+

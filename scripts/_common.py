@@ -1,0 +1,44 @@
+"""What the benchmarks share: the machine and commit every result is recorded with, and the process's peak memory.
+
+A script imports it as ``from _common import ...``: Python puts a script's own folder first on ``sys.path``.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import resource
+import subprocess
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+MATMUL_FLAGS = {"avx2", "fma", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8"}
+
+
+def machine() -> dict:
+    """CPU model, the `lscpu` flags that decide fp32 / bf16 matmul speed, threads and load: recorded with every row."""
+    try:
+        lscpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+        cpu = next((l.split(":", 1)[1].strip() for l in lscpu.splitlines() if l.startswith("Model name")), "?")
+    except OSError:
+        lscpu, cpu = "", platform.processor()
+    flags = set(next((l.split(":", 1)[1].split() for l in lscpu.splitlines() if l.startswith("Flags")), []))
+    return dict(cpu=cpu, cpu_flags=sorted(flags & MATMUL_FLAGS),
+                cores=os.cpu_count(), threads=torch.get_num_threads(), torch=torch.__version__,
+                load_average=os.getloadavg()[0])
+
+
+def commit() -> str:
+    """The checkout's short commit, or "unknown" outside a git checkout."""
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def peak_rss_mb() -> float:
+    """This process's lifetime peak resident memory in MiB (``ru_maxrss`` is in kB on Linux)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
