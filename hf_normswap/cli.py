@@ -21,6 +21,7 @@ from .checkpoint.save_load import CheckpointError, check_output_dir, checkpoint_
 from .checkpoint.hub import PushError, preflight, push
 from .checkpoint.loading import ModelLoadError, load_model
 from .checkpoint.model_card import hub_id
+from .checkpoint.record import ConversionRecord
 from .modules import METHODS
 from .placement import DTYPES, check_device, default_device
 from .checkpoint.packaged import PackagedModelMissing
@@ -400,7 +401,8 @@ def _convert(args) -> None:
         kept = {k["name"] for k in budget.kept}
         for entry in report.skipped:
             entry["reason"] = "kept by the quality budget" if entry["name"] in kept else reasons[entry["name"]]
-        report.budget = model.config.normswap["budget"] = budget.to_dict()
+        report.budget = budget.to_dict()
+        ConversionRecord.amend(model, budget=report.budget)
     print(report)
     if budget:
         print(budget)
@@ -507,8 +509,7 @@ def _original_of(model, against):
     original (a converted model's samples would score it on its own text)."""
     if against is not None:
         return against
-    converted = isinstance(getattr(getattr(model, "config", None), "normswap", None), dict)
-    return None if converted else model
+    return None if ConversionRecord.of(model) is not None else model
 
 
 def evaluation_texts(spec: str, original, tokenizer, max_tokens: int | None):
@@ -546,8 +547,7 @@ def _evaluate_conversion(args, model, original, tokenizer) -> None:
     _warn(_calibration_overlap(args.calib, None, args.eval_data, texts))
     evaluation = _run_evaluation(args, "eval_", model, tokenizer, original, args.eval_data, texts)
     print(f"\nevaluation on {evaluation.describe()}\n{evaluation.table()}")
-    if hasattr(model, "config") and isinstance(getattr(model.config, "normswap", None), dict):
-        model.config.normswap["evaluation"] = evaluation.card("converted")
+    ConversionRecord.amend(model, evaluation=evaluation.card("converted"))
 
 
 def _embedding_evaluation(args, model, tokenizer, against, texts):
@@ -574,7 +574,8 @@ def _eval(args) -> None:
     check_window(args.max_length, {args.model: model, **({args.against: against} if against else {})},
                  "--max-length")
     texts = evaluation_texts(args.data, _original_of(model, against), tokenizer, args.max_tokens)
-    recorded = (getattr(getattr(model, "config", None), "normswap", None) or {}).get("calibration")
+    record = ConversionRecord.of(model)
+    recorded = record.calibration if record is not None else None
     _warn(_calibration_overlap(args.calib, recorded, args.data, texts))
     if is_encoder(model):
         evaluation = _embedding_evaluation(args, model, tokenizer, against, texts)
