@@ -141,28 +141,25 @@ def _check_sections(schema, layer: Mapping, prefix: str = "") -> None:
             raise ValidationError(f"setting {prefix}{key} must be a section of settings, got {shown(value)}")
 
 
-def _relabel(error: ValueError, labels: Mapping[str, str], prefix: str) -> ValidationError:
-    """A check's message in the user's words: a setting named by its flag (``labels``) or with its section."""
+def _relabel(error: ValueError, labels: Mapping[str, str]) -> ValidationError:
+    """A check's message in the user's words: a setting named by the flag that set it (``labels``)."""
     message = str(error)
     setting = getattr(error, "setting", None)
     if setting in labels:
         label = labels[setting]
         message = label + message[len(setting):] if message.startswith(setting) else f"{label}: {message}"
-    elif prefix and not message.startswith(prefix):
-        message = f"{prefix}{message}"
     return ValidationError(message)
 
 
-def read_settings(schema: type, *layers: Mapping, labels: Mapping[str, str] = {},
-                  check: Callable | None = None, section: str = ""):
+def read_settings(schema: type, *layers: Mapping, labels: Mapping[str, str] | None = None,
+                  check: Callable | None = None):
     """A ``schema`` dataclass: its defaults updated by each mapping of ``layers`` in turn (a YAML file's, the
     overrides', the flags'), every key known and every value of its field's type; ``check`` (e.g.
-    ``CalibrationConfig.resolved``) runs on the result. ``labels`` names settings by the flag that set them;
-    ``section`` prefixes messages (``calibration: ...``)."""
+    ``CalibrationConfig.resolved``) runs on the result. ``labels`` names settings by the flag that set them."""
     from omegaconf import OmegaConf
     from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
-    prefix = f"{section}: " if section else ""
+    labels = labels or {}
     try:
         config = OmegaConf.structured(schema)
         for layer in layers:
@@ -179,6 +176,6 @@ def read_settings(schema: type, *layers: Mapping, labels: Mapping[str, str] = {}
     except OmegaConfBaseException as error:
         key = str(getattr(error, "full_key", None) or "")
         name = labels.get(key, f"setting {key}" if key else "settings")
-        raise ValidationError(f"{prefix}{name}: {first_line(getattr(error, 'msg', None) or error)}") from None
+        raise ValidationError(f"{name}: {first_line(getattr(error, 'msg', None) or error)}") from None
     except ValueError as error:
-        raise _relabel(error, labels, prefix) from None
+        raise _relabel(error, labels) from None

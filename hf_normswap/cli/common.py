@@ -71,7 +71,8 @@ def check_evaluation_args(args, prefix: str = "") -> None:
         if get(name) is not None:
             check_number(get(name), flag(name), minimum=1)
     if get("stride") and get("max_length") and get("stride") > get("max_length"):
-        raise EvaluationError(f"{flag('stride')} {get('stride')} is longer than {flag('max_length')} {get('max_length')}")
+        raise EvaluationError(f"{flag('stride')} {get('stride')} is longer than {flag('max_length')} "
+                              f"{get('max_length')}")
 
 
 def run_evaluation(args, prefix: str, models, tokenizer, against, data: str, texts):

@@ -20,7 +20,8 @@ ROOT = Path(hf_normswap.__file__).parent.parent
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 # a write into the block: assigning it or one of its keys, updating or deleting in it, setattr on the config
-WRITES = re.compile(r"""(\.normswap|\[\s*["']normswap["']\s*\])\s*(\[[^\]]*\]\s*)*(=(?!=)|\.(update|setdefault|pop)\(|\|=)"""
+WRITES = re.compile(r"""(\.normswap|\[\s*["']normswap["']\s*\])\s*(\[[^\]]*\]\s*)*"""
+                    r"""(=(?!=)|\.(update|setdefault|pop)\(|\|=)"""
                     r"""|del\s+\S*normswap|setattr\([^)]*["']normswap["']""")
 
 
