@@ -149,10 +149,7 @@ class CalibrationConfig:
             value = getattr(out, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValidationError(f"{name} must be a whole number of at least 1, got {value!r}", name)
-        if self.block_steps is not None and self.block_steps < 1:  # as given; a strategy's own may be 0
-            raise ValidationError(f"block_steps must be a whole number of at least 1, got {self.block_steps!r}",
-                                  "block_steps")
-        for name in ("block_weights_lr", "cache_memory_mb", "tune_steps"):  # cache 0: every hidden state on disk
+        for name in ("block_steps", "tune_steps", "block_weights_lr", "cache_memory_mb"):  # 0: none, all on disk
             if getattr(out, name) is not None:
                 check_number(getattr(out, name), name, minimum=0)
         check_precision(out.precision)

@@ -88,7 +88,7 @@ def test_user_errors_are_one_line_and_nonzero(argv, message, llama_dir, capsys):
         (["--block-steps", "240"], "--block-steps needs --calib"),
         (["--calib", "builtin", "--strategy", "encoder", "--block-steps", "240"],
          "--block-steps needs the block strategy"),
-        (["--calib", "builtin", "--block-steps", "0"], "--block-steps must be a whole number of at least 1"),
+        (["--calib", "builtin", "--block-steps", "-1"], "--block-steps must be at least 0"),
         (["--eval", "builtin", "--eval-max-length", "0"], "--eval-max-length must be at least 1"),
         (["--calib-device", "cpu"], "--calib-device needs --calib"),
         (["--calib-cache-mb", "100"], "--calib-cache-mb needs --calib"),
