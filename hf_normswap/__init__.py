@@ -18,7 +18,8 @@ Importing the package changes nothing outside it; ``convert`` and ``load`` insta
 
 from .version import __version__
 from .calibration.calibrate import CalibrationConfig
-from .checkpoint.save_load import CheckpointError, load, save_pretrained
+from .checkpoint.loading import load
+from .checkpoint.save_load import CheckpointError, save_pretrained
 from .convert import ConversionError, ConversionReport, ConvertConfig, convert, inspect, plan
 from .discovery.norms import NormInfo, find_norms
 from .evaluation.perplexity import EvaluationError, evaluate

@@ -16,12 +16,12 @@ from torch import nn
 
 from . import kernels
 from .calibration.calibrate import CalibrationConfig, as_config, calibrate_and_replace, fit_table
-from .checkpoint.save_load import enable_save, read_config
+from .checkpoint.record import ConversionRecord, read_config
+from .checkpoint.save_load import enable_save
 from .discovery.norms import NormInfo, find_norms, norm_parameters
 from .discovery.roles import ROLES, assign_roles
 from .modules import METHODS, ElementwiseNorm
 from .validation import check_input_scale
-from .version import __version__
 
 DEFAULT_ROLES = tuple(r for r in ROLES if r not in ("qk_norm", "other"))
 
@@ -204,8 +204,9 @@ class ConvertConfig:
     def from_block(cls, block: dict) -> "ConvertConfig":
         """The config a ``normswap`` block records; token ids given as calibration data are recorded by shape only,
         so such a config names ``data`` as that shape and needs the ids again to run."""
-        settings = dict(block.get("convert") or {"method": block["method"]})
-        calibration = block.get("calibration")
+        record = ConversionRecord.from_dict(block)
+        settings = dict(record.convert or {"method": record.method})
+        calibration = record.calibration
         if calibration is not None:
             calibration = CalibrationConfig.from_summary(calibration)
         return cls(**settings, calibration=calibration)
@@ -224,8 +225,8 @@ def check_not_converted(model: nn.Module) -> None:
     """A model holding DyT / ELN modules already (loaded from a converted checkpoint) records them in one block,
     that a second conversion would replace with the newly converted ones alone: refused before any calibration."""
     if any(isinstance(module, ElementwiseNorm) for module in model.modules()):
-        block = getattr(getattr(model, "config", None), "normswap", None)
-        original = block.get("base_model") if isinstance(block, dict) else None
+        record = ConversionRecord.of(model)
+        original = record.base_model if record is not None else None
         raise ConversionError(f"the model is converted already (it holds DyT / ELN modules): convert its original"
                               f"{f' ({original})' if original else ''} instead, choosing the norms with --roles / "
                               "--include / --exclude")
@@ -281,16 +282,13 @@ def convert(model: nn.Module, to: str | ConvertConfig = "eln", calibration=None,
             )
         )
     if hasattr(model, "config"):
-        model.config.normswap = {
-            "version": __version__,
-            "method": method,
-            "per_channel": any(getattr(model.get_submodule(c.name), "per_channel", False) for c in report.converted),
-            "converted": {
-                c.name: {"kind": c.kind, "role": c.role, "size": c.size, "amplitude": c.amplitude, "bias": b}
-                for c, b in zip(report.converted, (i.has_bias for i in selected))
-            },
-            "calibration": report.calibration,
-            "convert": config.to_dict(),
-        }
+        ConversionRecord(
+            method=method,
+            per_channel=any(getattr(model.get_submodule(c.name), "per_channel", False) for c in report.converted),
+            converted={c.name: {"kind": c.kind, "role": c.role, "size": c.size, "amplitude": c.amplitude, "bias": b}
+                       for c, b in zip(report.converted, (i.has_bias for i in selected))},
+            calibration=report.calibration,
+            convert=config.to_dict(),
+        ).attach(model)
         enable_save(model)  # model.save_pretrained / push_to_hub now write the full checkpoint (remote code, card)
     return report

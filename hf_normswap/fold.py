@@ -33,6 +33,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree
 
 from . import kernels
+from .checkpoint.record import ConversionRecord
 from .model_inputs import dummy_inputs
 from .modules import ElementwiseNorm
 
@@ -239,7 +240,5 @@ def fold(model: nn.Module, names: list[str] | None = None, inputs: dict | None =
             continue
         _fold_one(norm, [model.get_submodule(layer) for layer in consumers[name]])
         report.folded[name] = consumers[name]
-    block = getattr(getattr(model, "config", None), "normswap", None)
-    if isinstance(block, dict):
-        block["folded"] = {**block.get("folded", {}), **report.folded}
+    ConversionRecord.amend(model, folded=report.folded)
     return report

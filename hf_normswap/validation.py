@@ -6,19 +6,20 @@ A checkpoint's ``config.json`` is checked in ``checkpoint/config_checks.py``.
 
 from __future__ import annotations
 
-import dataclasses
-import difflib
 import math
 import os
-import types
-import typing
 from numbers import Real
 from pathlib import Path
 
 
 
 class ValidationError(ValueError):
-    """A value from a file, the command line or the API is not allowed; the message names the key and the fix."""
+    """A value from a file, the command line or the API is not allowed; the message names the key and the fix.
+    ``setting``: the field the message starts with, so a reader can name it as the user gave it (a flag)."""
+
+    def __init__(self, message: str, setting: str | None = None):
+        super().__init__(message)
+        self.setting = setting
 
 
 def shown(value, limit: int = 60) -> str:
@@ -42,11 +43,11 @@ INPUT_SCALE_RANGE = (1e-6, 1e6)
 def check_number(value, name: str, minimum: float | None = None, maximum: float | None = None):
     """``value`` unless it is not a finite number within [minimum, maximum]; the error names ``name``."""
     if isinstance(value, bool) or not isinstance(value, Real) or not math.isfinite(value):
-        raise ValidationError(f"{name} must be a finite number, got {shown(value)}")
+        raise ValidationError(f"{name} must be a finite number, got {shown(value)}", name)
     if minimum is not None and value < minimum:
-        raise ValidationError(f"{name} must be at least {minimum:g}, got {value:g}")
+        raise ValidationError(f"{name} must be at least {minimum:g}, got {value:g}", name)
     if maximum is not None and value > maximum:
-        raise ValidationError(f"{name} must be at most {maximum:g}, got {value:g}")
+        raise ValidationError(f"{name} must be at most {maximum:g}, got {value:g}", name)
     return value
 
 
@@ -104,71 +105,3 @@ def check_data_files(paths, flag: str) -> None:
     files = [f for p in paths or () for f in (sorted(x for x in p.rglob("*") if x.is_file()) if p.is_dir() else [p])]
     if paths and not any(_holds_text(f) for f in files):
         raise ValidationError(f"{flag} {', '.join(map(str, paths))}: no text (the files are empty or blank)")
-
-
-# ------------------------------------------------------------------------------------------- typed settings
-
-
-def _matches(value, hint) -> bool:
-    """``value`` is of the annotated type ``hint`` (the forms settings use: plain classes, ``X | None``, ``Literal``,
-    ``list[X]`` / ``tuple[X, ...]``, ``dict`` and ``Any``); an int stands for a float."""
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if hint is typing.Any:
-        return True
-    if hint is type(None):
-        return value is None
-    if origin in (typing.Union, types.UnionType):
-        return any(_matches(value, arg) for arg in args)
-    if origin is typing.Literal:
-        return value in args
-    if origin in (list, tuple):
-        return isinstance(value, (list, tuple)) and all(_matches(v, args[0]) for v in value)
-    if origin is dict or hint is dict:
-        return isinstance(value, dict)
-    if hint is float:
-        return isinstance(value, Real) and not isinstance(value, bool)
-    if hint is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    return isinstance(value, hint)
-
-
-def _type_name(hint) -> str:
-    if typing.get_origin(hint) is typing.Literal:
-        return "one of " + ", ".join(map(repr, typing.get_args(hint)))
-    return str(hint).replace("typing.", "") if not isinstance(hint, type) else hint.__name__
-
-
-def check_known(key, known, prefix: str = "") -> None:
-    """An unknown setting is refused with the nearest known one suggested, so a typo cannot be ignored silently."""
-    if key not in known:
-        close = difflib.get_close_matches(str(key), [str(k) for k in known], n=1)
-        hint = f"did you mean {prefix}{close[0]}?" if close else f"known: {', '.join(sorted(map(str, known)))}"
-        raise ValidationError(f"unknown setting {prefix}{key}: {hint}")
-
-
-def settings_from_mapping(cls, settings: dict, prefix: str = "", start=None):
-    """A ``cls`` dataclass from a mapping such as a YAML section: every key must be a field (an unknown one is refused
-    with the nearest field suggested), every value of its field's annotated type, and nested dataclass fields are
-    read the same way from nested mappings. ``start``: the instance whose values the mapping updates (default: the
-    class's defaults). ``__post_init__`` then checks ranges; its ValueError becomes a ValidationError."""
-    if not isinstance(settings, dict):
-        raise ValidationError(f"setting {prefix.rstrip('.') or 'config'} must be a mapping, got {shown(settings)}")
-    hints = typing.get_type_hints(cls)
-    known = {f.name: f for f in dataclasses.fields(cls) if f.init}
-    values = {}
-    for key, value in settings.items():
-        name = f"{prefix}{key}"
-        check_known(key, known, prefix)
-        hint = hints[key]
-        if dataclasses.is_dataclass(hint):
-            nested_start = getattr(start, key) if start is not None else known[key].default_factory()
-            value = settings_from_mapping(hint, value, name + ".", start=nested_start)
-        elif not _matches(value, hint):
-            raise ValidationError(f"setting {name} must be {_type_name(hint)}, got {shown(value)}")
-        values[key] = value
-    try:
-        return dataclasses.replace(start, **values) if start is not None else cls(**values)
-    except ValidationError:
-        raise
-    except ValueError as error:
-        raise ValidationError(f"{prefix}{error}" if prefix else str(error)) from None

@@ -35,6 +35,7 @@ from hf_normswap.calibration.calibrate import DEFAULT_STRATEGY, CalibrationConfi
 from hf_normswap.data import load_texts
 from hf_normswap.evaluation.perplexity import evaluate, overlap_warning
 from hf_normswap.checkpoint.loading import load_model
+from hf_normswap.checkpoint.record import ConversionRecord
 
 MODEL = "offline:smollm2"
 METHODS = ("eln", "dyt")
@@ -139,7 +140,7 @@ def main(argv=None) -> int:
     result = evaluate(scored, tokenizer, texts, against=original, data=args.data, max_tokens=args.eval_tokens,
                       max_length=args.eval_len)
     for method, model in converted.items():
-        model.config.normswap["evaluation"] = result.card(method)
+        ConversionRecord.amend(model, evaluation=result.card(method))
         save_pretrained(model, saved[method], tokenizer=tokenizer, overwrite=True)
 
     times = os.times()  # this process and the recipe's

@@ -291,9 +291,9 @@ MISSING = "/nonexistent/model/dir"  # if an option passed its check, the error w
     (["--input-scale", "inf"], "--input-scale must be a finite number"),
     (["--input-scale", "1e200"], "--input-scale must be at most 1e+06"),
     (["--input-scale", "-1"], "--input-scale must be positive"),
-    (["--calib-blocks", "0"], "--calib-blocks must be at least 1"),  # checked even without --calib
-    (["--calib-len", "-5"], "--calib-len must be at least 1"),
-    (["--max-tokens-per-norm", "0"], "--max-tokens-per-norm must be at least 1"),
+    (["--calib-blocks", "0"], "--calib-blocks must be a whole number of at least 1"),  # checked even without --calib
+    (["--calib-len", "-5"], "--calib-len must be a whole number of at least 1"),
+    (["--max-tokens-per-norm", "0"], "--max-tokens-per-norm must be a whole number of at least 1"),
     (["--eval", "builtin", "--eval-batch-size", "0"], "--eval-batch-size must be at least 1"),
     (["--roles", "attention"], "unknown role"),
     (["--include", "("], "not a valid regular expression"),
@@ -339,14 +339,14 @@ def test_output_paths_are_checked_before_loading(tmp_path, monkeypatch, capsys):
 def test_failed_save_keeps_the_converted_model_and_says_where(tmp_path, monkeypatch, capsys):
     """The output vanishes under the run (here: the save into it fails); the converted model lands elsewhere."""
     tiny_model("llama").save_pretrained(tmp_path / "source")
-    real_save = cli.save_pretrained
+    real_save = cli.output.save_pretrained
 
     def failing(model, directory, **kwargs):
         if Path(directory) == tmp_path / "out":
             raise OSError(28, "No space left on device")
         return real_save(model, directory, **kwargs)
 
-    monkeypatch.setattr(cli, "save_pretrained", failing)
+    monkeypatch.setattr(cli.output, "save_pretrained", failing)
     code, line = _cli(["convert", tmp_path / "source", "--to", "eln", "--output", tmp_path / "out"], capsys)
     assert code == 2 and "No space left on device" in line
     kept = Path(line.split("kept in ")[1].split(":")[0])
@@ -427,22 +427,77 @@ def test_non_utf8_data_names_the_encoding(tmp_path):
     (["training.max_stepz=3"], "unknown setting training.max_stepz: did you mean training.max_steps?"),
     (["modle=offline:smollm2"], "unknown setting modle: did you mean model?"),
     (["method=foo"], "method 'foo' is unknown"),
-    (["trainable=some"], "setting trainable must be one of 'norms', 'all', 'lora', got 'some'"),
+    (["trainable=some"], "setting trainable: Invalid value 'some', expected one of ['norms', 'all', 'lora']"),
     (["calibration.num_blocks=0"], "calibration: num_blocks must be a whole number of at least 1, got 0"),
     (["calibration.strategy=blok"], "calibration: unknown calibration strategy 'blok'"),
     (["calibration.device=nonsense"], "calibration: calibration device 'nonsense' is not a torch device"),
-    (["calibration.cache_memory_mb=-1"], "calibration: calibration cache_memory_mb must be 0 or more"),
+    (["calibration.cache_memory_mb=-1"], "calibration: cache_memory_mb must be at least 0"),
     (["block_len=-5"], "block_len must be at least 1"),
     (["lr.base=.nan"], "lr.base must be a finite number"),
     (["distill.temperature=0"], "distill.temperature must be at least"),
     (["max_minutes=-1"], "max_minutes must be at least 0"),
-    (["lr=0.5"], "setting lr must be a mapping"),
+    (["lr=0.5"], "setting lr must be a section of settings"),
     (["progressive.enabled=true", "trainable=lora"], "progressive conversion works with trainable: norms or all"),
     (["--config", "/nonexistent/config.yaml"], "--config /nonexistent/config.yaml"),
     (["noequals"], "is not KEY=VALUE"),
 ])
 def test_recipe_refuses_bad_settings_in_one_line_before_loading(capsys, argv, message):
     assert message in recipe_refusal(argv, capsys)
+
+
+def _alias_bomb(levels: int = 6, width: int = 6) -> str:
+    """YAML whose last anchor expands to width ** levels strings (9 of 9 ends in a MemoryError)."""
+    lines = ["a0: &a0 [x, x, x, x, x, x]"]
+    lines += [f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * width)}]" for i in range(1, levels)]
+    return "\n".join(lines) + "\n"
+
+
+@pytest.mark.parametrize("where", ["train_data: *a5", "progressive: {role_order: *a5}", "training: {fsdp_config: *a5}"])
+def test_a_yaml_alias_is_refused_in_one_line_before_anything(tmp_path, where):
+    from hf_normswap.training.config import read_recipe_config
+
+    path = tmp_path / "bomb.yaml"
+    path.write_text(_alias_bomb() + where + "\n")
+    with pytest.raises(ValidationError, match=r"anchors and aliases \(&name, \*name\) are not read \(line 1\)") as error:
+        read_recipe_config(str(path), [])
+    assert str(error.value).startswith(f"--config {path}") and "\n" not in str(error.value)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bomb.yaml"]
+
+
+@pytest.mark.parametrize("text, overrides, message", [
+    ("lr: {base: 1e-4}\nlr: {base: 1e-3}\n", [], "'lr' is given twice (line 2); keep one"),
+    ("distill:\n  weight: 0.1\n  weight: 0.2\n", [], "'weight' is given twice (line 3); keep one"),
+    ("", ["lr.base=1e-4", "lr.base=1e-3"], "override lr.base is given twice; keep one"),
+    ("", ["output_dir=${oc.env:HF_TOKEN}"], "interpolations (${...}) are not read"),
+    ("push_to_hub: ${oc.env:HF_TOKEN}\n", [], "interpolations (${...}) are not read"),
+    ("", ["lr=0.5"], "setting lr must be a section of settings, got 0.5"),
+])
+def test_a_key_given_twice_or_an_interpolation_is_one_line(tmp_path, text, overrides, message):
+    from hf_normswap.training.config import read_recipe_config
+
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    with pytest.raises(ValidationError) as error:
+        read_recipe_config(str(path), overrides)
+    assert message in str(error.value) and "\n" not in str(error.value)
+
+
+def test_the_learning_rate_users_type_is_a_float():
+    from hf_normswap.training.config import read_recipe_config
+
+    assert read_recipe_config(None, ["lr.base=1e-3"]).lr.base == pytest.approx(1e-3)
+
+
+def test_a_config_file_not_utf8_or_too_large_is_one_line(tmp_path):
+    from hf_normswap.settings import MAX_SETTINGS_BYTES
+    from hf_normswap.training.config import read_recipe_config
+
+    (tmp_path / "latin1.yaml").write_bytes("model: caf\xe9\n".encode("latin-1"))
+    with pytest.raises(ValidationError, match=r"latin1.yaml: not UTF-8 text \(byte 0xe9 at offset 10\)"):
+        read_recipe_config(str(tmp_path / "latin1.yaml"), [])
+    (tmp_path / "big.yaml").write_text("model: x\n" + "#" * MAX_SETTINGS_BYTES)
+    with pytest.raises(ValidationError, match="is not a settings file"):
+        read_recipe_config(str(tmp_path / "big.yaml"), [])
 
 
 def test_recipe_refuses_a_save_dir_holding_other_files_before_loading(tmp_path, capsys):

@@ -109,7 +109,7 @@ def test_an_evaluation_failing_after_the_conversion_keeps_it(source, tmp_path, m
     def broken(*args, **kwargs):
         raise RuntimeError("out of memory")
 
-    monkeypatch.setattr(cli, "_run_evaluation", broken)
+    monkeypatch.setattr(cli.convert, "run_evaluation", broken)
     code, line = _cli(["convert", source / "llama", "--to", "dyt", "--output", tmp_path / "out", "--eval",
                        source / "text.txt"], capsys)
     assert code == 2 and "--eval failed (out of memory)" in line and f"without its evaluation, in {tmp_path / 'out'}" in line
@@ -131,7 +131,7 @@ def test_a_failed_keep_leaves_no_temporary_folder(tmp_path, temp_dir):
         raise OSError(28, "No space left on device")
 
     with pytest.raises(save_load.CheckpointError, match="not even to a temporary directory"):
-        cli._keep(unsavable, "checkpoint")
+        cli.output.keep(unsavable, "checkpoint")
     assert list(temp_dir.iterdir()) == []
 
 

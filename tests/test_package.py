@@ -16,6 +16,7 @@ PACKAGE = Path(hf_normswap.__file__).parent
 STAGES = [
     ("version", "modules", "hub_mirror"),
     ("kernels", "model_inputs", "placement", "precision", "validation"),
+    ("settings",),
     ("packed_linear",),
     ("generated",),
     ("data",),

@@ -34,7 +34,8 @@ def loaded(monkeypatch):
         seen.append((model, kwargs))
         return model, tokenizer
 
-    monkeypatch.setattr(cli, "load_model", spy)
+    for verb in (cli.inspect, cli.convert, cli.evaluate, cli.sensitivity):
+        monkeypatch.setattr(verb, "load_model", spy)
     return seen
 
 

@@ -31,6 +31,7 @@ from .. import placement
 from ..discovery.norms import NormInfo
 from ..model_inputs import ends_in_hidden_states, forward_without_cache
 from ..precision import autocast, check_precision, choose_precision, forward_backward
+from ..validation import ValidationError, check_number
 from . import block_pass, end_to_end
 from .capture import DEFAULT_MAX_FIRST, DEFAULT_MAX_TOKENS
 from .fitting import FitStats, analytic_input_scale, fit_module, saturating_init
@@ -84,6 +85,9 @@ def strategy_help() -> str:
                      [f"  {s.help_line()}" for s in STRATEGIES.values()])
 
 
+RUN_TIME = {"run_time": True}  # field metadata: a run-time setting (CalibrationConfig.run_time)
+
+
 @dataclass
 class CalibrationConfig:
     """How to calibrate. Settings left ``None`` take the strategy's value (:data:`STRATEGIES`).
@@ -116,11 +120,17 @@ class CalibrationConfig:
     # the block pass (block_pass.sequential): where each block is computed, one at a time (None: where the model is;
     # "cuda" with the model in CPU memory holds one block on the GPU), and how much CPU memory the hidden states
     # cached between blocks may take before the rest goes to files in TMPDIR (None: no limit)
-    device: str | None = None
-    cache_memory_mb: float | None = None
-    progress: bool = True
-    plots: str | None = None
-    tokenizer: Any = field(default=None, repr=False)
+    device: str | None = field(default=None, metadata=RUN_TIME)
+    cache_memory_mb: float | None = field(default=None, metadata=RUN_TIME)
+    progress: bool = field(default=True, metadata=RUN_TIME)
+    plots: str | None = field(default=None, metadata=RUN_TIME)
+    tokenizer: Any = field(default=None, repr=False, metadata=RUN_TIME)
+
+    @classmethod
+    def run_time(cls) -> tuple[str, ...]:
+        """The settings of how a calibration runs (where, with what memory, what it shows), not of what it makes:
+        a checkpoint does not record them, and two runs that differ only in them make the same weights."""
+        return tuple(f.name for f in fields(cls) if f.metadata.get("run_time"))
 
     def resolved(self, selected: list[NormInfo] = (), outputs_logits: bool = True) -> "CalibrationConfig":
         """The options with the strategy's step counts filled in; ``auto`` becomes a strategy for ``selected``
@@ -135,15 +145,18 @@ class CalibrationConfig:
         for key in ("block_steps", "block_rows", "block_weights_lr", "tune_steps", "tune_blocks"):
             if getattr(out, key) is None:
                 setattr(out, key, getattr(preset, key))
-        for name in ("num_blocks", "block_len", "batch_size", "max_tokens_per_norm"):
+        for name in ("num_blocks", "block_len", "batch_size", "max_tokens_per_norm", "block_rows", "tune_blocks"):
             value = getattr(out, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a whole number of at least 1, got {value!r}")
+                raise ValidationError(f"{name} must be a whole number of at least 1, got {value!r}", name)
+        for name in ("block_steps", "tune_steps", "block_weights_lr", "cache_memory_mb"):  # 0: none, all on disk
+            if getattr(out, name) is not None:
+                check_number(getattr(out, name), name, minimum=0)
         check_precision(out.precision)
-        check_device(out.device)
-        if out.cache_memory_mb is not None and not out.cache_memory_mb >= 0:
-            raise ValueError(f"calibration cache_memory_mb must be 0 or more (0: every cached hidden state on disk), "
-                             f"not {out.cache_memory_mb}")
+        try:
+            check_device(out.device)
+        except ValueError as error:
+            raise ValidationError(str(error), "device") from None
         return out
 
     @property
@@ -154,14 +167,14 @@ class CalibrationConfig:
     def from_summary(cls, summary: dict) -> "CalibrationConfig":
         """The settings that a :meth:`summary` (``normswap.calibration`` in config.json) records, without what it
         adds about the run (mode, time, tokens, memory)."""
-        names = {f.name for f in fields(cls) if f.name != "tokenizer"}
+        names = {f.name for f in fields(cls)} - set(cls.run_time())  # earlier checkpoints recorded the device
         settings = {key: value for key, value in summary.items() if key in names}
         if isinstance(settings.get("precision"), dict):  # recorded with its probe's timings
             settings["precision"] = settings["precision"].get("requested")
         return cls(**settings)
 
     def summary(self) -> dict:
-        skip = {"data", "tokenizer", "progress", "plots"}
+        skip = {"data", *self.run_time()}
         out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in skip}
         if self.strategy in STRATEGIES:
             out.update(init=self.preset.init, fit=list(self.preset.fit))

@@ -15,7 +15,8 @@ from huggingface_hub.errors import HFValidationError, HfHubHTTPError
 from huggingface_hub.utils import validate_repo_id
 
 from ..validation import ValidationError, first_line
-from . import config_checks, save_load
+from . import save_load
+from .record import ConversionRecord, read_config
 
 try:  # the HTTP client huggingface_hub uses; its transport errors mean "could not talk to the endpoint"
     from httpx2 import TransportError as _TransportError
@@ -66,11 +67,10 @@ def push(folder: str | os.PathLike, repo_id: str, *, private: bool = False, toke
     checkpoint's own files go (:func:`save_load.checkpoint_files`): a checkpoint saved into a Trainer's output_dir
     has optimizer states and other things beside it that were never meant for a public repo."""
     folder = Path(folder)
-    config = save_load.read_config(folder)
-    if config is None:
+    if read_config(folder) is None:
         raise PushError(f"{folder} is not a checkpoint saved by hf_normswap: save it with `normswap convert --output`")
     try:
-        config_checks.check_block(config["normswap"])
+        record = ConversionRecord.read(folder)
     except ValidationError as error:
         raise PushError(f"{folder}: {error}") from None
     files = save_load.checkpoint_files(folder)
@@ -79,7 +79,7 @@ def push(folder: str | os.PathLike, repo_id: str, *, private: bool = False, toke
     token = preflight(repo_id, token)
     url = endpoint()
     api = HfApi(endpoint=url, token=token)
-    method = config["normswap"]["method"].upper()
+    method = record.method.upper()
     try:
         repo = api.create_repo(repo_id, private=private or None, exist_ok=True, repo_type="model")  # None: Hub default
         api.upload_folder(folder_path=folder, repo_id=repo.repo_id, repo_type="model",

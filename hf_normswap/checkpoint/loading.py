@@ -1,10 +1,17 @@
-"""Load a model (and its tokenizer when there is one) from a Hub id, a local directory, a .gguf file or a packaged name."""
+"""Load a model (and its tokenizer when there is one) from a Hub id, a local directory, a .gguf file or a packaged name.
+
+A checkpoint converted by hf_normswap (``save_load.save_pretrained``) is rebuilt from the package's own modules by
+:func:`load`, without running the checkpoint's code: its record (``record.ConversionRecord.read``) is checked
+against the weights and the architecture first.
+"""
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
+import os
 import struct
 from pathlib import Path
 
@@ -13,15 +20,16 @@ import transformers
 from huggingface_hub import constants
 from huggingface_hub.errors import StrictDataclassError
 from huggingface_hub.utils import HFValidationError, validate_repo_id
-from safetensors import SafetensorError
-from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer
+from safetensors import SafetensorError, safe_open
+from torch import nn
+from transformers import CONFIG_MAPPING, AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer
 
-from .. import data
+from .. import data, kernels
 from ..validation import ValidationError, first_line
-from . import save_load
+from . import config_checks, remote_code
 from .packaged import PREFIX, packaged_path
-
-
+from .record import ConversionRecord, read_config
+from .save_load import CheckpointError, enable_save
 
 
 class ModelLoadError(OSError):
@@ -107,8 +115,8 @@ def load_model(spec: str, dtype=None, with_tokenizer: bool = True, device=None):
             model = AutoModelForCausalLM.from_pretrained(location, **kwargs)
             if device is not None:  # after dequantizing: the GGUF loader's own placement is not relied on
                 model.to(device)
-        elif save_load.read_config(location) is not None:  # converted checkpoint: the package's own modules
-            model = save_load.load(location, **kwargs)
+        elif read_config(location) is not None:  # converted checkpoint: the package's own modules
+            model = load(location, **kwargs)
         else:
             config = AutoConfig.from_pretrained(location, **cache_only, trust_remote_code=False)  # refuse, never prompt
             model = _model_class(config).from_pretrained(location, **kwargs)
@@ -131,7 +139,7 @@ def load_model(spec: str, dtype=None, with_tokenizer: bool = True, device=None):
     if with_tokenizer:
         logging.getLogger("transformers").disabled = True
         try:
-            converted = {"config": save_load.base_config(location)} if save_load.read_config(location) else {}
+            converted = {"config": base_config(location)} if read_config(location) else {}
             tokenizer = AutoTokenizer.from_pretrained(location, **extra, **cache_only, **converted,
                                                       trust_remote_code=False)
         except (OSError, ValueError, TypeError):
@@ -139,3 +147,78 @@ def load_model(spec: str, dtype=None, with_tokenizer: bool = True, device=None):
         finally:
             logging.getLogger("transformers").disabled = False
     return model.eval(), tokenizer
+
+
+# ------------------------------------------------------------------------------------- converted checkpoints
+
+
+@functools.cache
+def normswap_class(architecture: str) -> type:
+    """Subclass of the transformers class ``architecture`` that rebuilds the recorded norms with the package's modules."""
+    base = config_checks.transformers_class(architecture, transformers.PreTrainedModel, "normswap.base.architecture")
+
+    def __init__(self, config, *args, **kwargs):
+        base.__init__(self, config, *args, **kwargs)
+        config_checks.check_block_against_model(self, config.normswap)
+        remote_code.rebuild_norms(self, config.normswap)
+
+    return type(f"NormSwap{architecture}", (base,), {"__init__": __init__, "__module__": __name__})
+
+
+def base_config(path: str | os.PathLike):
+    """The checkpoint's config as the original architecture's config class (no remote code), normswap block kept.
+
+    Pass it as ``config=`` to ``AutoTokenizer.from_pretrained`` / ``AutoProcessor.from_pretrained``: without it they
+    look the config up themselves and stop at the remote-code question for the ``normswap_*`` model type.
+    """
+    config_dict = read_config(path)
+    if config_dict is None:
+        raise CheckpointError(f"{path} is not a checkpoint saved by hf_normswap (no config.json with a normswap block)")
+    record = ConversionRecord.read(path)
+    base = record.base
+    config_dict = dict(record.store(config_dict), model_type=base["model_type"], architectures=[base["architecture"]])
+    config_dict.pop("auto_map", None)
+    return CONFIG_MAPPING[base["model_type"]].from_dict(config_dict)
+
+
+def weight_shapes(path: str | os.PathLike) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every tensor in a checkpoint's safetensors files, read from their headers only."""
+    directory = Path(path)
+    index = directory / "model.safetensors.index.json"
+    if index.is_file() and (directory / "model.safetensors").is_file():  # the check must read what will load
+        raise CheckpointError(f"{directory} holds both model.safetensors and {index.name}: transformers loads "
+                              "model.safetensors, the index names other files; remove the one that is not the "
+                              "checkpoint's")
+    try:
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() \
+            else ["model.safetensors"]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
+        raise CheckpointError(f"{index}: not a readable weight index ({first_line(error)})") from None
+    shapes = {}
+    for name in files:
+        file = directory / name
+        if not file.is_file():
+            raise CheckpointError(f"{directory} has no weights file {name}: the checkpoint is incomplete")
+        try:
+            with safe_open(file, framework="pt") as handle:
+                for key in handle.keys():
+                    shapes[key] = tuple(handle.get_slice(key).get_shape())
+        except (SafetensorError, OSError, ValueError) as error:
+            raise CheckpointError(f"{file}: not a readable safetensors file ({first_line(error)}); it is truncated "
+                                  "or corrupt: save or download it again") from None
+    return shapes
+
+
+def load(path: str | os.PathLike, **kwargs) -> nn.Module:
+    """Load a checkpoint saved by :func:`save_pretrained` with the package's modules (no remote code), in eval mode.
+
+    The normswap block is checked against the weights and the architecture first, so a damaged or tampered block
+    is one error instead of a model with uninitialized or ignored parameters.
+    Keyword arguments go to ``from_pretrained`` (``dtype=``, ``device_map=`` ...).
+    """
+    config = base_config(path)
+    config_checks.check_block_against_weights(config.normswap, weight_shapes(path))
+    model = normswap_class(config.normswap["base"]["architecture"]).from_pretrained(path, config=config, **kwargs)
+    enable_save(model)
+    kernels.install()
+    return model.eval()

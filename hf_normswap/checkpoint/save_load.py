@@ -6,12 +6,13 @@ safetensors weights, ``config.json`` with the ``normswap`` block, generation con
 ``model_type`` is ``normswap_<original>``, so a stock ``from_pretrained`` without ``trust_remote_code`` stops with
 an error instead of quietly building the original architecture and dropping alpha / beta.
 
-``load(DIR)`` rebuilds the same model from the package's own modules, without running the checkpoint's code.
+``loading.load(DIR)`` rebuilds the same model from the package's own modules, without running the checkpoint's
+code.
 """
 
 from __future__ import annotations
 
-import functools
+import dataclasses
 import json
 import os
 import re
@@ -23,15 +24,14 @@ from glob import escape as glob_escape
 from pathlib import Path
 
 import transformers
-from safetensors import SafetensorError, safe_open
+from safetensors import SafetensorError
 from torch import nn
-from transformers import CONFIG_MAPPING
 
-from .. import kernels
 from ..modules import METHODS, ElementwiseNorm
-from ..validation import first_line
+from ..validation import ValidationError, first_line
 from ..version import __version__
 from . import config_checks, model_card, remote_code
+from .record import ConversionRecord, read_config
 
 
 class CheckpointError(Exception):
@@ -251,10 +251,10 @@ def atomic_directory(path: str | os.PathLike, overwrite: bool = False, into_exis
 # ---------------------------------------------------------------------------------------------------- saving
 
 
-def _base(model: nn.Module, block: dict) -> dict:
+def _base(model: nn.Module, record: ConversionRecord) -> dict:
     """The original architecture: recorded by an earlier save, else read from the (unconverted-class) model."""
-    if block.get("base"):
-        return dict(config_checks.check_base(block["base"]))
+    if record.base:
+        return dict(config_checks.check_base(record.base))
     config = model.config
     if type(model).__name__.startswith("NormSwap") or config.model_type.startswith(remote_code.MODEL_TYPE_PREFIX):
         raise CheckpointError("the model's normswap block does not record its original architecture")
@@ -269,10 +269,11 @@ def _method_of(module: nn.Module) -> str:
     raise CheckpointError(f"{type(module).__name__} is not a DyT or ELN module")
 
 
-def _saved_block(model: nn.Module, block: dict, base: dict, base_model: str | None, evaluation) -> dict:
-    """The config's normswap block plus what a reload needs: shapes, per-module method, original architecture."""
-    saved = json.loads(json.dumps(block))  # deep copy; also proves it is JSON-serializable
-    for name, entry in saved["converted"].items():
+def _saved_record(model: nn.Module, record: ConversionRecord, base: dict, base_model: str | None,
+                  evaluation) -> ConversionRecord:
+    """The model's record plus what a reload needs: shapes, per-module method, original architecture."""
+    converted = json.loads(json.dumps(record.converted))  # deep copy; also proves it is JSON-serializable
+    for name, entry in converted.items():
         try:
             module = model.get_submodule(name)
         except AttributeError:
@@ -281,15 +282,12 @@ def _saved_block(model: nn.Module, block: dict, base: dict, base_model: str | No
             raise CheckpointError(f"{name} is recorded as converted but is a {type(module).__name__}")
         entry.update(normalized_shape=list(module.normalized_shape), per_channel=module.per_channel,
                      bias=module.bias is not None, amplitude=module.amplitude)
-        if _method_of(module) != saved["method"]:
+        if _method_of(module) != record.method:
             entry["method"] = _method_of(module)
-    saved["base"] = base
-    saved["package"] = {"name": "hf-normswap", "version": __version__}
-    if base_model is not None:
-        saved["base_model"] = base_model
-    if evaluation is not None:
-        saved["evaluation"] = evaluation
-    return saved
+    return dataclasses.replace(record, converted=converted, base=base,
+                               package={"name": "hf-normswap", "version": __version__},
+                               base_model=base_model if base_model is not None else record.base_model,
+                               evaluation=evaluation if evaluation is not None else record.evaluation)
 
 
 def gguf_quantizer(model: nn.Module, purpose: str):
@@ -322,7 +320,7 @@ def _dense(model: nn.Module):
         model.hf_quantizer = quantizer
 
 
-def _rewrite_config(directory: Path, base: dict, block: dict) -> dict:
+def _rewrite_config(directory: Path, base: dict, record: ConversionRecord) -> dict:
     path = directory / "config.json"
     config = json.loads(path.read_text())
     if (config.get("quantization_config") or {}).get("quant_method") == "gguf":
@@ -333,7 +331,7 @@ def _rewrite_config(directory: Path, base: dict, block: dict) -> dict:
     config["auto_map"] = {"AutoConfig": f"{remote_code.MODULE_NAME}.{config_name}"}
     for auto in remote_code.auto_classes(base["architecture"], base["model_type"]):
         config["auto_map"][auto] = f"{remote_code.MODULE_NAME}.{model_name}"
-    config["normswap"] = block
+    record.store(config)
     path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     return config
 
@@ -358,14 +356,17 @@ def save_pretrained(
     ``into_existing`` writes the files into a directory that holds other things, as transformers does.
     Other keyword arguments go to transformers' ``save_pretrained`` (e.g. ``max_shard_size``).
     """
-    block = getattr(getattr(model, "config", None), "normswap", None)
-    if not block:
+    try:
+        record = ConversionRecord.of(model)
+    except ValidationError as error:
+        raise CheckpointError(str(error)) from None
+    if record is None:
         raise CheckpointError("the model has no normswap block in its config: convert it with hf_normswap.convert first")
     check_output_dir(save_directory, overwrite, into_existing)
-    base = _base(model, block)
+    base = _base(model, record)
     if base_model is None:
-        base_model = block.get("base_model") or model_card.hub_id(getattr(model.config, "_name_or_path", None))
-    saved_block = _saved_block(model, block, base, base_model, evaluation)
+        base_model = record.base_model or model_card.hub_id(getattr(model.config, "_name_or_path", None))
+    saved = _saved_record(model, record, base, base_model, evaluation)
     modeling = remote_code.render(base["architecture"], base["config_class"], base["model_type"])
     remote_code.check_remote_modules(modeling)
     kwargs.pop("push_to_hub", None)
@@ -377,7 +378,7 @@ def save_pretrained(
                 raise CheckpointError(f"cannot write the weights ({first_line(error)})") from None
         if tokenizer is not None:
             tokenizer.save_pretrained(staging)
-        config = _rewrite_config(staging, base, saved_block)
+        config = _rewrite_config(staging, base, saved)
         (staging / remote_code.FILE_NAME).write_text(modeling)
         (staging / "README.md").write_text(model_card.render(config))
     return Path(save_directory)
@@ -398,89 +399,3 @@ def enable_save(model: nn.Module) -> None:
         return save_pretrained(self, save_directory, **kwargs)
 
     model.save_pretrained = types.MethodType(save, model)
-
-
-# --------------------------------------------------------------------------------------------------- loading
-
-
-def read_config(path: str | os.PathLike) -> dict | None:
-    """config.json of a checkpoint directory saved by hf_normswap, or None when it is not one."""
-    config_file = Path(path) / "config.json"
-    if not config_file.is_file():
-        return None
-    try:
-        config = json.loads(config_file.read_text())
-    except (OSError, ValueError):
-        return None
-    return config if isinstance(config, dict) and "normswap" in config else None  # the block is checked on load
-
-
-@functools.cache
-def normswap_class(architecture: str) -> type:
-    """Subclass of the transformers class ``architecture`` that rebuilds the recorded norms with the package's modules."""
-    base = config_checks.transformers_class(architecture, transformers.PreTrainedModel, "normswap.base.architecture")
-
-    def __init__(self, config, *args, **kwargs):
-        base.__init__(self, config, *args, **kwargs)
-        config_checks.check_block_against_model(self, config.normswap)
-        remote_code.rebuild_norms(self, config.normswap)
-
-    return type(f"NormSwap{architecture}", (base,), {"__init__": __init__, "__module__": __name__})
-
-
-def base_config(path: str | os.PathLike):
-    """The checkpoint's config as the original architecture's config class (no remote code), normswap block kept.
-
-    Pass it as ``config=`` to ``AutoTokenizer.from_pretrained`` / ``AutoProcessor.from_pretrained``: without it they
-    look the config up themselves and stop at the remote-code question for the ``normswap_*`` model type.
-    """
-    config_dict = read_config(path)
-    if config_dict is None:
-        raise CheckpointError(f"{path} is not a checkpoint saved by hf_normswap (no config.json with a normswap block)")
-    base = config_checks.check_block(config_dict["normswap"])["base"]
-    config_dict = dict(config_dict, model_type=base["model_type"], architectures=[base["architecture"]])
-    config_dict.pop("auto_map", None)
-    return CONFIG_MAPPING[base["model_type"]].from_dict(config_dict)
-
-
-def weight_shapes(path: str | os.PathLike) -> dict[str, tuple[int, ...]]:
-    """Name -> shape of every tensor in a checkpoint's safetensors files, read from their headers only."""
-    directory = Path(path)
-    index = directory / "model.safetensors.index.json"
-    if index.is_file() and (directory / "model.safetensors").is_file():  # the check must read what will load
-        raise CheckpointError(f"{directory} holds both model.safetensors and {index.name}: transformers loads "
-                              "model.safetensors, the index names other files; remove the one that is not the "
-                              "checkpoint's")
-    try:
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() \
-            else ["model.safetensors"]
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
-        raise CheckpointError(f"{index}: not a readable weight index ({first_line(error)})") from None
-    shapes = {}
-    for name in files:
-        file = directory / name
-        if not file.is_file():
-            raise CheckpointError(f"{directory} has no weights file {name}: the checkpoint is incomplete")
-        try:
-            with safe_open(file, framework="pt") as handle:
-                for key in handle.keys():
-                    shapes[key] = tuple(handle.get_slice(key).get_shape())
-        except (SafetensorError, OSError, ValueError) as error:
-            raise CheckpointError(f"{file}: not a readable safetensors file ({first_line(error)}); it is truncated "
-                                  "or corrupt: save or download it again") from None
-    return shapes
-
-
-def load(path: str | os.PathLike, **kwargs) -> nn.Module:
-    """Load a checkpoint saved by :func:`save_pretrained` with the package's modules (no remote code), in eval mode.
-
-    The normswap block is checked against the weights and the architecture first, so a damaged or tampered block
-    is one error instead of a model with uninitialized or ignored parameters.
-    Keyword arguments go to ``from_pretrained`` (``dtype=``, ``device_map=`` ...).
-    """
-    config = base_config(path)
-    config_checks.check_block_against_weights(config.normswap, weight_shapes(path))
-    model = normswap_class(config.normswap["base"]["architecture"]).from_pretrained(path, config=config, **kwargs)
-    enable_save(model)
-    kernels.install()
-    return model.eval()

@@ -11,12 +11,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
-
 from ..calibration.calibrate import CalibrationConfig
 from ..modules import METHODS
 from ..precision import PRECISIONS
-from ..validation import ValidationError, check_known, check_number, first_line, settings_from_mapping
+from ..settings import read_overrides, read_settings, read_yaml_file, unknown_setting
+from ..validation import ValidationError, check_number, first_line
 
 # set by the recipe from its own settings: output_dir, seed, learning_rate (lr.base)
 OWNED_TRAINING_ARGUMENTS = ("output_dir", "seed", "learning_rate")
@@ -196,7 +195,7 @@ class RecipeConfig:
         try:  # the strategy, precision, device and cache limit, before the model loads
             self.calibration.resolved()
         except ValueError as error:
-            raise ValidationError(f"calibration: {error}") from None
+            raise ValidationError(f"calibration: {error}", getattr(error, "setting", None)) from None
         if self.streaming and isinstance(self.train_data, list):
             raise ValidationError("streaming reads one Hub dataset: name one train_data, or set streaming=false to mix")
         if self.streaming and self.max_train_tokens is not None:
@@ -218,7 +217,8 @@ class RecipeConfig:
             if key.endswith("_strategy") and value is False:
                 merged[key] = "no"
         for key in merged:
-            check_known(key, known, "training.")
+            if key not in known:
+                raise unknown_setting(key, known, "training.")
             if HUB_TRAINING_ARGUMENTS.fullmatch(key):
                 raise ValidationError(f"training.{key} is refused: the Trainer would upload all of output_dir "
                                       "(optimizer states, training_args.bin holding the token); set push_to_hub: "
@@ -247,7 +247,8 @@ class RecipeConfig:
         return Path(self.save_dir or Path(self.output_dir) / "final")
 
     def to_dict(self) -> dict:
-        """The settings as plain values (``summary.json``), without the calibration's tokenizer."""
+        """The settings as plain values (``summary.json``, the run's own record: run-time settings included), without
+        the calibration's tokenizer, an object."""
         out = dataclasses.asdict(self)
         out["calibration"].pop("tokenizer", None)
         return out
@@ -255,28 +256,7 @@ class RecipeConfig:
 
 def read_recipe_config(path: str | None, overrides: list[str]) -> RecipeConfig:
     """A YAML file (or the defaults) updated by ``key=value`` overrides (dotted keys reach into sections, values are
-    read as YAML); ValidationError names the file, the override or the setting that is wrong."""
-    settings: dict = {}
-    if path:
-        try:
-            loaded = yaml.safe_load(Path(path).read_text()) or {}
-        except (OSError, yaml.YAMLError) as error:
-            raise ValidationError(f"--config {path}: {first_line(error)}") from None
-        if not isinstance(loaded, dict):
-            raise ValidationError(f"--config {path}: expected a mapping of settings, got a {type(loaded).__name__}")
-        settings = loaded
-    for item in overrides:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise ValidationError(f"override {item!r} is not KEY=VALUE")
-        *sections, last = key.lstrip("-").split(".")
-        section = settings
-        for part in sections:
-            section = section.setdefault(part, {})
-            if not isinstance(section, dict):
-                raise ValidationError(f"override {item!r}: {part} is not a section")
-        try:
-            section[last] = yaml.safe_load(value)
-        except yaml.YAMLError as error:
-            raise ValidationError(f"override {item!r}: {first_line(error)}") from None
-    return settings_from_mapping(RecipeConfig, settings)
+    read as YAML), read by the one settings reader (``hf_normswap.settings``); ValidationError names the file, the
+    override or the setting that is wrong."""
+    layers = [read_yaml_file(path)] if path else []
+    return read_settings(RecipeConfig, *layers, read_overrides(overrides))

@@ -40,7 +40,7 @@ def load_models(config, state):
     """(student, original, tokenizer), on the training device (:func:`place_for_training`). The main process
     calibrates and caches; the others load its result."""
     import hf_normswap
-    from ..checkpoint.save_load import read_config
+    from ..checkpoint.record import read_config
     from ..checkpoint.loading import load_model
 
     cache = Path(config.output_dir) / "calibrated"

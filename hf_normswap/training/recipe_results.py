@@ -103,10 +103,11 @@ def reloads_identically(expected: torch.Tensor, directory: Path, tokenizer) -> b
 
 def finish(config, state, run, original, tokenizer, eval_texts, summary: dict, log) -> None:
     """After training: evaluate (every process when sharded), then on the main process save the checkpoint with
-    the record of its training (``config.normswap["training"]``) and its evaluation, check that it reloads with
+    the record of its training (the ``training`` part of its :class:`~hf_normswap.checkpoint.record.ConversionRecord`) and its evaluation, check that it reloads with
     identical logits, draw the curve, write ``summary.json`` and push if asked."""
     import hf_normswap
 
+    from ..checkpoint.record import ConversionRecord
     from .distill import merge_lora, without_autocast_wrapper
     from .recipe_models import whole_student
     from .run_dir import write_json
@@ -137,7 +138,7 @@ def finish(config, state, run, original, tokenizer, eval_texts, summary: dict, l
                 "precision": vars(run.precision), "freeze_embeddings": config.freeze_embeddings,
                 "wall_seconds": round(sum(s["wall_seconds"] for s in launches), 1),
                 "world_size": state.num_processes, "train_loss": run.result.training_loss}
-    model.config.normswap["training"] = training
+    ConversionRecord.amend(model, training=training)
     expected = probe_logits(model, tokenizer)
     hf_normswap.save_pretrained(model, save_dir, tokenizer=tokenizer, overwrite=True,
                                 evaluation=None if encoder else after.card("finetuned"))

@@ -64,7 +64,8 @@ def check_calibration_cache(config) -> None:
     """A resumed run reuses ``OUTPUT/calibrated`` only if it was converted as the config asks: another method or
     other calibration settings in the same output_dir would otherwise train a start the config does not describe.
     The cached model's own record (``ConvertConfig.from_pretrained``) is compared with the config."""
-    from ..checkpoint.save_load import read_config
+    from ..calibration.calibrate import CalibrationConfig
+    from ..checkpoint.record import read_config
     from ..convert import ConvertConfig
     from ..validation import ValidationError
 
@@ -72,8 +73,7 @@ def check_calibration_cache(config) -> None:
     if not (config.resume and converted_checkpoint(config) is None and read_config(cache)):
         return
     made = ConvertConfig.from_pretrained(cache)
-    how_it_ran = ("progress", "plots", "device", "cache_memory_mb", "tokenizer")  # not what it made
-    names = [f.name for f in dataclasses.fields(config.calibration) if f.name not in how_it_ran]
+    names = [f.name for f in dataclasses.fields(config.calibration) if f.name not in CalibrationConfig.run_time()]
     asked = {"method": config.method, **{name: getattr(config.calibration, name) for name in names}}
     recorded = {"method": made.method, **{name: getattr(made.calibration, name) for name in names}}
     filled_in = (None, "auto")  # left to the strategy: recorded as the strategy resolved them
@@ -87,7 +87,7 @@ def check_calibration_cache(config) -> None:
 
 def converted_checkpoint(config) -> dict | None:
     """config.json of ``model`` when it is a checkpoint converted by hf_normswap (no calibration then), else None."""
-    from ..checkpoint.save_load import read_config
+    from ..checkpoint.record import read_config
 
     return read_config(config.model) if Path(config.model).is_dir() else None
 

@@ -125,7 +125,7 @@ def test_block_pass_on_cuda_leaves_the_model_on_the_cpu_and_matches_a_cpu_pass()
 
 @pytest.mark.parametrize("options,message", [
     ({"device": "nonsense"}, "is not a torch device"),
-    ({"cache_memory_mb": -1}, "must be 0 or more"),
+    ({"cache_memory_mb": -1}, "cache_memory_mb must be at least 0"),
 ])
 def test_bad_placement_settings_fail_before_any_work(options, message):
     with pytest.raises(ValueError, match=message):

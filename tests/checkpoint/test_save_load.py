@@ -17,7 +17,7 @@ from huggingface_hub import ModelCard
 
 import hf_normswap
 from hf_normswap import cli
-from hf_normswap.checkpoint import model_card, remote_code, save_load
+from hf_normswap.checkpoint import loading, model_card, remote_code, save_load
 from hf_normswap.model_inputs import dummy_inputs, first_tensor
 from matrix import Case, converted
 from tiny_models import ARCHITECTURES, tiny_model
@@ -239,7 +239,7 @@ def test_model_save_pretrained_writes_the_full_checkpoint(tmp_path):
     hf_normswap.convert(model, to="eln")
     model.save_pretrained(tmp_path / "out")
     assert (tmp_path / "out" / "modeling_normswap.py").is_file()
-    reloaded = save_load.load(tmp_path / "out")
+    reloaded = loading.load(tmp_path / "out")
     inputs = dummy_inputs(model)
     with torch.no_grad():
         assert torch.equal(first_tensor(model(**inputs)), first_tensor(reloaded(**inputs)))

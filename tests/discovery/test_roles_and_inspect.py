@@ -77,18 +77,18 @@ def test_user_errors_are_one_line_and_nonzero(argv, message, llama_dir, capsys):
 @pytest.mark.parametrize(
     "flags, message",
     [
-        (["--calib", "builtin", "--calib-blocks", "0"], "--calib-blocks must be at least 1"),
+        (["--calib", "builtin", "--calib-blocks", "0"], "--calib-blocks must be a whole number of at least 1"),
         (["--strategy", "block"], "--strategy needs --calib"),
         (["--block-weights-lr", "1e-4"], "--block-weights-lr needs --calib"),
         (["--block-rows", "2"], "--block-rows needs --calib"),
         (["--calib", "builtin", "--strategy", "kl", "--block-rows", "2"], "--block-rows needs the block strategy"),
         (["--calib", "builtin", "--strategy", "fast", "--block-weights-lr", "1e-4"], "needs the block strategy"),
         (["--calib", "builtin", "--block-weights-lr", "-1"], "--block-weights-lr must be at least 0"),
-        (["--calib", "builtin", "--block-rows", "0"], "--block-rows must be at least 1"),
+        (["--calib", "builtin", "--block-rows", "0"], "--block-rows must be a whole number of at least 1"),
         (["--block-steps", "240"], "--block-steps needs --calib"),
         (["--calib", "builtin", "--strategy", "encoder", "--block-steps", "240"],
          "--block-steps needs the block strategy"),
-        (["--calib", "builtin", "--block-steps", "0"], "--block-steps must be at least 1"),
+        (["--calib", "builtin", "--block-steps", "-1"], "--block-steps must be at least 0"),
         (["--eval", "builtin", "--eval-max-length", "0"], "--eval-max-length must be at least 1"),
         (["--calib-device", "cpu"], "--calib-device needs --calib"),
         (["--calib-cache-mb", "100"], "--calib-cache-mb needs --calib"),
@@ -141,7 +141,8 @@ def test_help_is_plain_text(capsys):
 def test_block_tuning_flags_reach_the_calibration_config():
     """--block-rows, --block-steps, --block-weights-lr, --calib-device and --calib-cache-mb are what calibration runs with, not only what the parser
     accepts."""
-    from hf_normswap.cli import _calibration, build_parser
+    from hf_normswap.cli import build_parser
+    from hf_normswap.cli.calibration_flags import calibration as _calibration
 
     args = build_parser().parse_args(["convert", "m", "--to", "eln", "--calib", "builtin", "--block-rows", "1",
                                       "--block-steps", "240", "--block-weights-lr", "1e-4", "--calib-device", "cpu",

@@ -153,7 +153,7 @@ def test_convert_budget_converts_within_it_and_refuses_an_impossible_one(tmp_pat
     def load(*args, **kwargs):  # a fresh tiny Llama with room for the 256-token slice windows
         return tiny_model("llama", randomize_norms=False, max_position_embeddings=512), tiny_tokenizer()
 
-    monkeypatch.setattr(cli, "load_model", load)
+    monkeypatch.setattr(cli.convert, "load_model", load)
     text, report = tmp_path / "text.txt", tmp_path / "report.json"
     text.write_text(TEXT[0])
     argv = ["convert", "tiny", "--to", "eln", "--budget-data", str(text), "--report", str(report), "--roles",
@@ -182,8 +182,8 @@ def test_sensitivity_leaves_the_blocks_weights_alone_unless_asked(tmp_path, monk
         seen.append(calibration.block_weights_lr)
         raise Measured
 
-    monkeypatch.setattr(cli, "load_model", lambda *a, **k: (tiny_model("llama"), tiny_tokenizer()))
-    monkeypatch.setattr(cli, "_measurer", measurer)
+    monkeypatch.setattr(cli.sensitivity, "load_model", lambda *a, **k: (tiny_model("llama"), tiny_tokenizer()))
+    monkeypatch.setattr(cli.sensitivity, "measurer", measurer)
     text = tmp_path / "text.txt"
     text.write_text(TEXT[0])
     for extra in ([], ["--block-weights-lr", "1e-4"]):

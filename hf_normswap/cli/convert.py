@@ -1,0 +1,124 @@
+"""``normswap convert``: every option and destination checked, then load, convert (within a quality budget when
+asked), fold, evaluate, save and push."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+from ..checkpoint.hub import PushError, preflight
+from ..checkpoint.loading import load_model
+from ..checkpoint.record import ConversionRecord
+from ..checkpoint.save_load import check_output_dir
+from ..convert import ConversionError, check_not_converted, check_selection, convert
+from ..data import check_spec
+from ..evaluation.perplexity import EvaluationError, check_window
+from ..evaluation.sensitivity import exact
+from ..evaluation.texts import evaluation_texts
+from ..fold import fold
+from ..modules import METHODS
+from ..validation import check_data_files, check_input_scale, check_output_file, first_line
+from . import output, sensitivity
+from .calibration_flags import calibration, calibration_args, check_calibration_args
+from .common import MODEL_HELP, calibration_overlap, check_evaluation_args, evaluation_args, \
+    placement, placement_args, roles, run_evaluation, selection_args, warn
+
+
+def add_parser(commands) -> None:
+    conv = commands.add_parser("convert", help="replace norms with DyT or ELN")
+    conv.add_argument("model", help=MODEL_HELP)
+    conv.add_argument("--to", required=True, choices=sorted(METHODS), type=str.lower, help="element-wise method")
+    conv.add_argument("--per-channel", action="store_true", help="one alpha/beta per channel instead of per module")
+    conv.add_argument("--input-scale", type=float, default=1.0,
+                      help="typical input RMS for the analytic initialization (default: %(default)s)")
+    conv.add_argument("--fold", action="store_true",
+                      help="for inference: fold each norm's weight and bias into the linear layers it feeds "
+                           "(q/k/v, gate/up), leaving a bare element-wise function; norms feeding anything else skip")
+    conv.add_argument("--output", help="directory to save the converted checkpoint to (written atomically)")
+    conv.add_argument("--overwrite", action="store_true", help="replace --output when it exists and is not empty")
+    conv.add_argument("--push-to-hub", metavar="REPO", help="push the checkpoint to this Hub repo (NAME or OWNER/NAME)")
+    conv.add_argument("--private", action="store_true", help="with --push-to-hub: create the repo private")
+    conv.add_argument("--report", help="write the conversion report as JSON to this file")
+    placement_args(conv)
+    calibration_args(conv)
+    selection_args(conv)
+    conv.add_argument("--eval", metavar="DATA", dest="eval_data",
+                      help="after converting, evaluate against the original on DATA (same forms as `eval --data`) "
+                           "and print the side-by-side table; it is stored in config.json and the model card")
+    evaluation_args(conv, prefix="eval-")
+    sensitivity.budget_args(conv)
+
+
+def run(args) -> None:
+    # every option and destination is checked before any loading or conversion work
+    where = placement(args)
+    check_input_scale(args.input_scale, "--input-scale")
+    check_calibration_args(args)
+    check_selection(roles(args.roles), args.include, args.exclude)
+    if args.output:
+        check_output_dir(args.output, args.overwrite)
+    if args.report:
+        check_output_file(args.report, "--report")
+    for flag, spec in (("--calib", args.calib), ("--eval", args.eval_data)):  # a mistyped data path, an empty file
+        if spec:
+            check_data_files(check_spec(spec), flag)
+    check_evaluation_args(args, "eval_")
+    if args.push_to_hub:
+        preflight(args.push_to_hub)
+    elif args.private:
+        raise PushError("--private needs --push-to-hub REPO")
+    budget = sensitivity.budget(args)
+    if budget and args.budget_data:
+        check_spec(args.budget_data)
+    model, tokenizer = load_model(args.model, **where)
+    check_not_converted(model)
+    if args.eval_data:
+        check_window(args.eval_max_length, {args.model: model}, "--eval-max-length")
+    original = copy.deepcopy(model) if args.eval_data else None  # the reference for --eval
+    if budget:
+        budget, reasons = sensitivity.select_within_budget(args, model, tokenizer)
+    report = convert(model, to=args.to, calibration=calibration(args, tokenizer),
+                     roles=roles(args.roles), include=exact(budget.converted) if budget else args.include,
+                     exclude=None if budget else args.exclude, per_channel=args.per_channel,
+                     input_scale=args.input_scale)
+    if budget:  # the selection's own reasons, not the exact-name pattern the budgeted conversion used
+        kept = {k["name"] for k in budget.kept}
+        for entry in report.skipped:
+            entry["reason"] = "kept by the quality budget" if entry["name"] in kept else reasons[entry["name"]]
+        report.budget = budget.to_dict()
+        ConversionRecord.amend(model, budget=report.budget)
+    print(report)
+    if budget:
+        print(budget)
+    if args.fold:
+        print(fold(model))
+    if original is not None:
+        evaluate_or_keep(args, model, original, tokenizer)
+    output.save_and_push(args, model, tokenizer)
+    if args.report:  # after the save: a report that cannot be written must not cost the checkpoint
+        try:
+            Path(args.report).write_text(report.to_json())
+        except OSError as error:
+            saved = f" (the checkpoint is saved in {args.output})" if args.output else ""
+            raise ConversionError(f"cannot write --report {args.report}: {error.strerror}{saved}") from None
+
+
+def evaluate_or_keep(args, model, original, tokenizer) -> None:
+    """``--eval`` runs after the conversion: whatever stops it, the converted model is saved first, without its
+    evaluation, and the error says where."""
+    try:
+        evaluate_conversion(args, model, original, tokenizer)
+    except Exception as error:  # noqa: BLE001 - any failure: the conversion is kept, the error named in one line
+        save = output.saver(args, model, tokenizer)
+        where = output.save_output(args, save) if args.output else output.keep(save, "checkpoint")
+        raise EvaluationError(f"--eval failed ({first_line(error)}); the converted model is saved, without its "
+                              f"evaluation, in {where}") from None
+
+
+def evaluate_conversion(args, model, original, tokenizer) -> None:
+    """``convert --eval``: the side-by-side table, printed and stored for the model card."""
+    texts = evaluation_texts(args.eval_data, original, tokenizer, args.eval_max_tokens)
+    warn(calibration_overlap(args.calib, None, args.eval_data, texts))
+    evaluation = run_evaluation(args, "eval_", model, tokenizer, original, args.eval_data, texts)
+    print(f"\nevaluation on {evaluation.describe()}\n{evaluation.table()}")
+    ConversionRecord.amend(model, evaluation=evaluation.card("converted"))

@@ -1,0 +1,74 @@
+"""``normswap eval``: perplexity (token, word, byte) and, against the original, KL and top-1 agreement; for an
+encoder, the agreement of its sentence embeddings with the original's."""
+
+from __future__ import annotations
+
+import json
+
+from ..checkpoint.loading import load_model
+from ..checkpoint.record import ConversionRecord
+from ..data import check_spec
+from ..evaluation.perplexity import EvaluationError, check_window, is_encoder
+from ..evaluation.texts import evaluation_texts
+from ..validation import check_data_files
+from .common import MODEL_HELP, calibration_overlap, check_evaluation_args, evaluation_args, \
+    placement, placement_args, run_evaluation, warn
+
+
+def add_parser(commands) -> None:
+    ev = commands.add_parser("eval", help="perplexity (token, word, byte) and, with --against, KL / top-1 vs original; "
+                                          "for an encoder (no LM head): embedding agreement with --against")
+    ev.add_argument("model", help=MODEL_HELP + ", or a converted checkpoint")
+    ev.add_argument("--against", metavar="ORIGINAL", help="the original model: adds KL, top-1 agreement, ratios")
+    ev.add_argument("--data", default="builtin",
+                    help="text to score: builtin (held-out half of the offline corpus), local files, or a Hub "
+                         "dataset name[:config[:split]], split defaulting to test (default: %(default)s)")
+    ev.add_argument("--calib", metavar="DATA", help="calibration data used for the model: warn if --data overlaps it "
+                    "(a converted checkpoint's recorded calibration is checked without this)")
+    evaluation_args(ev)
+    placement_args(ev)
+    ev.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+
+def _original_of(model, against):
+    """The model generated evaluation text is sampled from: ``--against``, or the model itself when it is an
+    original (a converted model's samples would score it on its own text)."""
+    if against is not None:
+        return against
+    return None if ConversionRecord.of(model) is not None else model
+
+
+def _embedding_evaluation(args, model, tokenizer, against, texts):
+    """``eval`` of an encoder (no LM head): agreement of its sentence embeddings with the original's."""
+    from ..evaluation.embeddings import evaluate_embeddings
+
+    if against is None:
+        raise EvaluationError(f"{args.model} is an encoder ({type(model).__name__}): its embeddings are compared "
+                              "with the original's; pass --against ORIGINAL")
+    if tokenizer is None:
+        raise EvaluationError(f"{args.model} has no tokenizer: sentence embeddings need one")
+    if args.stride:
+        raise EvaluationError("--stride applies to perplexity windows; an encoder is scored on whole sentences")
+    return evaluate_embeddings(model, against, tokenizer, texts, max_tokens=args.max_tokens,
+                               max_length=args.max_length, data=args.data)
+
+
+def run(args) -> None:
+    check_evaluation_args(args)
+    check_data_files(check_spec(args.data), "--data")
+    where = placement(args)
+    model, tokenizer = load_model(args.model, **where)
+    against = load_model(args.against, with_tokenizer=False, **where)[0] if args.against else None
+    check_window(args.max_length, {args.model: model, **({args.against: against} if against else {})},
+                 "--max-length")
+    texts = evaluation_texts(args.data, _original_of(model, against), tokenizer, args.max_tokens)
+    record = ConversionRecord.of(model)
+    warn(calibration_overlap(args.calib, record.calibration if record else None, args.data, texts))
+    if is_encoder(model):
+        evaluation = _embedding_evaluation(args, model, tokenizer, against, texts)
+    else:
+        evaluation = run_evaluation(args, "", model, tokenizer, against, args.data, texts)
+    if args.json:
+        print(json.dumps(evaluation.to_dict(), indent=2))
+    else:
+        print(f"{args.model} on {evaluation.describe()}\n{evaluation.table()}")

@@ -1,0 +1,75 @@
+"""Where a conversion goes: ``--output`` and ``--push-to-hub``, and ``normswap push``. A save or push that fails
+keeps the converted model in a temporary directory that the error names, so a long conversion is never lost."""
+
+from __future__ import annotations
+
+import functools
+import shutil
+import tempfile
+from pathlib import Path
+
+from ..checkpoint.hub import PushError, push
+from ..checkpoint.model_card import hub_id
+from ..checkpoint.save_load import CheckpointError, checkpoint_files, save_pretrained
+from ..validation import first_line
+from .common import warn
+
+
+def add_parser(commands) -> None:
+    hub = commands.add_parser("push", help="upload a saved checkpoint to the Hugging Face Hub")
+    hub.add_argument("directory", help="checkpoint directory written by `normswap convert --output`")
+    hub.add_argument("repo", help="Hub repository, NAME or OWNER/NAME (created if missing)")
+    hub.add_argument("--private", action="store_true", help="create the repo private")
+
+
+def run(args) -> None:
+    print(f"pushed to {push(args.directory, args.repo, private=args.private)}")
+    folder = Path(args.directory)
+    kept = sorted({p.name for p in folder.iterdir()} - set(checkpoint_files(folder)))
+    if kept:
+        warn(f"not uploaded, not part of the checkpoint: {', '.join(kept)}")
+
+
+def saver(args, model, tokenizer):
+    """``save(directory, **options)`` for the converted model, with its tokenizer and the original's Hub id."""
+    return functools.partial(save_pretrained, model, tokenizer=tokenizer, base_model=hub_id(args.model))
+
+
+def save_output(args, save) -> str:
+    """Save into ``--output``; on failure into a temporary directory that the error names."""
+    try:
+        save(args.output, overwrite=args.overwrite)
+    except (OSError, CheckpointError) as error:
+        kept = keep(save, Path(args.output).name)
+        raise CheckpointError(f"cannot save to {args.output} ({first_line(error)}); the converted model is kept "
+                              f"in {kept}: move it into place") from None
+    print(f"saved to {args.output}")
+    return args.output
+
+
+def save_and_push(args, model, tokenizer) -> None:
+    """Save and push; when either fails, the converted model is kept in a temporary directory that the error names,
+    so a long conversion is never lost to a full disk, a vanished directory or a network failure."""
+    save = saver(args, model, tokenizer)
+    if args.output:
+        save_output(args, save)
+    if args.push_to_hub:
+        folder = args.output or keep(save, "checkpoint")
+        try:
+            print(f"pushed to {push(folder, args.push_to_hub, private=args.private)}")
+        except PushError as error:
+            where = "" if args.output else f"; the converted model is kept in {folder}: push it with `normswap push`"
+            raise PushError(f"{error}{where}") from None
+        if not args.output:
+            shutil.rmtree(Path(folder).parent)
+
+
+def keep(save, name: str) -> Path:
+    """Save into a fresh temporary directory (its ``name`` subfolder) and return the path."""
+    folder = Path(tempfile.mkdtemp(prefix="normswap-"))
+    try:
+        return save(folder / name)
+    except (OSError, CheckpointError) as error:
+        shutil.rmtree(folder, ignore_errors=True)
+        raise CheckpointError(f"cannot save the converted model, not even to a temporary directory "
+                              f"({first_line(error)}); free disk space and run again") from None

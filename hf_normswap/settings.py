@@ -1,0 +1,181 @@
+"""One reader for settings: a YAML file, ``key=value`` overrides and the command line's flags are read into the
+dataclasses that declare them (the recipe's ``RecipeConfig``, ``CalibrationConfig``), by OmegaConf's structured
+configs. OmegaConf checks each value against its field's type (``lr.base=1e-3`` is a float, ``block_len=abc`` is
+refused), merges the layers and builds the dataclass, whose ``__post_init__`` checks ranges.
+
+What is checked here, before OmegaConf sees the text: the file's size and encoding, YAML anchors and aliases (an
+alias bomb expands to gigabytes), interpolations (``${oc.env:HF_TOKEN}`` would copy a secret into the settings)
+and a key given twice. Every refusal is one :class:`ValidationError` line naming the file, the override or the
+setting, with the nearest known key suggested for an unknown one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import re
+import typing
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+import yaml
+
+from .validation import ValidationError, first_line, shown
+
+MAX_SETTINGS_BYTES = 1 << 20  # a settings file is a page or two of text; anything larger is not one
+
+
+def unknown_setting(key, known, prefix: str = "") -> ValidationError:
+    """The refusal of an unknown key, with the nearest known one suggested, so a typo cannot be ignored silently."""
+    close = difflib.get_close_matches(str(key), [str(k) for k in known], n=1)
+    hint = f"did you mean {prefix}{close[0]}?" if close else f"known: {', '.join(sorted(map(str, known)))}"
+    return ValidationError(f"unknown setting {prefix}{key}: {hint}")
+
+
+class _Loader(yaml.SafeLoader):
+    """PyYAML's safe loader without anchors, aliases or a key given twice (YAML 1.1 reads them; we refuse them)."""
+
+    def compose_node(self, parent, index):
+        if self.check_event(yaml.AliasEvent) or getattr(self.peek_event(), "anchor", None):
+            mark = self.peek_event().start_mark
+            raise ValidationError(f"YAML anchors and aliases (&name, *name) are not read (line {mark.line + 1}); "
+                                  "write the value out")
+        return super().compose_node(parent, index)
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            if key in seen:
+                raise ValidationError(f"{shown(key)} is given twice (line {key_node.start_mark.line + 1}); keep one")
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
+# YAML 1.2 floats: 1e-3 and 5E4 as well as 1.0e-3 (YAML 1.1 reads the first two as strings)
+_Loader.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(
+    r"^[-+]?(?:[0-9][0-9_]*)?(?:\.[0-9_]*)?[eE][-+]?[0-9]+$|^[-+]?[0-9][0-9_]*\.[0-9_]*$|^[-+]?\.[0-9_]+$"
+    r"|^[-+]?\.(?:inf|Inf|INF)$|^\.(?:nan|NaN|NAN)$"), list("-+0123456789."))
+
+
+def _parse(text: str, where: str):
+    if "${" in text:
+        raise ValidationError(f"{where}: interpolations (${{...}}) are not read; write the value out")
+    try:
+        return yaml.load(text, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
+    except ValidationError as error:
+        raise ValidationError(f"{where}: {error}") from None
+    except yaml.YAMLError as error:
+        raise ValidationError(f"{where}: {first_line(error)}") from None
+
+
+def read_yaml_file(path: str | Path, flag: str = "--config") -> dict:
+    """The mapping of settings in a YAML file: bounded in size, UTF-8, without anchors, aliases or repeated keys."""
+    where = f"{flag} {path}"
+    try:
+        size = Path(path).stat().st_size
+        if size > MAX_SETTINGS_BYTES:
+            raise ValidationError(f"{where}: {size:,} bytes is not a settings file (at most {MAX_SETTINGS_BYTES:,})")
+        raw = Path(path).read_bytes()
+    except OSError as error:
+        raise ValidationError(f"{where}: {error.strerror or first_line(error)}") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise ValidationError(f"{where}: not UTF-8 text (byte {raw[error.start]:#04x} at offset {error.start}); "
+                              "save it as UTF-8") from None
+    loaded = _parse(text, where)
+    if loaded is None:
+        return {}
+    if not isinstance(loaded, dict):
+        raise ValidationError(f"{where}: expected a mapping of settings, got a {type(loaded).__name__}")
+    return loaded
+
+
+def read_overrides(overrides: list[str]) -> dict:
+    """``a.b=value`` overrides as a nested mapping (values read as YAML); a key given twice is refused."""
+    out: dict = {}
+    seen = set()
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        key = key.lstrip("-")
+        if not sep or not key:
+            raise ValidationError(f"override {item!r} is not KEY=VALUE")
+        if key in seen:
+            raise ValidationError(f"override {key} is given twice; keep one")
+        seen.add(key)
+        *sections, last = key.split(".")
+        section = out
+        for part in sections:
+            section = section.setdefault(part, {})
+            if not isinstance(section, dict):
+                raise ValidationError(f"override {item!r}: {part} is not a section")
+        if isinstance(section.get(last), dict):
+            raise ValidationError(f"override {item!r}: {last} is a section; set its keys ({key}.NAME=VALUE)")
+        section[last] = _parse(value, f"override {item!r}") if value else ""
+    return out
+
+
+def _fields(schema, path: list[str]):
+    """The field names of the dataclass reached from ``schema`` by ``path`` (None below a plain mapping)."""
+    for part in path:
+        hints = typing.get_type_hints(schema)
+        schema = hints.get(part)
+        schema = next((a for a in typing.get_args(schema) if dataclasses.is_dataclass(a)), schema)
+        if not dataclasses.is_dataclass(schema):
+            return None
+    return [f.name for f in dataclasses.fields(schema) if f.init]
+
+
+def _check_sections(schema, layer: Mapping, prefix: str = "") -> None:
+    """A section (a dataclass field) is given as a mapping: OmegaConf's own message for a scalar names no key."""
+    hints = typing.get_type_hints(schema)
+    for key, value in layer.items():
+        hint = next((a for a in (hints.get(key), *typing.get_args(hints.get(key))) if dataclasses.is_dataclass(a)),
+                    None)
+        if hint is None:
+            continue
+        if isinstance(value, Mapping):
+            _check_sections(hint, value, f"{prefix}{key}.")
+        elif value is not None:
+            raise ValidationError(f"setting {prefix}{key} must be a section of settings, got {shown(value)}")
+
+
+def _relabel(error: ValueError, labels: Mapping[str, str]) -> ValidationError:
+    """A check's message in the user's words: a setting named by the flag that set it (``labels``)."""
+    message = str(error)
+    setting = getattr(error, "setting", None)
+    if setting in labels:
+        label = labels[setting]
+        message = label + message[len(setting):] if message.startswith(setting) else f"{label}: {message}"
+    return ValidationError(message)
+
+
+def read_settings(schema: type, *layers: Mapping, labels: Mapping[str, str] | None = None,
+                  check: Callable | None = None):
+    """A ``schema`` dataclass: its defaults updated by each mapping of ``layers`` in turn (a YAML file's, the
+    overrides', the flags'), every key known and every value of its field's type; ``check`` (e.g.
+    ``CalibrationConfig.resolved``) runs on the result. ``labels`` names settings by the flag that set them."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
+
+    labels = labels or {}
+    try:
+        config = OmegaConf.structured(schema)
+        for layer in layers:
+            _check_sections(schema, layer)
+            config = OmegaConf.merge(config, OmegaConf.create(dict(layer)))
+        value = OmegaConf.to_object(config)
+        if check is not None:
+            check(value)
+        return value
+    except ConfigKeyError as error:
+        path = str(error.full_key or error.key).split(".")
+        known = _fields(schema, path[:-1]) or []
+        raise unknown_setting(path[-1], known, ".".join(path[:-1]) + "." if len(path) > 1 else "") from None
+    except OmegaConfBaseException as error:
+        key = str(getattr(error, "full_key", None) or "")
+        name = labels.get(key, f"setting {key}" if key else "settings")
+        raise ValidationError(f"{name}: {first_line(getattr(error, 'msg', None) or error)}") from None
+    except ValueError as error:
+        raise _relabel(error, labels) from None
