@@ -15,12 +15,13 @@ from pathlib import Path
 
 from .convert import DEFAULT_ROLES, ConversionError, check_not_converted, check_selection, convert, plan
 from .data import DataError, check_spec
-from .evaluation.perplexity import EvaluationError, check_window, context_length, is_encoder
+from .evaluation.perplexity import EvaluationError, check_window, context_length
 from .fold import FoldError, fold
 from .checkpoint.save_load import CheckpointError, check_output_dir, checkpoint_files, save_pretrained
 from .checkpoint.hub import PushError, preflight, push
 from .checkpoint.loading import ModelLoadError, load_model
 from .checkpoint.model_card import hub_id
+from .model_inputs import is_encoder
 from .modules import METHODS
 from .placement import DTYPES, check_device, default_device
 from .checkpoint.packaged import PackagedModelMissing
@@ -523,7 +524,7 @@ def _calibration_overlap(calib_spec, recorded, data: str, texts) -> str | None:
     from .data import load_texts
     from .data import same_sample
     from .evaluation.perplexity import overlap_warning
-    from .generated import is_generated
+    from .data import is_generated
 
     recorded_spec = recorded.get("data") if isinstance(recorded, dict) else None
     if is_generated(calib_spec) or is_generated(recorded_spec):

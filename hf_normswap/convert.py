@@ -15,7 +15,8 @@ from dataclasses import asdict, dataclass, field
 from torch import nn
 
 from . import kernels
-from .calibration.calibrate import CalibrationConfig, as_config, calibrate_and_replace, fit_table
+from .calibration.calibrate import CalibrationConfig, as_config, calibrate_and_replace
+from .calibration.report import fit_table
 from .checkpoint.save_load import enable_save, read_config
 from .discovery.norms import NormInfo, find_norms, norm_parameters
 from .discovery.roles import ROLES, assign_roles

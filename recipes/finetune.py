@@ -118,8 +118,8 @@ def check_data(config) -> None:
     """Read every text source before any model loads, so a missing file or an unreachable Hub dataset stops the
     run at once with one line naming the key that overrides it."""
     from hf_normswap.data import DataError, generation_settings, load_texts, same_sample
-    from hf_normswap.generated import is_generated
-    from hf_normswap.streaming import packed_stream
+    from hf_normswap.data import is_generated
+    from hf_normswap.data import packed_stream
 
     training = [("train_data", spec, "calibration") for spec in config.train_sources]
     sources = [*training, ("eval_data", config.eval_data, "evaluation")]
@@ -183,9 +183,9 @@ def training_blocks(config, tokenizer, original, state):
 
 
 def streamed_dataset(config, tokenizer):
-    """``train_data`` streamed from the Hub, packed into blocks on the fly (``hf_normswap.streaming``)."""
+    """``train_data`` streamed from the Hub, packed into blocks on the fly (``hf_normswap.data.streaming``)."""
     from hf_normswap.data import DataError
-    from hf_normswap.streaming import packed_stream
+    from hf_normswap.data import packed_stream
 
     try:
         return packed_stream(config.train_data, tokenizer, config.block_len)
@@ -197,7 +197,7 @@ def training_budget(config, spec: str, world_size: int) -> int | None:
     """Tokens to read of one training source: its share of ``max_train_tokens`` (None: all of it); for the
     original's samples, which have no end, its share of what the run trains on over every launch (``train_tokens``,
     else ``training.max_steps`` global batches) within that cap. A share is at least a block."""
-    from hf_normswap.generated import is_generated
+    from hf_normswap.data import is_generated
 
     def share(tokens):
         return None if tokens is None else max(tokens // len(config.train_sources), config.block_len)

@@ -15,11 +15,9 @@ PACKAGE = Path(hf_normswap.__file__).parent
 # The pipeline, bottom to top: a module may import its own stage (its subpackage) and the stages below it.
 STAGES = [
     ("version", "modules"),
-    ("kernels", "model_inputs", "placement", "precision", "validation"),
-    ("packed_linear",),
-    ("generated",),
+    ("kernels", "placement", "precision", "validation"),
+    ("model_inputs",),
     ("data",),
-    ("streaming",),
     ("discovery",),
     ("checkpoint",),
     ("calibration",),

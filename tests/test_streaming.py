@@ -21,8 +21,8 @@ import torch
 sys.path.insert(0, sys.argv[1])
 from tiny_models import tiny_tokenizer
 from hf_normswap.data import DataError, load_texts, token_blocks
-from hf_normswap import streaming
-from hf_normswap.streaming import packed_stream
+from hf_normswap.data import streaming
+from hf_normswap.data.streaming import packed_stream
 
 streaming.PIECE_CHARS = 40  # a dataset of lines cut into pieces many times over
 tokenizer, spec = tiny_tokenizer(), sys.argv[2]

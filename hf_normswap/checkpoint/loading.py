@@ -16,7 +16,7 @@ from huggingface_hub.utils import HFValidationError, validate_repo_id
 from safetensors import SafetensorError
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer
 
-from .. import data
+from ..data import texts as data
 from ..validation import ValidationError, first_line
 from . import save_load
 from .packaged import PREFIX, packaged_path

@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 from huggingface_hub import constants, get_session
 
+from ..validation import first_line
 from .generated import DEFAULT_TOKENS, SamplingSettings, is_generated, sample_texts
-from .validation import first_line
 
 BUILTIN = "builtin"
 BUILTIN_SPLITS = ("calibration", "evaluation")
