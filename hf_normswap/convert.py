@@ -186,7 +186,7 @@ class ConvertConfig:
     def __post_init__(self):
         self.method = str(self.method).lower()
         if self.method not in METHODS:
-            raise ConversionError(f"unknown method {self.method!r}: use --to eln or --to dyt")
+            raise ConversionError(f"unknown method {self.method!r}: use {' or '.join(f'--to {k}' for k in METHODS)}")
         self.roles = (self.roles,) if isinstance(self.roles, str) else tuple(self.roles)
         check_selection(self.roles, self.include, self.exclude)
         check_input_scale(self.input_scale, "input_scale")
