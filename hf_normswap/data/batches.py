@@ -18,18 +18,13 @@ from .texts import DataError, fingerprint, load_texts, token_blocks
 MIN_PARAGRAPH_WORDS = 8
 
 
-def token_ids(source) -> torch.Tensor:
-    """The token ids of a tensor or of a dict of model inputs."""
-    return source["input_ids"] if isinstance(source, dict) else source
-
-
 def model_batches(model: nn.Module, source, tokenizer=None, *, num_blocks: int, block_len: int,
                   batch_size: int) -> tuple[list[dict], str | None]:
     """Batches of at most ``batch_size`` rows on the model's input device, and the text's :func:`.texts.fingerprint`
     (None for token ids), which a checkpoint records so that evaluation can warn about overlap."""
     text_fingerprint = None
     if isinstance(source, (torch.Tensor, dict)):
-        ids = token_ids(source)
+        ids = source["input_ids"] if isinstance(source, dict) else source
         mask = source.get("attention_mask") if isinstance(source, dict) else None
         mask = torch.ones_like(ids) if mask is None else mask
     else:
