@@ -208,7 +208,8 @@ model, tokenizer = load_model("REPO_OR_PATH")  # with the tokenizer
 ```
 
 Without `trust_remote_code=True` the stock loaders refuse this checkpoint (its `model_type` is
-`{config["model_type"]}`): the original `{base["architecture"]}` class would drop the `{method_class.shape_name}` parameters.
+`{config["model_type"]}`): the original `{base["architecture"]}` class would drop the
+`{method_class.shape_name}` parameters.
 
 ## Citation
 
