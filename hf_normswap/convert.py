@@ -15,7 +15,8 @@ from dataclasses import asdict, dataclass, field
 from torch import nn
 
 from . import kernels
-from .calibration.calibrate import CalibrationConfig, as_config, calibrate_and_replace, fit_table
+from .calibration.calibrate import CalibrationConfig, as_config, calibrate_and_replace
+from .calibration.report import fit_table
 from .checkpoint.record import ConversionRecord, read_config
 from .checkpoint.save_load import enable_save
 from .discovery.norms import NormInfo, find_norms, norm_parameters
@@ -185,7 +186,7 @@ class ConvertConfig:
     def __post_init__(self):
         self.method = str(self.method).lower()
         if self.method not in METHODS:
-            raise ConversionError(f"unknown method {self.method!r}: use --to eln or --to dyt")
+            raise ConversionError(f"unknown method {self.method!r}: use {' or '.join(f'--to {k}' for k in METHODS)}")
         self.roles = (self.roles,) if isinstance(self.roles, str) else tuple(self.roles)
         check_selection(self.roles, self.include, self.exclude)
         check_input_scale(self.input_scale, "input_scale")

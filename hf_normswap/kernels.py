@@ -71,24 +71,6 @@ def fallback():
         set_fast_path(previous)
 
 
-# ---------------------------------------------------------------------------------------------- derivatives
-# d f / d x and d f / d shape for each element-wise function, from the fp32 input and shape parameter.
-
-def _eln_grads(x: torch.Tensor, beta: torch.Tensor):
-    s = torch.rsqrt(beta + x * x)
-    s3 = s * s * s
-    return x * s, beta * s3, -0.5 * x * s3  # f, df/dx, df/dbeta
-
-
-def _dyt_grads(x: torch.Tensor, alpha: torch.Tensor):
-    t = torch.tanh(alpha * x)
-    d = 1.0 - t * t
-    return t, alpha * d, x * d  # f, df/dx, df/dalpha
-
-
-GRADS = {"beta": _eln_grads, "alpha": _dyt_grads}
-
-
 # ---------------------------------------------------------------------------------------------- kernels
 def _make_forward(squash):
     def forward(x, shape, weight, bias):
@@ -190,17 +172,18 @@ def _usable(x: torch.Tensor, module: ElementwiseNorm, shape: torch.Tensor) -> bo
         return False
     if weight.device != x.device or shape.device != x.device or (bias is not None and bias.device != x.device):
         return False
-    if weight.shape != x.shape[-1:] or type(module).squash not in _SQUASH_KIND:
+    if weight.shape != x.shape[-1:] or type(module).squash not in _GRADS:
         return False
     return True
 
 
-_SQUASH_KIND: dict = {}  # the squash functions this file knows the derivative of -> shape parameter name
+_GRADS: dict = {}  # squash function -> its derivatives (the class's ``grads``), for the classes registered
 
 
 def register(cls: type[ElementwiseNorm]) -> None:
-    """Let ``cls`` use the fused path; its ``squash`` must be one whose derivatives ``GRADS`` knows."""
-    _SQUASH_KIND[cls.squash] = cls.shape_name
+    """Let ``cls`` use the fused path; a class without :meth:`ElementwiseNorm.grads` keeps the plain formula."""
+    if cls.grads is not ElementwiseNorm.grads:
+        _GRADS[cls.squash] = cls.grads
 
 
 def fused_forward(module: ElementwiseNorm, x: torch.Tensor, shape: torch.Tensor) -> torch.Tensor | None:
@@ -215,7 +198,7 @@ def fused_forward(module: ElementwiseNorm, x: torch.Tensor, shape: torch.Tensor)
         x.requires_grad or shape.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
     )
     if needs_grad:
-        backward = _kernel(("bwd",) + key, _make_backward, GRADS[_SQUASH_KIND[cls.squash]])
+        backward = _kernel(("bwd",) + key, _make_backward, _GRADS[cls.squash])
         y = _FusedNorm.apply(forward, backward, x2d, shape, weight, bias)
     else:
         y = forward(x2d, shape, weight, bias)

@@ -6,6 +6,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .placement import model_device
+
 
 def text_config(model: nn.Module):
     config = model.config
@@ -19,7 +21,7 @@ def dummy_inputs(model: nn.Module, batch: int = 2, seq_len: int = 8, seed: int =
     """
     config = model.config
     generator = torch.Generator().manual_seed(seed)
-    device = next(model.parameters()).device
+    device = model_device(model)
     float_dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     main = getattr(model, "main_input_name", "input_ids")
     inputs: dict[str, torch.Tensor] = {}
@@ -43,6 +45,21 @@ def dummy_inputs(model: nn.Module, batch: int = 2, seq_len: int = 8, seed: int =
             0, text_config(model).vocab_size, (batch, seq_len - 1), generator=generator
         )
     return {k: v.to(device=device, dtype=float_dtype if v.is_floating_point() else v.dtype) for k, v in inputs.items()}
+
+
+def is_causal_lm(model: nn.Module) -> bool:
+    """A decoder-only model that predicts the next token (by its class name, or because it can generate): it reads
+    contiguous token blocks and is scored by perplexity. Encoder-decoder models are not: they read sentences."""
+    if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+        return False
+    can_generate = getattr(model, "can_generate", None)
+    looks_causal = any(k in type(model).__name__ for k in ("CausalLM", "LMHead"))
+    return looks_causal or (callable(can_generate) and can_generate())
+
+
+def is_encoder(model: nn.Module) -> bool:
+    """A model that encodes text but predicts no next token (BERT, MiniLM): scored by its embeddings instead."""
+    return not getattr(getattr(model, "config", None), "is_encoder_decoder", False) and not is_causal_lm(model)
 
 
 def ends_in_hidden_states(model: nn.Module) -> bool:

@@ -1,10 +1,14 @@
 """Element-wise replacements for LayerNorm / RMSNorm: Dynamic Tanh (DyT) and Elementwise LayerNorm (ELN).
 
-Both compute ``y = weight * f(x) + bias`` with ``|f| < 1``, so ``weight`` carries the source norm's learned
+Each computes ``y = weight * f(x) + bias`` with ``|f| < 1``, so ``weight`` carries the source norm's learned
 scale times the *amplitude* of the theory (``sqrt(C-1)`` for LayerNorm, ``sqrt(C)`` for RMSNorm; Stollenwerk 2025,
 referenced in README.md). The shape parameter (``alpha`` for DyT, ``beta`` for ELN) is stored as a clamped log so
 that any optimizer step leaves ``alpha`` finite and ``beta`` positive and finite. Arithmetic runs in fp32 and the
 result is cast back to the input dtype: real models carry activations near 1000, and ``x*x`` overflows fp16 above 256.
+
+A method is one class here and nothing elsewhere: its name, formula and citation (for the model card), the
+derivatives of its ``f`` (for the fused backward, ``kernels.py``), its start for the saturating calibration and the
+learning-rate factor of its shape parameter. :data:`METHODS` lists the classes; the rest of the package reads them.
 """
 
 from __future__ import annotations
@@ -38,6 +42,12 @@ def slope_at_zero(kind: str, size: int, input_scale: float) -> float:
 class ElementwiseNorm(nn.Module):
     """Shared plumbing: affine parameters, shape parameter storage, dtype handling, construction from a norm."""
 
+    key: str = ""  # the method's name: ``convert(model, key)``, ``--to key``, ``normswap.method`` in config.json
+    title: str = ""  # the method's name in words, for the model card
+    formula: str = ""  # the forward pass as the model card shows it
+    shape_note: str = ""  # what the shape parameter is, for the model card
+    citation: str = ""  # BibTeX of the method's paper
+    builds_on: tuple[str, ...] = ()  # keys of the methods whose papers a card cites before this one's
     shape_name: str = ""  # "alpha" or "beta"
     log_limit: float = 0.0
     # the shape parameter goes as (input scale) ** scale_power when the curve follows the input's scale
@@ -87,6 +97,18 @@ class ElementwiseNorm(nn.Module):
     def squash(self, x: torch.Tensor, shape: torch.Tensor) -> torch.Tensor:
         """The element-wise function f with |f| < 1, on fp32 input."""
         raise NotImplementedError
+
+    @staticmethod
+    def grads(x: torch.Tensor, shape: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(f, df/dx, df/dshape)`` on fp32 input: the fused backward (``kernels.py``) recomputes them in one loop.
+        A method without it runs the plain formula, with autograd's backward."""
+        raise NotImplementedError
+
+    @classmethod
+    def knee_shape(cls, knee_input: torch.Tensor) -> torch.Tensor:
+        """The shape parameter whose curve has slope ``1 / knee_input`` at zero (``f'(0) * knee_input = 1``): the
+        saturating calibration start (``calibration.fitting.saturating_init``)."""
+        return knee_input.pow(cls.scale_power)
 
     # Fused implementation installed by hf_normswap.kernels: (module, x, shape parameter) -> output, or None where it
     # does not apply. None here (and in checkpoints' remote code): the formula below, the reference, runs.
@@ -159,6 +181,17 @@ class ElementwiseNorm(nn.Module):
 class DyT(ElementwiseNorm):
     """Dynamic Tanh (Zhu et al. 2025): ``y = weight * tanh(alpha * x) + bias``."""
 
+    key = "dyt"
+    title = "DyT (Dynamic Tanh)"
+    formula = "y = weight * tanh(alpha * x) + bias"
+    shape_note = "`alpha` is one learnable scalar per module (or per channel)"
+    citation = """@inproceedings{zhu2025dyt,
+  title     = {Transformers without Normalization},
+  author    = {Zhu, Jiachen and Chen, Xinlei and He, Kaiming and LeCun, Yann and Liu, Zhuang},
+  booktitle = {Proceedings of the IEEE/CVF Conference on Computer Vision and Pattern Recognition (CVPR)},
+  year      = {2025},
+  note      = {arXiv:2503.10622}
+}"""
     shape_name = "alpha"
     log_limit = LOG_ALPHA_LIMIT
     scale_power = -1  # tanh(alpha x): alpha ~ 1 / scale
@@ -171,6 +204,12 @@ class DyT(ElementwiseNorm):
         return torch.tanh(alpha * x)
 
     @staticmethod
+    def grads(x: torch.Tensor, alpha: torch.Tensor):
+        t = torch.tanh(alpha * x)
+        d = 1.0 - t * t
+        return t, alpha * d, x * d  # f, df/dx, df/dalpha
+
+    @staticmethod
     def analytic_shape_value(kind: str, size: int, input_scale: float) -> float:
         """Match the norm's slope at zero: amplitude * alpha = slope."""
         return slope_at_zero(kind, size, input_scale) / amplitude_for(kind, size)
@@ -179,6 +218,17 @@ class DyT(ElementwiseNorm):
 class ELN(ElementwiseNorm):
     """Elementwise Layer Normalization / DyISRU (Stollenwerk 2025): ``y = weight * x / sqrt(beta + x^2) + bias``."""
 
+    key = "eln"
+    title = "ELN (Elementwise Layer Normalization, also published as DyISRU)"
+    formula = "y = weight * x / sqrt(beta + x^2) + bias"
+    shape_note = "`beta` is one learnable positive scalar per module (or per channel)"
+    citation = """@article{stollenwerk2025eln,
+  title   = {The Mathematical Relationship Between Layer Normalization and Dynamic Activation Functions},
+  author  = {Stollenwerk, Felix},
+  journal = {arXiv preprint arXiv:2503.21708},
+  year    = {2025}
+}"""
+    builds_on = ("dyt",)  # derived from DyT: the card cites both
     shape_name = "beta"
     log_limit = LOG_BETA_LIMIT
     scale_power = 2  # x / sqrt(beta + x^2): sqrt(beta) ~ scale
@@ -189,6 +239,12 @@ class ELN(ElementwiseNorm):
 
     def squash(self, x: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
         return x * torch.rsqrt(beta + x * x)
+
+    @staticmethod
+    def grads(x: torch.Tensor, beta: torch.Tensor):
+        s = torch.rsqrt(beta + x * x)
+        s3 = s * s * s
+        return x * s, beta * s3, -0.5 * x * s3  # f, df/dx, df/dbeta
 
     @staticmethod
     def analytic_shape_value(kind: str, size: int, input_scale: float) -> float:
@@ -208,4 +264,4 @@ def adam_groups(modules: list[ElementwiseNorm], lr: float) -> list[dict]:
     return [{"params": params, "lr": group_lr} for group_lr, params in groups.items()]
 
 
-METHODS: dict[str, type[ElementwiseNorm]] = {"eln": ELN, "dyt": DyT}
+METHODS: dict[str, type[ElementwiseNorm]] = {cls.key: cls for cls in (ELN, DyT)}  # the first is the default

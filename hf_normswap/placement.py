@@ -33,6 +33,9 @@ def check_device(device: str, what: str = "device", fix: str = "pass --device cp
 
 
 def model_device(model: nn.Module) -> torch.device:
-    """The device of the model's first parameter: where its inputs go (every part of a model loaded by
-    ``normswap`` sits on one device)."""
-    return next(model.parameters()).device
+    """Where the model's inputs go: the device of its input embeddings, else of its first parameter (every part of
+    a model loaded by ``normswap`` sits on one device; a model placed by hand may not)."""
+    try:
+        return model.get_input_embeddings().weight.device
+    except (AttributeError, NotImplementedError):
+        return next(model.parameters()).device

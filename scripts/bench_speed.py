@@ -15,7 +15,7 @@ slows all candidates alike and the ratios stay meaningful. Sections:
 * head: the distillation loss alone (CE + KL over the vocabulary, forward + backward) for tokens x C hidden states
   through a V x C head: from full logits against chunked (``hf_normswap.training.head_loss``); time interleaved in one
   process, peak RSS above the inputs in a fresh process each;
-* sampling: the original's own samples (batched ``generate``, ``hf_normswap.generated``) against the recipe's
+* sampling: the original's own samples (batched ``generate``, ``hf_normswap.data.generated``) against the recipe's
   training step, tokens/s of each interleaved: the cost of a sampled token in training time;
 * train: one optimizer step of the converted model (all weights train), batch x seq tokens, as the recipe takes it
   (``NormSwapTrainer``: distillation from the original, chunked head loss, the precision ``auto`` picks by its probe)
@@ -612,17 +612,17 @@ SAMPLING_TRAIN = ["recipe", "recipe-layerwise"]  # logit KL alone; with the laye
 
 
 def sampling_section(args) -> list[dict]:
-    """The original's samples (``hf_normswap.generated``) against the recipe's training step: tokens/s of each,
+    """The original's samples (``hf_normswap.data.generated``) against the recipe's training step: tokens/s of each,
     interleaved in one process, sampling in the precision ``generated`` chooses (``precision=auto``), each batch size
     at each sample length (``sample-B`` at the training length, ``sample-BxL`` at another). A sample costs
     ``train tokens/s / sample tokens/s`` of a training step on the same number of tokens."""
     import tempfile
     import types
 
-    from hf_normswap.generated import SampleCache, SamplingSettings, draw
+    from hf_normswap.data.generated import SampleCache, SamplingSettings, draw
 
     logging.basicConfig(format="[bench_speed] %(name)s: %(message)s")
-    logging.getLogger("hf_normswap.packed_linear").setLevel(logging.INFO)  # whether each draw packed its weights
+    logging.getLogger("hf_normswap.data.packed_linear").setLevel(logging.INFO)  # whether each draw packed its weights
 
     student, teacher, inputs = train_setup(args)
     teacher.config.use_cache = True

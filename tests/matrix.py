@@ -17,8 +17,9 @@ from tiny_models import ARCHITECTURES, tiny_model
 import hf_normswap
 from hf_normswap.calibration.calibrate import STRATEGIES, CalibrationConfig
 from hf_normswap.discovery.roles import ROLES
+from hf_normswap.modules import METHODS as METHOD_CLASSES
 
-METHODS = ("eln", "dyt")
+METHODS = tuple(METHOD_CLASSES)  # every method the package registers
 CALIBRATED_ARCHITECTURES = ("llama", "gpt2", "opt", "bert", "t5")  # RMSNorm / LayerNorm, decoder / encoder, two stacks
 
 

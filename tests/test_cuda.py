@@ -207,7 +207,7 @@ def test_one_recipe_step_on_cuda_in_bf16(tmp_path):
 def test_the_originals_samples_on_cuda_use_the_preallocated_cache(tmp_path):
     """Sampling on the GPU: the preallocated cache generates what transformers' own cache does, and a drawn batch
     reads back as whole sequences of the requested length."""
-    from hf_normswap.generated import SampleCache, SamplingSettings, cache_argument, draw, preallocated_cache
+    from hf_normswap.data.generated import SampleCache, SamplingSettings, cache_argument, draw, preallocated_cache
 
     model = tiny_model("llama").to("cuda").eval()
     prompts = torch.tensor([[1, 5, 9], [1, 7, 3]], device="cuda")

@@ -347,7 +347,7 @@ def test_a_large_text_file_is_read_only_up_to_the_token_budget(tmp_path, monkeyp
     import datasets
 
     from hf_normswap import CalibrationConfig
-    from hf_normswap import data
+    from hf_normswap.data import texts as data
 
     big = tmp_path / "big.txt"
     line = "the norm of the data is the scale of the model and the text reads the block\n"
@@ -366,7 +366,7 @@ def test_the_recipe_checks_a_large_text_file_without_reading_it_whole(tmp_path, 
     budget; before, the check itself read and tokenized all of it."""
     import datasets
 
-    from hf_normswap import data
+    from hf_normswap.data import texts as data
     from hf_normswap.training import recipe_data, recipe_settings
 
     big = tmp_path / "big.txt"

@@ -6,7 +6,8 @@ import pytest
 import torch
 from tiny_models import random_elementwise
 
-from hf_normswap.modules import DyT, ELN, DyISRU, adam_groups
+from hf_normswap.modules import METHODS as METHODS_BY_KEY
+from hf_normswap.modules import DyISRU, DyT, ElementwiseNorm, ELN, adam_groups
 
 METHODS = [DyT, ELN]
 
@@ -127,3 +128,61 @@ def test_adam_groups_move_dyt_and_eln_input_scale_equally_fast():
         changes[cls] = math.log(scale().item() / before)
         assert torch.allclose(weight - module.weight.detach(), torch.full((8,), 0.1), atol=1e-5)
     assert changes[DyT] == pytest.approx(-0.1, abs=1e-4) and changes[ELN] == pytest.approx(-0.1, abs=1e-4)
+
+
+class _Softsign(ElementwiseNorm):
+    """A method the package does not ship, ``y = weight * a x / (1 + |a x|) + bias``: declared as a class alone."""
+
+    key = "softsign"
+    title = "Softsign (a test method)"
+    formula = "y = weight * a * x / (1 + |a * x|) + bias"
+    shape_note = "`a` is one learnable scalar per module"
+    citation = "@misc{softsign, title = {A test method}}"
+    builds_on = ("dyt",)
+    shape_name = "a"
+    log_limit = 30.0
+    scale_power = -1
+
+    def squash(self, x, a):
+        return a * x / (1 + (a * x).abs())
+
+    @staticmethod
+    def grads(x, a):
+        d = 1 / (1 + (a * x).abs()) ** 2
+        return a * x / (1 + (a * x).abs()), a * d, x * d
+
+    @staticmethod
+    def analytic_shape_value(kind, size, input_scale):
+        return DyT.analytic_shape_value(kind, size, input_scale)
+
+
+def test_a_method_is_its_class(monkeypatch):
+    """A class in METHODS is all a method needs: convert, the fused path's derivatives, the saturating start, the
+    model card and convert's error text read it from there."""
+    from tiny_models import tiny_model
+
+    import hf_normswap
+    from hf_normswap import kernels
+    from hf_normswap.checkpoint import model_card
+    from hf_normswap.convert import ConversionError, ConvertConfig
+
+    monkeypatch.setitem(METHODS_BY_KEY, _Softsign.key, _Softsign)
+    model = tiny_model("llama")
+    hf_normswap.convert(model, to="softsign")
+    assert isinstance(model.model.norm, _Softsign) and model.config.normswap["method"] == "softsign"
+    assert kernels._GRADS[_Softsign.squash] is _Softsign.grads
+    x = torch.linspace(-3, 3, 7, dtype=torch.float64)
+    a = torch.tensor(0.8, dtype=torch.float64, requires_grad=True)
+    xr = x.clone().requires_grad_(True)
+    f, dfdx, dfda = _Softsign.grads(x, a.detach())
+    y = _Softsign.squash(None, xr, a)
+    grad_x, grad_a = torch.autograd.grad(y.sum(), (xr, a))
+    assert torch.allclose(f, y.detach()) and torch.allclose(dfdx, grad_x) and torch.allclose(dfda.sum(), grad_a)
+    assert torch.allclose(_Softsign.knee_shape(torch.tensor([2.0, 4.0])), torch.tensor([0.5, 0.25]))
+    config = {"model_type": "normswap_llama", "normswap": {
+        "method": "softsign", "base": {"architecture": "LlamaForCausalLM", "model_type": "llama"}, "converted": {}}}
+    card = model_card.render(config)
+    assert _Softsign.title in card and _Softsign.formula in card and _Softsign.shape_note in card
+    assert card.index(DyT.citation) < card.index(_Softsign.citation)
+    with pytest.raises(ConversionError, match="--to softsign"):
+        ConvertConfig(method="none")

@@ -15,12 +15,10 @@ PACKAGE = Path(hf_normswap.__file__).parent
 # The pipeline, bottom to top: a module may import its own stage (its subpackage) and the stages below it.
 STAGES = [
     ("version", "modules", "hub_mirror"),
-    ("kernels", "model_inputs", "placement", "precision", "validation"),
+    ("kernels", "placement", "precision", "validation"),
+    ("model_inputs",),
     ("settings",),
-    ("packed_linear",),
-    ("generated",),
     ("data",),
-    ("streaming",),
     ("discovery",),
     ("checkpoint",),
     ("calibration",),

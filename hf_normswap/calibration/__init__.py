@@ -7,4 +7,7 @@
 - ``reconstruct.py``: block-wise reconstruction (the block's own weights in the tuning) and its error measure.
 - ``end_to_end.py``: the final steps on the model's output (KL to the original's logits).
 - ``activation_cache.py``: the hidden states kept between blocks, in memory or spilled to disk.
+- ``report.py``: the per-norm fit table and the plots of each fit.
+
+The batches come from ``hf_normswap.data`` (``model_batches``), in one call.
 """

@@ -6,7 +6,7 @@ A strategy is a row of :data:`STRATEGIES`: how each replacement starts (the theo
 (``block_pass.tune_block``), and how many end-to-end steps match the original model's output
 (``end_to_end.tune``). The driver, :func:`calibrate_and_replace`,
 
-1. turns the calibration data (a text spec for ``data.load_texts``, or token ids) into batches;
+1. gets its batches from the calibration data (a text spec or token ids) in one call, ``data.model_batches``;
 2. converts the norms in forward order, block by block (``block_pass.sequential``; models with two stacks of
    blocks in one pass over the original, ``block_pass.one_shot``), each fitted on activations of the model whose
    earlier norms are already converted;
@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from .. import placement
+from ..data import model_batches
 from ..discovery.norms import NormInfo
 from ..model_inputs import ends_in_hidden_states, forward_without_cache
 from ..precision import autocast, check_precision, choose_precision, forward_backward
@@ -35,6 +36,7 @@ from ..validation import ValidationError, check_number
 from . import block_pass, end_to_end
 from .capture import DEFAULT_MAX_FIRST, DEFAULT_MAX_TOKENS
 from .fitting import FitStats, analytic_input_scale, fit_module, saturating_init
+from .report import plot_fit
 
 logger = logging.getLogger(__name__)
 
@@ -222,76 +224,6 @@ class CalibrationResult:
     summary: dict
 
 
-# ----------------------------------------------------------------------------------------------------- data
-
-
-def calibration_batches(model: nn.Module, config: CalibrationConfig) -> tuple[list[dict], str | None]:
-    """Model inputs for calibration, as batches on the model's input device, and the text's ``data.fingerprint``
-    (None for token ids), which the checkpoint records so evaluation can warn about overlap."""
-    data = config.data
-    fingerprint = None
-    if isinstance(data, (torch.Tensor, dict)):
-        ids = _ids(data)
-        mask = data.get("attention_mask") if isinstance(data, dict) else None
-        mask = torch.ones_like(ids) if mask is None else mask
-    else:
-        from ..data import fingerprint as content_fingerprint
-        from ..data import load_texts, token_blocks
-
-        if config.tokenizer is None:
-            raise ValueError("calibration from text needs a tokenizer: pass CalibrationConfig(tokenizer=...)")
-        block_len = min(config.block_len, getattr(model.config, "max_position_embeddings", None) or config.block_len)
-        texts = load_texts(data, "calibration", model=model, tokenizer=config.tokenizer,
-                           max_tokens=config.num_blocks * block_len)
-        fingerprint = content_fingerprint(texts)
-        if _is_decoder(model):
-            ids = token_blocks(config.tokenizer, texts, config.num_blocks, block_len)
-            mask = torch.ones_like(ids)
-        else:
-            rows = _paragraphs(texts, config.num_blocks)
-            enc = config.tokenizer(rows, truncation=True, max_length=block_len, padding=True,
-                                   return_tensors="pt")
-            ids, mask = enc["input_ids"], enc["attention_mask"]
-    ids, mask = ids[: config.num_blocks], mask[: config.num_blocks]
-    device = _input_device(model)
-    batches = []
-    for start in range(0, ids.shape[0], config.batch_size):
-        batch = {"input_ids": ids[start:start + config.batch_size].to(device),
-                 "attention_mask": mask[start:start + config.batch_size].to(device)}
-        if getattr(model.config, "is_encoder_decoder", False):
-            batch["decoder_input_ids"] = batch["input_ids"]
-        batches.append(batch)
-    return batches, fingerprint
-
-
-def _paragraphs(texts: list[str], count: int) -> list[str]:
-    rows = []
-    for text in texts:
-        for line in text.split("\n"):
-            line = line.strip()
-            if len(line.split()) >= 8 and not line.startswith("="):
-                rows.append(line)
-                if len(rows) >= count:
-                    return rows
-    if not rows:
-        from ..data import DataError
-
-        raise DataError("the calibration text has no paragraph of 8 words or more")
-    return rows
-
-
-def _is_decoder(model: nn.Module) -> bool:
-    name = type(model).__name__
-    return "CausalLM" in name or "LMHeadModel" in name
-
-
-def _input_device(model: nn.Module) -> torch.device:
-    try:
-        return model.get_input_embeddings().weight.device
-    except (AttributeError, NotImplementedError):
-        return next(model.parameters()).device
-
-
 # -------------------------------------------------------------------------------------------------- fitting
 
 
@@ -349,8 +281,9 @@ def calibrate_and_replace(model: nn.Module, selected: list[NormInfo], config: Ca
     it: ``convert`` passes both, so that stages go one way (convert plans and replaces, calibration fits)."""
     config = config.resolved(selected, not ends_in_hidden_states(model))
     torch.manual_seed(config.seed)
-    batches, fingerprint = calibration_batches(model, config)
-    device, probe_start = _input_device(model), time.perf_counter()
+    batches, fingerprint = model_batches(model, config.data, config.tokenizer, num_blocks=config.num_blocks,
+                                         block_len=config.block_len, batch_size=config.batch_size)
+    device, probe_start = placement.model_device(model), time.perf_counter()
     probe_params = [p for info in selected for p in model.get_submodule(info.name).parameters() if p.requires_grad]
     row = {k: v[:1] for k, v in batches[0].items()}  # one sequence: a probe, not a pass
     precision = choose_precision(config.precision, lambda: forward_backward(lambda: forward_without_cache(model, row),
@@ -413,90 +346,3 @@ def as_config(calibration) -> CalibrationConfig:
         raise ValueError("calibration must be a CalibrationConfig, a token id tensor or a dict of model inputs")
     calibration.resolved()
     return calibration
-
-
-# ------------------------------------------------------------------------------------------------ the report
-
-
-FIT_TABLE_LEGEND = """\
-  param mean/min/max: the shape parameter (ELN beta, DyT alpha) when the norm was fitted, over its channels;
-    later block or model tuning moves it (the final value is on the norm's line above)
-  gamma: mean of weight / amplitude, the norm's scale as fitted
-  resid: the fit's weighted mean squared error, module output against the original norm's, on the sampled tokens
-  rel.err: ||output - original|| / ||original|| on ordinary tokens; rel.err@0: the same on first-position tokens
-    (the attention sink), '-' without any
-  sat.: share of output elements beyond 95% of the amplitude (the flat part of tanh / ISRU)"""
-
-
-def _calibration_line(summary: dict) -> str:
-    """Strategy, time, and the tokens used against those asked for (short texts give fewer)."""
-    asked = summary.get("num_blocks"), summary.get("block_len")
-    used = f"{summary['tokens']} tokens" + (f" in {summary['sequences']} sequences" if "sequences" in summary else "")
-    if all(asked) and not str(summary.get("data")).startswith("tensor"):  # token ids given: nothing was asked
-        used += f" (asked: {asked[0]} sequences of up to {asked[1]} tokens)"
-    parts = [f"{k}={summary[k]}" for k in ("strategy", "mode") if k in summary]
-    if "seconds" in summary:
-        parts.append(f"{summary['seconds']} s")
-    return "calibration: " + ", ".join(parts + [used])
-
-
-def fit_table(report) -> str:
-    """The per-norm fit statistics of a calibrated conversion report, as a text table with its legend."""
-    header = (f"  {'norm':<45} {'param':>6} {'mean':>10} {'min':>10} {'max':>10} {'gamma':>7} {'resid':>9} "
-              f"{'rel.err':>8} {'rel.err@0':>9} {'sat.':>6}")
-    lines = [_calibration_line(report.calibration), header]
-    for c in report.converted:
-        if not c.fit:
-            continue
-        f, st = c.fit, c.fit["stats"]
-        first = st["rel_error_first"]
-        lines.append(f"  {c.name:<45} {f['shape_name']:>6} {f['shape_mean']:>10.4g} {f['shape_min']:>10.4g} "
-                     f"{f['shape_max']:>10.4g} {f['gamma_mean']:>7.3g} {st['loss']:>9.3g} {st['rel_error']:>8.3g} "
-                     f"{'-' if first is None else format(first, '.3g'):>9} {st['saturation']:>6.1%}")
-    tuning = report.calibration.get("tuning")
-    if tuning:
-        lines.append(f"  tuning ({tuning['objective']}, {tuning['steps']} steps on {tuning['rows']} rows): "
-                     f"{tuning['loss_before']:.4g} -> {tuning['loss_after']:.4g}")
-    lines.append(FIT_TABLE_LEGEND)
-    return "\n".join(lines)
-
-
-def plot_fit(directory: Path, name: str, module, reference, x, target, is_first, stats: FitStats,
-             max_points: int = 20000) -> Path:
-    """The source norm's outputs over its inputs (grey: ordinary tokens, red: first positions) with the fitted
-    module's outputs on the same inputs, all divided by the source's per-channel scale (paper's Figure 3)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    directory.mkdir(parents=True, exist_ok=True)
-    scale = getattr(reference, "weight", None)
-    scale = scale.detach().float() if isinstance(scale, torch.Tensor) else torch.ones(x.shape[-1])
-    scale = torch.where(scale.abs() < 1e-6, torch.ones_like(scale), scale)
-    with torch.no_grad():
-        fitted = copy.deepcopy(module).to("cpu", torch.float32)(x.float()).float() if x.shape[0] else x
-    generator = torch.Generator().manual_seed(0)
-    fig, ax = plt.subplots(figsize=(6, 4.5))
-    for rows, color, label in ((~is_first, "0.6", "source, tokens"), (is_first, "tab:red", "source, first position")):
-        xs, ys, fs = x[rows], (target[rows] - _bias(reference)) / scale, (fitted[rows] - _bias(reference)) / scale
-        flat = xs.numel()
-        if flat == 0:
-            continue
-        pick = torch.randperm(flat, generator=generator)[:max_points]
-        ax.scatter(xs.flatten()[pick], ys.flatten()[pick], s=2, c=color, alpha=0.4, label=label)
-        ax.scatter(xs.flatten()[pick], fs.flatten()[pick], s=1, c="tab:blue", alpha=0.3,
-                   label="fitted" if color == "0.6" else None)
-    ax.set(title=f"{name}\nrel. error {stats.rel_error:.3g}, saturated {stats.saturation:.1%}",
-           xlabel="input x", ylabel="output / source gamma")
-    ax.legend(fontsize=7, markerscale=4)
-    path = directory / f"{name.replace('.', '_')}.png"
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
-
-
-def _bias(reference) -> torch.Tensor | float:
-    bias = getattr(reference, "bias", None)
-    return bias.detach().float() if isinstance(bias, torch.Tensor) else 0.0

@@ -78,7 +78,7 @@ def saturating_init(module: ElementwiseNorm, x: torch.Tensor, kind: str, input_s
         module.weight.copy_((source_weight * ceiling).to(module.weight.dtype))
         # slope at zero weight * f'(0) = source_weight / input_scale, i.e. f'(0) = 1 / (ceiling * input_scale)
         knee_input = ceiling * input_scale
-        module.set_shape_parameter(knee_input.pow(module.scale_power))  # alpha = 1 / knee_input, beta = knee_input^2
+        module.set_shape_parameter(module.knee_shape(knee_input))  # e.g. alpha = 1 / knee_input, beta = knee_input^2
 
 
 def squash_share(module: ElementwiseNorm, x: torch.Tensor) -> torch.Tensor:

@@ -24,7 +24,8 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 from transformers import CONFIG_MAPPING, AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer
 
-from .. import data, kernels
+from .. import kernels
+from ..data import texts as data
 from ..validation import ValidationError, first_line
 from . import config_checks, remote_code
 from .packaged import PREFIX, packaged_path

@@ -13,35 +13,11 @@ from pathlib import Path
 import yaml
 from huggingface_hub import ModelCard, ModelCardData, metadata_load
 
+from ..modules import METHODS
 from .packaged import PACKAGED
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 TAG = "hf-normswap"  # in every card's metadata: marks a README.md as this package's to rewrite
-
-FORMULAS = {
-    "eln": ("ELN (Elementwise Layer Normalization, also published as DyISRU)",
-            "y = weight * x / sqrt(beta + x^2) + bias",
-            "`beta` is one learnable positive scalar per module (or per channel)"),
-    "dyt": ("DyT (Dynamic Tanh)", "y = weight * tanh(alpha * x) + bias",
-            "`alpha` is one learnable scalar per module (or per channel)"),
-}
-
-CITATIONS = {
-    "dyt": """@inproceedings{zhu2025dyt,
-  title     = {Transformers without Normalization},
-  author    = {Zhu, Jiachen and Chen, Xinlei and He, Kaiming and LeCun, Yann and Liu, Zhuang},
-  booktitle = {Proceedings of the IEEE/CVF Conference on Computer Vision and Pattern Recognition (CVPR)},
-  year      = {2025},
-  note      = {arXiv:2503.10622}
-}""",
-    "eln": """@article{stollenwerk2025eln,
-  title   = {The Mathematical Relationship Between Layer Normalization and Dynamic Activation Functions},
-  author  = {Stollenwerk, Felix},
-  journal = {arXiv preprint arXiv:2503.21708},
-  year    = {2025}
-}""",
-}
-
 
 def hub_id(name_or_path: str | None) -> str | None:
     """The Hub id a model was loaded from, when it was a Hub id (or a packaged model), else None."""
@@ -140,7 +116,7 @@ def render(config: dict) -> str:
     """The model card text (YAML metadata + Markdown) for a saved ``config.json``."""
     block = config["normswap"]
     method = block["method"]
-    title, formula, shape_note = FORMULAS[method]
+    method_class = METHODS[method]
     base = block["base"]
     base_model = block.get("base_model")
     converted = block["converted"]
@@ -158,24 +134,24 @@ def render(config: dict) -> str:
                       for name, e in converted.items())
     origin = f"[{base_model}](https://huggingface.co/{base_model})" if base_model else "a local model"
     evaluation = _evaluation_section(block.get("evaluation"))
-    citations = [CITATIONS["dyt"]] + ([CITATIONS["eln"]] if method == "eln" else [])
+    citations = [METHODS[key].citation for key in method_class.builds_on] + [method_class.citation]
     version = block.get("package", {}).get("version", block.get("version", "?"))
 
     body = f"""
 # {base["architecture"]} with {method.upper()} instead of LayerNorm / RMSNorm
 
 This checkpoint is {origin} with {len(converted)} normalization layers replaced by element-wise
-**{title}** modules, made with [hf-normswap](https://pypi.org/project/hf-normswap/) {version}.
+**{method_class.title}** modules, made with [hf-normswap](https://pypi.org/project/hf-normswap/) {version}.
 
 ## Method
 
 Each converted norm computes, per element and without any statistics over the channels,
 
 ```
-{formula}
+{method_class.formula}
 ```
 
-where {shape_note}, and `weight` is the source norm's learned scale times the theory's amplitude
+where {method_class.shape_note}, and `weight` is the source norm's learned scale times the theory's amplitude
 (`sqrt(C-1)` for LayerNorm, `sqrt(C)` for RMSNorm, `C` the channel count). Shape parameters are computed in fp32.
 ELN is the exact solution of LayerNorm's differential equation once its channel-dependent term becomes one learnable
 constant; DyT additionally assumes a constant standard deviation.
@@ -232,7 +208,8 @@ model, tokenizer = load_model("REPO_OR_PATH")  # with the tokenizer
 ```
 
 Without `trust_remote_code=True` the stock loaders refuse this checkpoint (its `model_type` is
-`{config["model_type"]}`): the original `{base["architecture"]}` class would drop the `alpha` / `beta` parameters.
+`{config["model_type"]}`): the original `{base["architecture"]}` class would drop the
+`{method_class.shape_name}` parameters.
 
 ## Citation
 

@@ -92,9 +92,8 @@ def warn(message: str | None) -> None:
 
 def calibration_overlap(calib_spec, recorded, data: str, texts) -> str | None:
     """Warning text when the evaluation data overlaps the calibration data (given, or recorded in the model)."""
-    from ..data import load_texts, same_sample
+    from ..data import is_generated, load_texts, same_sample
     from ..evaluation.perplexity import overlap_warning
-    from ..generated import is_generated
 
     recorded_spec = recorded.get("data") if isinstance(recorded, dict) else None
     if is_generated(calib_spec) or is_generated(recorded_spec):

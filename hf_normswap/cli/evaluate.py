@@ -8,8 +8,9 @@ import json
 from ..checkpoint.loading import load_model
 from ..checkpoint.record import ConversionRecord
 from ..data import check_spec
-from ..evaluation.perplexity import EvaluationError, check_window, is_encoder
+from ..evaluation.perplexity import EvaluationError, check_window
 from ..evaluation.texts import evaluation_texts
+from ..model_inputs import is_encoder
 from ..validation import check_data_files
 from .common import MODEL_HELP, calibration_overlap, check_evaluation_args, evaluation_args, \
     placement, placement_args, run_evaluation, warn

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from ..model_inputs import is_causal_lm
 from ..placement import model_device
 from .texts import Document, documents
 
@@ -115,17 +116,6 @@ def _prefix_token(model: nn.Module, tokenizer) -> int:
             if value is not None:
                 return int(value)
     raise EvaluationError("the tokenizer has neither a BOS nor an EOS token to start documents with")
-
-
-def is_causal_lm(model: nn.Module) -> bool:
-    can_generate = getattr(model, "can_generate", None)
-    looks_causal = any(k in type(model).__name__ for k in ("CausalLM", "LMHead"))
-    return looks_causal or (callable(can_generate) and can_generate())
-
-
-def is_encoder(model: nn.Module) -> bool:
-    """A model that encodes text but predicts no next token (BERT, MiniLM): scored by its embeddings instead."""
-    return not getattr(getattr(model, "config", None), "is_encoder_decoder", False) and not is_causal_lm(model)
 
 
 def _check_causal(name: str, model: nn.Module) -> None:

@@ -136,9 +136,11 @@ class Measurer:
         self.summary = None if calibration is None else calibration.summary()
         if calibration is not None and not isinstance(calibration.data, (torch.Tensor, dict)):
             # tokenized once: each measurement would otherwise read and tokenize the whole calibration text again
-            from ..calibration.calibrate import calibration_batches
+            from ..data import model_batches
 
-            batches, _ = calibration_batches(original, calibration)
+            batches, _ = model_batches(original, calibration.data, calibration.tokenizer,
+                                       num_blocks=calibration.num_blocks, block_len=calibration.block_len,
+                                       batch_size=calibration.batch_size)
             data = {key: torch.cat([b[key] for b in batches]) for key in ("input_ids", "attention_mask")}
             calibration = dataclasses.replace(calibration, data=data)
         self.calibration = calibration

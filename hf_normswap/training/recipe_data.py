@@ -11,9 +11,7 @@ from .recipe_settings import converted_checkpoint, fail
 def check_data(config) -> None:
     """Read every text source before any model loads, so a missing file or an unreachable Hub dataset stops the
     run at once with one line naming the key that overrides it."""
-    from ..data import DataError, generation_settings, load_texts, same_sample
-    from ..generated import is_generated
-    from ..streaming import packed_stream
+    from ..data import DataError, generation_settings, is_generated, load_texts, packed_stream, same_sample
 
     training = [("train_data", spec, "calibration") for spec in config.train_sources]
     sources = [*training, ("eval_data", config.eval_data, "evaluation")]
@@ -77,9 +75,8 @@ def training_blocks(config, tokenizer, original, state):
 
 
 def streamed_dataset(config, tokenizer):
-    """``train_data`` streamed from the Hub, packed into blocks on the fly (``hf_normswap.streaming``)."""
-    from ..data import DataError
-    from ..streaming import packed_stream
+    """``train_data`` streamed from the Hub, packed into blocks on the fly (``hf_normswap.data.streaming``)."""
+    from ..data import DataError, packed_stream
 
     try:
         return packed_stream(config.train_data, tokenizer, config.block_len)
@@ -91,7 +88,7 @@ def training_budget(config, spec: str, world_size: int) -> int | None:
     """Tokens to read of one training source: its share of ``max_train_tokens`` (None: all of it); for the
     original's samples, which have no end, its share of what the run trains on over every launch (``train_tokens``,
     else ``training.max_steps`` global batches) within that cap. A share is at least a block."""
-    from ..generated import is_generated
+    from ..data import is_generated
 
     def share(tokens):
         return None if tokens is None else max(tokens // len(config.train_sources), config.block_len)

@@ -122,10 +122,10 @@ def test_inspect_packaged_smollm2_lists_61_rmsnorms_with_roles(capsys):
 def test_unreachable_hub_fails_at_once_with_the_offline_hint(monkeypatch, capsys):
     import huggingface_hub
 
-    import hf_normswap.data
+    import hf_normswap.data.texts
 
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
-    monkeypatch.setattr(hf_normswap.data, "hub_reachable", lambda: False)
+    monkeypatch.setattr(hf_normswap.data.texts, "hub_reachable", lambda: False)
     assert main(["inspect", "no-such-owner/no-such-model"]) == 2
     line = _error_line(capsys)
     assert "cannot be reached" in line and "HF_HUB_OFFLINE=1" in line

@@ -23,7 +23,7 @@ import torch
 import yaml
 
 import hf_normswap
-from hf_normswap.generated import is_generated
+from hf_normswap.data.generated import is_generated
 from hf_normswap.training import recipe_data, recipe_models, recipe_results, recipe_settings
 from hf_normswap.training.distill import (distillation_loss, group_learning_rates, norm_parameter_names, parameter_groups,
                                  set_trainable)

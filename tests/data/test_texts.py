@@ -5,8 +5,7 @@ import sys
 import datasets
 import pytest
 
-import hf_normswap.data
-from hf_normswap import data
+from hf_normswap.data import texts as data
 
 
 @pytest.mark.parametrize("rows, expected", [
@@ -14,7 +13,7 @@ from hf_normswap import data
     (["one document", "another document", "   "], ["one document", "another document"]),
 ])
 def test_hub_rows_are_documents_unless_the_dataset_stores_lines(monkeypatch, rows, expected):
-    monkeypatch.setattr(hf_normswap.data, "hub_reachable", lambda: True)
+    monkeypatch.setattr(data, "hub_reachable", lambda: True)
     monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: datasets.Dataset.from_dict({"text": rows}))
     assert data.load_texts("someone/text:config:test", "evaluation") == expected
 
@@ -24,7 +23,7 @@ def test_an_unreachable_hub_fails_at_once_naming_the_offline_switch(monkeypatch)
         raise AssertionError("load_dataset was called: its retries take half a minute offline")
 
     monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)
-    monkeypatch.setattr(hf_normswap.data, "hub_reachable", lambda: False)
+    monkeypatch.setattr(data, "hub_reachable", lambda: False)
     monkeypatch.setattr(datasets, "load_dataset", retried)
     with pytest.raises(data.DataError, match="unreachable.*HF_HUB_OFFLINE=1"):
         data.load_texts("someone/text:config:test", "evaluation")

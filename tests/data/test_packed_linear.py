@@ -7,8 +7,8 @@ import torch
 from tiny_models import tiny_model
 from torch import nn
 
-from hf_normswap import packed_linear
-from hf_normswap.packed_linear import packed_linears
+from hf_normswap.data import packed_linear
+from hf_normswap.data.packed_linear import packed_linears
 
 pytestmark = pytest.mark.skipif(not packed_linear._ops_available(), reason="this torch has no oneDNN linear ops")
 

@@ -4,7 +4,7 @@ The recipe's ``streaming: true`` reads ``train_data: NAME[:config][:split]`` wit
 streaming=True)``, the switch ``datasets`` users know: nothing is downloaded or tokenized ahead, so a run can train
 on a corpus far larger than it could store. Rows are documents, joined by the EOS token and cut into blocks of
 ``block_len`` tokens, the remainder carried from row to row, so the blocks are the ones the same rows give when read
-whole (``data.token_blocks``).
+whole (``texts.token_blocks``).
 
 The packed stream is one ``datasets.IterableDataset`` shard. Under accelerate the main process reads it and
 dispatches each global batch to the processes (accelerate's default for a stream), so every process trains on other
@@ -15,9 +15,9 @@ the batches a second time.
 
 from __future__ import annotations
 
-from .data import DataError, hub_dataset, is_builtin, local_paths
+from ..validation import first_line
 from .generated import is_generated
-from .validation import first_line
+from .texts import DataError, hub_dataset, is_builtin, local_paths
 
 LINE_PROBE_ROWS = 1000  # rows read to tell a dataset of lines from one of documents
 PIECE_CHARS = 1 << 16  # characters a dataset of lines is tokenized in at a time (about)

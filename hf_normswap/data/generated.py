@@ -38,10 +38,10 @@ from transformers import DynamicCache, GenerationConfig, LogitsProcessor, Logits
 from transformers.cache_utils import DynamicLayer
 from transformers.generation import TemperatureLogitsWarper, TopPLogitsWarper
 
-from .model_inputs import text_config
+from ..model_inputs import text_config
+from ..placement import model_device
+from ..precision import matmul_speedup, weights_in
 from .packed_linear import packed_linears
-from .placement import model_device
-from .precision import matmul_speedup, weights_in
 
 PREFIX = "generated"
 CACHE_ENV = "HF_NORMSWAP_CACHE"

@@ -19,7 +19,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from .precision import interleaved_seconds
+from ..precision import interleaved_seconds
 
 MARGIN = 0.05  # packing must save at least this share of the layers' time, so that noise never picks a slower one
 REPETITIONS = 3

@@ -13,7 +13,8 @@ import pytest
 from hf_normswap.hub_mirror import HubMirror, write_text_dataset
 from tiny_models import tiny_tokenizer
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
+TESTS = Path(__file__).resolve().parents[1]  # where tiny_models and hub_mirror live
 DATASET = "someone/shards"
 CHECK = """
 import json, sys
@@ -21,8 +22,8 @@ import torch
 sys.path.insert(0, sys.argv[1])
 from tiny_models import tiny_tokenizer
 from hf_normswap.data import DataError, load_texts, token_blocks
-from hf_normswap import streaming
-from hf_normswap.streaming import packed_stream
+from hf_normswap.data import streaming
+from hf_normswap.data.streaming import packed_stream
 
 streaming.PIECE_CHARS = 40  # a dataset of lines cut into pieces many times over
 tokenizer, spec = tiny_tokenizer(), sys.argv[2]
@@ -63,7 +64,7 @@ def test_a_streamed_dataset_packs_as_read_whole_and_resumes_where_it_stopped(tmp
     with HubMirror() as mirror:
         mirror.add_folder(DATASET, folder, repo_type="dataset")
         env = mirror.process_env(tmp_path / "home", PYTHONPATH=str(ROOT))
-        result = subprocess.run([sys.executable, "-c", CHECK, str(Path(__file__).parent), f"{DATASET}:default:{split}"],
+        result = subprocess.run([sys.executable, "-c", CHECK, str(TESTS), f"{DATASET}:default:{split}"],
                                 env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     seen = json.loads(result.stdout.strip().splitlines()[-1])

@@ -6,9 +6,9 @@ import pytest
 import torch
 from tiny_models import full_length_tokenizer, tiny_model, tiny_tokenizer
 
-from hf_normswap import packed_linear
+from hf_normswap.data import packed_linear
 from hf_normswap.data import DataError, load_texts
-from hf_normswap.generated import SampleCache, SamplingSettings, sample_texts
+from hf_normswap.data.generated import SampleCache, SamplingSettings, sample_texts
 
 SETTINGS = SamplingSettings(length=12, batch_size=3, seed=1, precision="fp32")  # auto is timed: it may vary
 BUDGET = 12 * 3 * 3  # three batches
@@ -133,7 +133,7 @@ def test_calibration_reads_the_originals_samples(tmp_path, monkeypatch):
 
 
 def test_the_sampler_draws_from_the_softmax_and_never_a_masked_token():
-    from hf_normswap.generated import InverseCdfSampler
+    from hf_normswap.data.generated import InverseCdfSampler
 
     scores = torch.tensor([0.0, 1.0, float("-inf"), 2.0, float("-inf")]).expand(40_000, 5).contiguous()
     torch.manual_seed(0)
@@ -145,7 +145,7 @@ def test_the_sampler_draws_from_the_softmax_and_never_a_masked_token():
 
 
 def test_the_two_level_search_draws_across_blocks_and_the_tail_and_never_a_masked_token():
-    from hf_normswap.generated import InverseCdfSampler
+    from hf_normswap.data.generated import InverseCdfSampler
 
     block = InverseCdfSampler.BLOCK
     width = 2 * block + 7  # two whole blocks and a tail
@@ -162,7 +162,7 @@ def test_the_two_level_search_draws_across_blocks_and_the_tail_and_never_a_maske
 
 
 def test_the_preallocated_cache_generates_what_the_default_cache_does():
-    from hf_normswap.generated import PreallocatedLayer, cache_argument, preallocated_cache
+    from hf_normswap.data.generated import PreallocatedLayer, cache_argument, preallocated_cache
 
     model = tiny_model("llama").eval()
     prompts = torch.tensor([[1, 5, 9], [1, 7, 3]])
@@ -180,7 +180,7 @@ def test_the_cache_goes_to_generate_under_the_name_the_installed_transformers_ta
     ``cache`` as an unused model kwarg."""
     import inspect
 
-    from hf_normswap.generated import cache_argument
+    from hf_normswap.data.generated import cache_argument
 
     class EarlierForward(torch.nn.Module):
         def forward(self, input_ids=None, attention_mask=None, past_key_values=None, **kwargs):
@@ -194,7 +194,7 @@ def test_the_cache_goes_to_generate_under_the_name_the_installed_transformers_ta
 def test_sliding_window_layers_keep_their_own_cache():
     from transformers.cache_utils import DynamicSlidingWindowLayer
 
-    from hf_normswap.generated import preallocated_cache
+    from hf_normswap.data.generated import preallocated_cache
 
     model = tiny_model("mistral")
     model.config.sliding_window = 4
@@ -219,8 +219,8 @@ def test_the_sampling_precision_is_part_of_the_cache_key_and_of_each_batch(tmp_p
 
     from safetensors import safe_open
 
-    from hf_normswap import generated
-    from hf_normswap.generated import sampling_precision
+    from hf_normswap.data import generated
+    from hf_normswap.data.generated import sampling_precision
 
     model = tiny_model("llama")
     for speedup, chosen in ((2.0, "bf16"), (0.5, "fp32")):  # fp32 weights: bf16 where its matmul is faster

@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 from huggingface_hub import constants, get_session
 
+from ..validation import first_line
 from .generated import DEFAULT_TOKENS, SamplingSettings, is_generated, sample_texts
-from .validation import first_line
 
 BUILTIN = "builtin"
 BUILTIN_SPLITS = ("calibration", "evaluation")
@@ -169,9 +169,9 @@ def same_sample(spec: str | None, other: str | None) -> bool:
 
 
 def _generated(spec: str, model, tokenizer, max_tokens: int | None, rank: int, world_size: int) -> list[str]:
-    settings = generation_settings(spec)
-    prompts = None if settings.prompt == "bos" else load_texts(settings.prompt, "calibration")
-    try:
+    try:  # a bad setting, a model that cannot sample: one DataError line
+        settings = SamplingSettings.from_spec(spec)
+        prompts = None if settings.prompt == "bos" else load_texts(settings.prompt, "calibration")
         return sample_texts(model, tokenizer, settings, max_tokens or DEFAULT_TOKENS, prompt_texts=prompts, rank=rank,
                             world_size=world_size, progress=rank == 0)
     except ValueError as error:
@@ -185,6 +185,11 @@ def local_paths(spec: str) -> list[Path] | None:
     """
     if is_builtin(spec) or is_generated(spec):
         return None
+    return _named_paths(spec)
+
+
+def _named_paths(spec: str) -> list[Path] | None:
+    """:func:`local_paths` of a spec known to be neither builtin nor generated."""
     paths = [Path(p).expanduser() for p in spec.split(",")]
     if all(p.exists() for p in paths):
         return paths
@@ -206,7 +211,7 @@ def load_texts(spec: str | None, default_split: str = "calibration", *, model=No
         return _generated(spec, model, tokenizer, max_tokens, rank, world_size)
     if is_builtin(spec):
         return _builtin(spec.partition(":")[2] or default_split)
-    paths = local_paths(spec)
+    paths = _named_paths(spec)
     if paths is not None:
         return _local(paths, max_tokens)
     hub_split = {"calibration": "train", "evaluation": "test"}.get(default_split, default_split)
