@@ -22,6 +22,7 @@ STAGES = [
     ("streaming",),
     ("discovery",),
     ("checkpoint",),
+    ("planning",),
     ("calibration",),
     ("convert", "fold"),
     ("evaluation",),
