@@ -85,7 +85,7 @@ def training_activations(sizes: ModelSizes, settings: PlanSettings) -> dict[str,
     else:
         student = sizes.layers * block
     teacher = (sizes.layers + 1) * tokens * sizes.hidden * b if settings.hidden_distill else block
-    head = HEAD_LOGIT_COPIES * min(settings.head_chunk, tokens) * sizes.vocab * 4
+    head = HEAD_LOGIT_COPIES * min(settings.head_chunk or tokens, tokens) * sizes.vocab * 4
     return {"activations": student + block, "teacher outputs": teacher, "head loss": head}
 
 

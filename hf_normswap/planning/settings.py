@@ -50,7 +50,7 @@ class PlanSettings:
     seq_len: int = 512  # tokens a row (block_len)
     optimizer_offload: bool = False  # FSDP2's CPU offload (fsdp_offload_params): shards, gradients, AdamW on the host
     hidden_distill: bool = True  # the layer-wise term (distill.hidden > 0): the teacher returns every block's output
-    head_chunk: int = 256  # (head_chunk): tokens whose logits the head loss holds at a time
+    head_chunk: int = 256  # (head_chunk): tokens whose logits the head loss holds at a time (0: all of them)
     calibrate: bool = True
     calibration_blocks: int = 64  # (calibration.num_blocks)
     calibration_len: int = 512  # (calibration.block_len)
@@ -62,7 +62,9 @@ class PlanSettings:
     eval_len: int = 512  # (final_eval.max_length)
 
     def __post_init__(self):
-        whole = ("processes", "batch_size", "seq_len", "lora_rank", "head_chunk", "calibration_blocks",
+        if isinstance(self.head_chunk, bool) or not isinstance(self.head_chunk, int) or self.head_chunk < 0:
+            raise PlanError(f"head-chunk must be a whole number of at least 0, not {self.head_chunk!r}")
+        whole = ("processes", "batch_size", "seq_len", "lora_rank", "calibration_blocks",
                  "calibration_len", "calibration_batch", "eval_len")
         for name in whole:
             value = getattr(self, name)

@@ -4,6 +4,7 @@ the smallest change, the command line."""
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import pytest
 
@@ -121,3 +122,22 @@ def test_an_8b_config_plans_without_its_weights():
     sizes = model_sizes(config)
     assert sizes.parameters == 8_030_261_248  # Llama-3-8B's published count
     assert sizes.units == 32 and not sizes.tied_head
+
+
+
+def test_a_recipe_config_plans_as_the_recipe_runs(tmp_path):
+    from hf_normswap.planning import recipe_plan, recipe_settings
+    from hf_normswap.training.config import read_recipe_config
+
+    recipe = Path(__file__).parents[2] / "recipes" / "configs" / "smollm2-eln.yaml"
+    config = read_recipe_config(str(recipe), ["trainable=all", "block_len=128",
+                                              "training.gradient_checkpointing=true"])
+    settings = recipe_settings(config, processes=2, sharded=True)
+    assert (settings.sharding, settings.trainable, settings.seq_len, settings.gradient_checkpointing) == \
+        ("fsdp2", "all", 128, True)
+    assert settings.calibration_blocks == config.calibration.num_blocks and settings.calibrate
+    tiny_config("llama").save_pretrained(tmp_path)
+    config.model = str(tmp_path)
+    result = recipe_plan(config, processes=2, sharded=True)
+    assert result.sizes.parameters == model_sizes(tiny_config("llama")).parameters
+    assert result.recipe[-1].name == "final evaluation and save"
