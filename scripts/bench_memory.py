@@ -38,9 +38,11 @@ LAUNCHERS = {"ddp": ["--multi_gpu"],
 LLAMA_1B = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
                 num_key_value_heads=8, head_dim=64, vocab_size=128256, max_position_embeddings=131072,
                 rope_theta=500000.0, tie_word_embeddings=True)
-# tiny budgets: shapes as the defaults, few steps
-CALIBRATION = dict(num_blocks=8, block_len=256, batch_size=4, block_steps=2, block_rows=1, tune_steps=2,
-                   tune_blocks=4)
+# tiny budgets: shapes as the defaults, few steps (fewer tokens at 1B: one core's minutes)
+CALIBRATION = {"calibration-smollm2": dict(num_blocks=8, block_len=256, batch_size=4, block_steps=2, block_rows=1,
+                                           tune_steps=2, tune_blocks=4),
+               "calibration-llama1b": dict(num_blocks=4, block_len=128, batch_size=4, block_steps=2, block_rows=1,
+                                           tune_steps=2, tune_blocks=2)}
 RECIPE_BLOCK, RECIPE_STEPS, EVAL_LENGTH = 256, 2, 256
 
 
@@ -69,7 +71,7 @@ def runtime_worker() -> dict:
     return {"peak": peak_rss()}
 
 
-def calibration_worker(model: str, data: str) -> dict:
+def calibration_worker(case: str, model: str, data: str) -> dict:
     import torch
 
     import hf_normswap
@@ -77,14 +79,15 @@ def calibration_worker(model: str, data: str) -> dict:
     from hf_normswap.checkpoint.loading import load_model
 
     torch.set_num_threads(1)
+    settings = CALIBRATION[case]
     loaded, tokenizer = load_model(model)
     if data == "random":
         generator = torch.Generator().manual_seed(0)
-        data = torch.randint(0, loaded.config.vocab_size, (CALIBRATION["num_blocks"], CALIBRATION["block_len"]),
+        data = torch.randint(0, loaded.config.vocab_size, (settings["num_blocks"], settings["block_len"]),
                              generator=generator)
     start = time.time()
     hf_normswap.convert(loaded, to="eln", calibration=CalibrationConfig(data=data, tokenizer=tokenizer,
-                                                                         progress=False, **CALIBRATION))
+                                                                         progress=False, **settings))
     return {"peak": peak_rss(), "calibration_seconds": round(time.time() - start, 1)}
 
 
@@ -142,9 +145,9 @@ def predicted(model, **settings) -> "hf_normswap.planning.MemoryPlan":  # noqa: 
     return plan(model, **settings)
 
 
-def calibration_settings(data_len: int) -> dict:
-    c = CALIBRATION
-    return dict(calibration_blocks=c["num_blocks"], calibration_len=data_len, calibration_batch=c["batch_size"],
+def calibration_settings(case: str) -> dict:
+    c = CALIBRATION[case]
+    return dict(calibration_blocks=c["num_blocks"], calibration_len=c["block_len"], calibration_batch=c["batch_size"],
                 tune_rows=c["tune_blocks"], block_rows=c["block_steps"] * c["block_rows"])
 
 
@@ -153,9 +156,11 @@ def calibration_case(name: str, work: Path) -> dict:
         model, data = "offline:smollm2", str(WIKITEXT)
     else:
         model, data = str(random_llama(work / "llama-1b")), "random"
-    measured = run_python(worker_call("calibration_worker"), model, data)
-    peak = predicted(model, **calibration_settings(CALIBRATION["block_len"])).conversion_peak()["host_main"]
-    return {"case": name, "command": f"hf_normswap.convert({model}, 'eln', {CALIBRATION})",
+    measured = run_python(worker_call("calibration_worker"), name, model, data)
+    result = predicted(model, **calibration_settings(name))
+    peak = result.conversion_peak()["host_main"]
+    return {"case": name, "command": f"hf_normswap.convert({model}, 'eln', {CALIBRATION[name]})",
+            "phases": {p.name: [p.host_main] for p in result.conversion},
             "predicted": [peak], "measured": [measured["peak"]],
             "calibration_seconds": measured["calibration_seconds"]}
 

@@ -13,6 +13,8 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", help="Hub id, model directory, config.json, .gguf or offline:NAME (only the "
                                       "config is read)")
     parser.add_argument("--processes", type=int, default=1, help="processes (GPUs) of the recipe (default 1)")
+    parser.add_argument("--node-processes", type=int, default=None,
+                        help="processes on one node, sharing its host memory (default: all)")
     parser.add_argument("--sharding", choices=SHARDING, default="ddp", help="with several processes (default ddp)")
     parser.add_argument("--device-memory", default=None, help="memory of one GPU, e.g. 80GB (default: a CPU run)")
     parser.add_argument("--host-memory", default=None, help="RAM of the node, e.g. 2TB (default: not checked)")
@@ -34,7 +36,7 @@ def run_plan(args: argparse.Namespace) -> int:
     from .sizes import PlanError
 
     try:
-        settings = PlanSettings(processes=args.processes, sharding=args.sharding, device_memory=args.device_memory,
+        settings = PlanSettings(processes=args.processes, node_processes=args.node_processes, sharding=args.sharding, device_memory=args.device_memory,
                                 host_memory=args.host_memory, trainable=args.trainable, lora_rank=args.lora_rank,
                                 precision=args.precision, shard_teacher=args.teacher == "sharded",
                                 gradient_checkpointing=args.gradient_checkpointing, batch_size=args.batch_size,

@@ -37,7 +37,7 @@ class MemoryPlan:
     def peak(self, phases: list[Phase] | None = None, processes: int | None = None) -> dict[str, int]:
         """The largest of the phases: host of the main process, of another one, of the node; device."""
         phases = self.recipe if phases is None else phases
-        n = self.settings.processes if processes is None else processes
+        n = self.settings.per_node if processes is None else processes
         return {"host_main": max(p.host_main for p in phases), "host_other": max(p.host_other for p in phases),
                 "host_node": max(p.host_node(n) for p in phases), "device": max(p.device_bytes for p in phases)}
 
@@ -47,7 +47,7 @@ class MemoryPlan:
     def problems(self) -> list[str]:
         """Every phase that does not fit the memory given, one line each (empty: it fits)."""
         s, found = self.settings, []
-        for run, phases, n in (("convert", self.conversion, 1), ("recipe", self.recipe, s.processes)):
+        for run, phases, n in (("convert", self.conversion, 1), ("recipe", self.recipe, s.per_node)):
             for phase in phases:
                 if s.host_memory is not None and phase.host_node(n) > s.host_memory:
                     found.append(f"{run}, {phase.name}: host {gb(phase.host_node(n))} > {gb(s.host_memory)}")
@@ -77,7 +77,7 @@ class MemoryPlan:
 
     def table(self) -> str:
         """Phases by rows: host memory of the main process, of each other, of the node, and of each device."""
-        n = self.settings.processes
+        n = self.settings.per_node
         rows = [("phase", "host, main", "host, other" if n > 1 else "", "host, node" if n > 1 else "", "device")]
         for run, phases, count in (("convert", self.conversion, 1), ("recipe", self.recipe, n)):
             for p in phases:
@@ -90,7 +90,8 @@ class MemoryPlan:
     def describe(self) -> str:
         """The plan as ``normswap plan`` prints it: the model, the settings, the phases, the verdict."""
         s, z = self.settings, self.sizes
-        where = (f"{s.processes} x {gb(s.device_memory)} devices" if s.device_memory else
+        nodes = f" ({s.per_node} a node)" if s.per_node < s.processes else ""
+        where = (f"{s.processes} x {gb(s.device_memory)} devices{nodes}" if s.device_memory else
                  f"{s.processes} CPU process{'es' if s.processes > 1 else ''}")
         lines = [f"{z.name}: {z.parameters:,} parameters ({gb(z.parameter_bytes(4))} fp32), {z.units} blocks of "
                  f"{z.largest_unit:,}",
@@ -133,8 +134,8 @@ CHANGES = [
     ("bf16 autocast", lambda s: {"precision": "bf16"} if s.precision == "fp32" else {}),
     ("LoRA", lambda s: {"trainable": "lora"} if s.trainable == "all" else {}),
     ("norms alone", lambda s: {"trainable": "norms"} if s.trainable != "norms" else {}),
-    ("twice the processes", lambda s: {"processes": 2 * s.processes, "sharding": "fsdp2"}
-     if s.device_memory and s.processes > 1 else {}),
+    ("twice the processes (nodes)", lambda s: {"processes": 2 * s.processes, "node_processes": s.per_node,
+                                               "sharding": "fsdp2"} if s.device_memory and s.processes > 1 else {}),
 ]
 
 

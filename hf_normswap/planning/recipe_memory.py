@@ -105,10 +105,9 @@ def recipe_phases(sizes: ModelSizes, settings: PlanSettings) -> list[Phase]:
     final = Phase("final evaluation and save", main=dict(runtime), other=dict(runtime), device=dict(context))
     evaluation = {"evaluation window": evaluation_activations(sizes, settings)}
     if settings.sharded:
-        kept = {**student, **teacher, **gathered}
-        kept["AdamW moments"] = state["AdamW moments"]
-        _place(final, gpu and not settings.optimizer_offload, kept, other=True)
-        _place(final, gpu, evaluation, other=True)
+        offloaded = {**student, "AdamW moments": state["AdamW moments"]}
+        _place(final, gpu and not settings.optimizer_offload, offloaded, other=True)
+        _place(final, gpu, {**teacher, **gathered, **evaluation}, other=True)
         final.main["gathered student (save, then reload)"] = weights
     else:
         kept = {**student, "teacher": weights, "AdamW moments": state["AdamW moments"]}

@@ -38,6 +38,7 @@ class PlanSettings:
     """
 
     processes: int = 1
+    node_processes: int | None = None  # processes on one node (None: all of them): what shares its host memory
     sharding: str = "ddp"  # with processes > 1: "ddp" (every process whole) or "fsdp2"
     device_memory: int | None = None
     host_memory: int | None = None
@@ -70,6 +71,10 @@ class PlanSettings:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise PlanError(f"{name.replace('_', '-')} must be a whole number of at least 1, not {value!r}")
+        if self.node_processes is not None and not (isinstance(self.node_processes, int)
+                                                    and 1 <= self.node_processes <= self.processes):
+            raise PlanError(f"node-processes must be a whole number from 1 to processes ({self.processes}), "
+                            f"not {self.node_processes!r}")
         for name, allowed in (("trainable", TRAINABLE), ("precision", PRECISIONS), ("sharding", SHARDING)):
             if getattr(self, name) not in allowed:
                 raise PlanError(f"{name} {getattr(self, name)!r} is not one of {', '.join(allowed)}")
@@ -81,6 +86,10 @@ class PlanSettings:
     @property
     def sharded(self) -> bool:
         return self.sharding == "fsdp2"
+
+    @property
+    def per_node(self) -> int:
+        return self.node_processes or self.processes
 
     def replace(self, **changes) -> "PlanSettings":
         return dataclasses.replace(self, **changes)
