@@ -26,6 +26,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -41,7 +42,7 @@ LLAMA_1B = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, 
 # tiny budgets: shapes as the defaults, few steps (fewer tokens at 1B: one core's minutes)
 CALIBRATION = {"calibration-smollm2": dict(num_blocks=8, block_len=256, batch_size=4, block_steps=2, block_rows=1,
                                            tune_steps=2, tune_blocks=4),
-               "calibration-llama1b": dict(num_blocks=4, block_len=128, batch_size=4, block_steps=2, block_rows=1,
+               "calibration-llama1b": dict(num_blocks=2, block_len=64, batch_size=2, block_steps=2, block_rows=1,
                                            tune_steps=2, tune_blocks=2)}
 RECIPE_BLOCK, RECIPE_STEPS, EVAL_LENGTH = 256, 2, 256
 
@@ -71,15 +72,46 @@ def runtime_worker() -> dict:
     return {"peak": peak_rss()}
 
 
+def resident() -> int:
+    return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def phase_sampler(phase: list[str], peaks: dict[str, int], done: threading.Event) -> threading.Thread:
+    """A thread that keeps the largest resident set seen under each name ``phase[0]`` takes, every 20 ms."""
+    def sample():
+        while not done.is_set():
+            peaks[phase[0]] = max(peaks.get(phase[0], 0), resident())
+            time.sleep(0.02)
+    thread = threading.Thread(target=sample, daemon=True)
+    thread.start()
+    return thread
+
+
+def marked(owner, name: str, phase: list[str], label: str) -> None:
+    """Make ``owner.name`` set ``phase[0] = label`` while it runs."""
+    function = getattr(owner, name)
+
+    def wrapper(*args, **kwargs):
+        phase[0] = label
+        return function(*args, **kwargs)
+    setattr(owner, name, wrapper)
+
+
 def calibration_worker(case: str, model: str, data: str) -> dict:
     import torch
 
     import hf_normswap
+    from hf_normswap.calibration import block_pass, end_to_end
     from hf_normswap.calibration.calibrate import CalibrationConfig
     from hf_normswap.checkpoint.loading import load_model
 
     torch.set_num_threads(1)
     settings = CALIBRATION[case]
+    phase, peaks, done = ["load"], {}, threading.Event()
+    marked(end_to_end, "teacher_outputs", phase, "calibration: block pass")  # the original's logits come first
+    marked(end_to_end, "tune", phase, "calibration: end-to-end steps")
+    marked(block_pass, "sequential", phase, "calibration: block pass")
+    sampler = phase_sampler(phase, peaks, done)
     loaded, tokenizer = load_model(model)
     if data == "random":
         generator = torch.Generator().manual_seed(0)
@@ -88,18 +120,36 @@ def calibration_worker(case: str, model: str, data: str) -> dict:
     start = time.time()
     hf_normswap.convert(loaded, to="eln", calibration=CalibrationConfig(data=data, tokenizer=tokenizer,
                                                                          progress=False, **settings))
-    return {"peak": peak_rss(), "calibration_seconds": round(time.time() - start, 1)}
+    done.set()
+    sampler.join()
+    return {"peak": peak_rss(), "calibration_seconds": round(time.time() - start, 1), "phases": peaks}
 
 
 def recipe_worker(out: Path, recipe_args: list[str]) -> int:
     import importlib.util
 
+    from hf_normswap.training import distill
+
+    phase, peaks, done = ["load"], {}, threading.Event()
+    train = distill.NormSwapTrainer.train
+
+    def marked_train(self, *args, **kwargs):
+        phase[0] = "training step"
+        try:
+            return train(self, *args, **kwargs)
+        finally:
+            phase[0] = "final evaluation and save"
+
+    distill.NormSwapTrainer.train = marked_train
+    sampler = phase_sampler(phase, peaks, done)
     spec = importlib.util.spec_from_file_location("finetune", RECIPE)
     recipe = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(recipe)
     code = recipe.main(recipe_args)
+    done.set()
+    sampler.join()
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"rank{os.environ.get('RANK', 0)}.json").write_text(json.dumps({"peak": peak_rss()}))
+    (out / f"rank{os.environ.get('RANK', 0)}.json").write_text(json.dumps({"peak": peak_rss(), "phases": peaks}))
     return code
 
 
@@ -160,7 +210,8 @@ def calibration_case(name: str, work: Path) -> dict:
     result = predicted(model, **calibration_settings(name))
     peak = result.conversion_peak()["host_main"]
     return {"case": name, "command": f"hf_normswap.convert({model}, 'eln', {CALIBRATION[name]})",
-            "phases": {p.name: [p.host_main] for p in result.conversion},
+            "phases": {p.name: {"predicted": p.host_main, "measured": measured["phases"].get(p.name)}
+                       for p in result.conversion},
             "predicted": [peak], "measured": [measured["peak"]],
             "calibration_seconds": measured["calibration_seconds"]}
 
@@ -171,7 +222,7 @@ def recipe_case(name: str, work: Path, out: Path) -> dict:
     run_dir = out / name
     recipe_args = [f"model={converted}", "original=offline:smollm2", "method=eln", f"trainable={trainable}",
                    "precision=fp32", "distill.weight=1", "distill.hidden=10", "progressive.enabled=false",
-                   f"block_len={RECIPE_BLOCK}", "eval_blocks=2", "final_eval.max_tokens=1024",
+                   f"block_len={RECIPE_BLOCK}", "eval_blocks=1", "final_eval.max_tokens=512",
                    f"final_eval.max_length={EVAL_LENGTH}", f"output_dir={run_dir}", "resume=false", "threads=1",
                    f"training.max_steps={RECIPE_STEPS}", "training.per_device_train_batch_size=1",
                    "training.logging_steps=1", "training.save_strategy=no", "training.report_to=none",
@@ -186,13 +237,15 @@ def recipe_case(name: str, work: Path, out: Path) -> dict:
     sharded = any(line.startswith("[sharding]") for line in result.stdout.splitlines())
     if sharded != (mode == "fsdp2"):
         raise SystemExit(f"{name}: the log {'has' if sharded else 'lacks'} the shard units: not {mode}")
-    ranks = [json.loads(p.read_text())["peak"] for p in sorted((run_dir / "memory").glob("rank*.json"))]
+    ranks = [json.loads(p.read_text()) for p in sorted((run_dir / "memory").glob("rank*.json"))]
     plan = predicted("offline:smollm2", processes=2, sharding=mode, trainable=trainable, seq_len=RECIPE_BLOCK,
                      eval_len=EVAL_LENGTH, calibrate=False)
     peak = plan.peak()
     return {"case": name, "command": "accelerate launch " + " ".join(LAUNCHERS[mode]) + " --num_processes 2 "
             "recipes/finetune.py " + " ".join(recipe_args[3:]), "predicted": [peak["host_main"], peak["host_other"]],
-            "measured": ranks, "phases": {p.name: [p.host_main, p.host_other] for p in plan.recipe}}
+            "measured": [r["peak"] for r in ranks],
+            "phases": {p.name: {"predicted": [p.host_main, p.host_other],
+                                "measured": [r.get("phases", {}).get(p.name) for r in ranks]} for p in plan.recipe}}
 
 
 CASES = ["runtime", "calibration-smollm2", "calibration-llama1b", "recipe-ddp-all", "recipe-ddp-norms",

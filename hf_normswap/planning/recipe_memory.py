@@ -52,9 +52,12 @@ def recipe_phases(sizes: ModelSizes, settings: PlanSettings) -> list[Phase]:
     phases = []
 
     # 1. load: the original on every process, the calibrated student (the main one's copy, the others' reload of
-    # its cache); under DDP on accelerators each goes to the device as it loads
+    # its cache); under DDP on accelerators each goes to the device as it loads. The main process evaluates the
+    # calibrated model against the original before training.
+    evaluation = {"evaluation window": evaluation_activations(sizes, settings)}
     load = Phase("load", main=dict(runtime), other=dict(runtime), device=dict(context))
     _place(load, ddp_gpu, {"original": weights, "student": weights}, other=True)
+    _place(load, gpu, evaluation)
     if ddp_gpu:
         load.main["model being loaded"] = load.other["model being loaded"] = weights
     phases.append(load)
@@ -103,7 +106,6 @@ def recipe_phases(sizes: ModelSizes, settings: PlanSettings) -> list[Phase]:
     # the student alone into host memory, saves it and reloads it; otherwise the main process evaluates, saves and
     # reloads beside the trained model, its teacher and AdamW's moments
     final = Phase("final evaluation and save", main=dict(runtime), other=dict(runtime), device=dict(context))
-    evaluation = {"evaluation window": evaluation_activations(sizes, settings)}
     if settings.sharded:
         offloaded = {**student, "AdamW moments": state["AdamW moments"]}
         _place(final, gpu and not settings.optimizer_offload, offloaded, other=True)
