@@ -17,6 +17,9 @@ from .sizes import ModelSizes
 # Resident memory of a process that has imported torch, transformers, accelerate, datasets and the package, before
 # any model: measured (scripts/bench_memory.py, the "runtime" row of BENCHMARKS.md), not derived.
 RUNTIME_BYTES = 540 * 2**20
+# What inductor adds to a process once the fused DyT / ELN kernels (``kernels.py``) compile, on the first
+# converted model's forward: measured as RUNTIME_BYTES is.
+COMPILER_BYTES = 120 * 2**20
 # An accelerator's own context (CUDA kernels, cuBLAS workspace), on the device: what torch reports reserved beyond
 # the tensors on an idle GPU is about this; unmeasured here, so rounded up.
 DEVICE_CONTEXT_BYTES = 2**30

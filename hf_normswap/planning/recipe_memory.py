@@ -8,7 +8,7 @@ the block pass computes one block at a time on the device (``recipes/finetune.py
 
 from __future__ import annotations
 
-from .phases import (DEVICE_CONTEXT_BYTES, RUNTIME_BYTES, Phase, calibration_terms, evaluation_activations,
+from .phases import (COMPILER_BYTES, DEVICE_CONTEXT_BYTES, RUNTIME_BYTES, Phase, calibration_terms, evaluation_activations,
                      trainable_parameters, training_activations)
 from .settings import PlanSettings
 from .sizes import ModelSizes
@@ -33,7 +33,8 @@ def conversion_phases(sizes: ModelSizes, settings: PlanSettings) -> list[Phase]:
     gpu = settings.device_memory is not None
     phases = [Phase("load", main={"runtime": RUNTIME_BYTES, "model": weights})]
     for stage, terms in calibration_terms(sizes, settings).items():
-        phase = Phase(f"calibration: {stage}", main={"runtime": RUNTIME_BYTES, "model": weights, **terms["host"]})
+        phase = Phase(f"calibration: {stage}", main={"runtime": RUNTIME_BYTES, "compiled kernels": COMPILER_BYTES,
+                                                      "model": weights, **terms["host"]})
         _place(phase, gpu and stage == "block pass", terms["compute"])
         if gpu:
             phase.device["context"] = DEVICE_CONTEXT_BYTES
@@ -48,6 +49,7 @@ def recipe_phases(sizes: ModelSizes, settings: PlanSettings) -> list[Phase]:
     gpu = settings.device_memory is not None
     ddp_gpu = gpu and not settings.sharded
     runtime = {"runtime": RUNTIME_BYTES}
+    compiled = {"runtime": RUNTIME_BYTES, "compiled kernels": COMPILER_BYTES}  # once the student has run
     context = {"context": DEVICE_CONTEXT_BYTES} if gpu else {}
     phases = []
 
@@ -55,7 +57,7 @@ def recipe_phases(sizes: ModelSizes, settings: PlanSettings) -> list[Phase]:
     # its cache); under DDP on accelerators each goes to the device as it loads. The main process evaluates the
     # calibrated model against the original before training.
     evaluation = {"evaluation window": evaluation_activations(sizes, settings)}
-    load = Phase("load", main=dict(runtime), other=dict(runtime), device=dict(context))
+    load = Phase("load", main=dict(compiled), other=dict(runtime), device=dict(context))
     _place(load, ddp_gpu, {"original": weights, "student": weights}, other=True)
     _place(load, gpu, evaluation)
     if ddp_gpu:
@@ -65,7 +67,7 @@ def recipe_phases(sizes: ModelSizes, settings: PlanSettings) -> list[Phase]:
     # 2. calibration on the main process, the others holding the original meanwhile
     if settings.calibrate:
         for stage, terms in calibration_terms(sizes, settings).items():
-            phase = Phase(f"calibration: {stage}", main=dict(runtime), other=dict(runtime), device=dict(context))
+            phase = Phase(f"calibration: {stage}", main=dict(compiled), other=dict(runtime), device=dict(context))
             _place(phase, ddp_gpu, {"original": weights, "student": weights})
             _place(phase, ddp_gpu, {"original": weights}, main=False, other=True)
             phase.main.update(terms["host"])
@@ -93,7 +95,7 @@ def recipe_phases(sizes: ModelSizes, settings: PlanSettings) -> list[Phase]:
         teacher = {"teacher": weights // shards, "teacher's gathered root and block": root + unit}
     else:
         teacher = {"teacher": weights}
-    step = Phase("training step", main=dict(runtime), other=dict(runtime), device=dict(context))
+    step = Phase("training step", main=dict(compiled), other=dict(compiled), device=dict(context))
     if settings.optimizer_offload:  # FSDP2 keeps shards, gradients and AdamW on the host, computes on the device
         _place(step, False, {**student, **state}, other=True)
         _place(step, gpu, {**gathered, **teacher, **training_activations(sizes, settings)}, other=True)
@@ -105,7 +107,7 @@ def recipe_phases(sizes: ModelSizes, settings: PlanSettings) -> list[Phase]:
     # 4. final evaluation and save: sharded, every process evaluates the sharded models, then the main one gathers
     # the student alone into host memory, saves it and reloads it; otherwise the main process evaluates, saves and
     # reloads beside the trained model, its teacher and AdamW's moments
-    final = Phase("final evaluation and save", main=dict(runtime), other=dict(runtime), device=dict(context))
+    final = Phase("final evaluation and save", main=dict(compiled), other=dict(compiled), device=dict(context))
     if settings.sharded:
         offloaded = {**student, "AdamW moments": state["AdamW moments"]}
         _place(final, gpu and not settings.optimizer_offload, offloaded, other=True)

@@ -10,7 +10,7 @@ import pytest
 
 from hf_normswap.planning import PlanError, PlanSettings, model_sizes, plan
 from hf_normswap.planning.command import add_plan_arguments, run_plan
-from hf_normswap.planning.phases import RUNTIME_BYTES
+from hf_normswap.planning.phases import COMPILER_BYTES, RUNTIME_BYTES
 from tiny_models import tiny_config, tiny_model
 
 
@@ -34,7 +34,8 @@ def test_a_models_weights_are_its_parameter_bytes_in_every_phase_that_holds_it()
     result = plan(tiny_config("llama"), processes=2)
     load = result.recipe[0]
     assert load.other == {"runtime": RUNTIME_BYTES, "original": weights, "student": weights}
-    assert load.main == dict(load.other, **{"evaluation window": load.main["evaluation window"]})
+    assert load.main == dict(load.other, **{"evaluation window": load.main["evaluation window"],
+                                            "compiled kernels": COMPILER_BYTES})
     sharded = plan(tiny_config("llama"), processes=2, sharding="fsdp2").recipe
     step = next(p for p in sharded if p.name == "training step")
     assert step.main["student"] == weights // 2 and step.main["teacher"] == weights // 2
