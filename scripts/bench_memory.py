@@ -5,6 +5,7 @@ scripts/bench_sharding.py), with tiny step budgets: memory depends on the shapes
 
     python scripts/bench_memory.py --out out/bench-memory                      # every case
     python scripts/bench_memory.py --out out/bench-memory --cases runtime calibration-smollm2
+    python scripts/bench_memory.py --out out/bench-memory --replan   # the plan's predictions made again
 
 Cases:
 - ``runtime``: a process that has imported what the recipe imports, no model (the plan's ``RUNTIME_BYTES``);
@@ -189,10 +190,34 @@ def converted_smollm2(folder: Path) -> Path:
     return folder
 
 
-def predicted(model, **settings) -> "hf_normswap.planning.MemoryPlan":  # noqa: F821
-    from hf_normswap.planning import plan
+def prediction(name: str) -> tuple[list[int], dict[str, list[int]]]:
+    """The plan's peaks of a case (one per process) and its phases' host bytes (main, other)."""
+    import transformers
 
-    return plan(model, **settings)
+    from hf_normswap.planning import plan
+    from hf_normswap.planning.phases import RUNTIME_BYTES
+
+    if name == "runtime":
+        return [RUNTIME_BYTES], {}
+    if name.startswith("calibration"):
+        model = "offline:smollm2" if name == "calibration-smollm2" else transformers.LlamaConfig(**LLAMA_1B)
+        result = plan(model, **calibration_settings(name))
+        return [result.conversion_peak()["host_main"]], {p.name: [p.host_main] for p in result.conversion}
+    _, mode, trainable = name.split("-")
+    result = plan("offline:smollm2", processes=2, sharding=mode, trainable=trainable, seq_len=RECIPE_BLOCK,
+                  eval_len=EVAL_LENGTH, calibrate=False)
+    peak = result.peak()
+    return [peak["host_main"], peak["host_other"]], {p.name: [p.host_main, p.host_other] for p in result.recipe}
+
+
+def replan(results: dict) -> dict:
+    """``results`` with every case's prediction made again by the plan as it is now (the measurements kept)."""
+    for case in results["cases"]:
+        case["predicted"], phases = prediction(case["case"])
+        for phase, values in phases.items():
+            case.setdefault("phases", {}).setdefault(phase, {})["predicted"] = values
+        case["ratio"] = [round(p / m, 3) for p, m in zip(case["predicted"], case["measured"])]
+    return results
 
 
 def calibration_settings(case: str) -> dict:
@@ -207,12 +232,9 @@ def calibration_case(name: str, work: Path) -> dict:
     else:
         model, data = str(random_llama(work / "llama-1b")), "random"
     measured = run_python(worker_call("calibration_worker"), name, model, data)
-    result = predicted(model, **calibration_settings(name))
-    peak = result.conversion_peak()["host_main"]
     return {"case": name, "command": f"hf_normswap.convert({model}, 'eln', {CALIBRATION[name]})",
-            "phases": {p.name: {"predicted": p.host_main, "measured": measured["phases"].get(p.name)}
-                       for p in result.conversion},
-            "predicted": [peak], "measured": [measured["peak"]],
+            "phases": {phase: {"measured": [peak]} for phase, peak in measured["phases"].items()},
+            "measured": [measured["peak"]],
             "calibration_seconds": measured["calibration_seconds"]}
 
 
@@ -238,14 +260,10 @@ def recipe_case(name: str, work: Path, out: Path) -> dict:
     if sharded != (mode == "fsdp2"):
         raise SystemExit(f"{name}: the log {'has' if sharded else 'lacks'} the shard units: not {mode}")
     ranks = [json.loads(p.read_text()) for p in sorted((run_dir / "memory").glob("rank*.json"))]
-    plan = predicted("offline:smollm2", processes=2, sharding=mode, trainable=trainable, seq_len=RECIPE_BLOCK,
-                     eval_len=EVAL_LENGTH, calibrate=False)
-    peak = plan.peak()
+    phases = sorted({phase for r in ranks for phase in r.get("phases", {})})
     return {"case": name, "command": "accelerate launch " + " ".join(LAUNCHERS[mode]) + " --num_processes 2 "
-            "recipes/finetune.py " + " ".join(recipe_args[3:]), "predicted": [peak["host_main"], peak["host_other"]],
-            "measured": [r["peak"] for r in ranks],
-            "phases": {p.name: {"predicted": [p.host_main, p.host_other],
-                                "measured": [r.get("phases", {}).get(p.name) for r in ranks]} for p in plan.recipe}}
+            "recipes/finetune.py " + " ".join(recipe_args[3:]), "measured": [r["peak"] for r in ranks],
+            "phases": {phase: {"measured": [r.get("phases", {}).get(phase) for r in ranks]} for phase in phases}}
 
 
 CASES = ["runtime", "calibration-smollm2", "calibration-llama1b", "recipe-ddp-all", "recipe-ddp-norms",
@@ -259,7 +277,13 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="out/bench-memory")
     parser.add_argument("--cases", nargs="+", default=CASES, choices=CASES)
+    parser.add_argument("--replan", action="store_true",
+                        help="measure nothing: predict OUT/results.json's cases again with the plan as it is now")
     args = parser.parse_args(argv)
+    if args.replan:
+        path = Path(args.out) / "results.json"
+        path.write_text(json.dumps(replan(json.loads(path.read_text())), indent=1))
+        return 0
     sys.path.insert(0, str(ROOT / "scripts"))
     from bench_speed import machine
 
@@ -273,18 +297,15 @@ def main(argv=None) -> int:
         for name in args.cases:
             start = time.time()
             if name == "runtime":
-                measured = run_python(worker_call("runtime_worker"))["peak"]
-                from hf_normswap.planning.phases import RUNTIME_BYTES
-
-                case = {"case": name, "command": "import the recipe's libraries", "predicted": [RUNTIME_BYTES],
-                        "measured": [measured]}
+                case = {"case": name, "command": "import the recipe's libraries",
+                        "measured": [run_python(worker_call("runtime_worker"))["peak"]]}
             elif name.startswith("calibration"):
                 case = calibration_case(name, Path(work))
             else:
                 case = recipe_case(name, Path(work), out)
-            case["ratio"] = [round(p / m, 3) for p, m in zip(case["predicted"], case["measured"])]
             case["wall_seconds"] = round(time.time() - start, 1)
             results["cases"].append(case)
+            replan(results)
             print(json.dumps(case), flush=True)
             (out / "results.json").write_text(json.dumps(results, indent=1))
     return 0
