@@ -22,6 +22,7 @@ STAGES = [
     ("discovery",),
     ("checkpoint",),
     ("calibration",),
+    ("planning",),
     ("convert", "fold"),
     ("evaluation",),
     ("training",),

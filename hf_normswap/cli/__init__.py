@@ -1,15 +1,15 @@
-"""The normswap command line: inspect, convert, recover, evaluate and push models. User mistakes exit non-zero with
-one line on stderr."""
+"""The normswap command line: inspect, convert, recover, evaluate, plan and push models. User mistakes exit non-zero
+with one line on stderr."""
 
 from __future__ import annotations
 
 import sys
 
-from . import convert, evaluate, inspect, output, recover, sensitivity
+from . import convert, evaluate, inspect, output, plan, recover, sensitivity
 from .common import USER_ERRORS, Parser
 
 VERBS = {"inspect": inspect, "convert": convert, "recover": recover, "eval": evaluate, "sensitivity": sensitivity,
-         "push": output}
+         "plan": plan, "push": output}
 
 
 def build_parser() -> Parser:

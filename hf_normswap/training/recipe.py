@@ -53,6 +53,23 @@ class TrainingRun:
     resumed: dict
 
 
+def log_memory_plan(config, state, log) -> None:
+    """What the run is about to need (``normswap plan``), before anything loads; a model the plan cannot read
+    (remote code, a config it does not know) is said in one line and the run goes on."""
+    if not state.is_main_process:
+        return
+    from ..planning import PlanError, recipe_plan
+    from .sharding import fsdp2_requested
+
+    device_memory = torch.cuda.get_device_properties(state.device).total_memory if state.device.type == "cuda" else None
+    try:
+        memory = recipe_plan(config, processes=state.num_processes, sharded=fsdp2_requested(), device_memory=device_memory)
+    except (PlanError, OSError, ValueError) as error:
+        log(f"memory plan: not available ({error})")
+        return
+    log(f"memory plan:\n{memory.describe()}")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the recipe on ``argv`` (``--config FILE`` and ``key=value`` overrides; None: the command line)."""
     config = load_config(argv)
@@ -75,6 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     summary = (read_json(Path(config.output_dir) / "summary.json") or {}) if config.resume else {}
     summary["config"] = config.to_dict()
     log = (lambda *a: print("[finetune]", *a, flush=True)) if state.is_main_process else (lambda *a: None)
+    log_memory_plan(config, state, log)
 
     student, original, tokenizer = load_models(config, state)
     ensure_pad_token(tokenizer)

@@ -1,0 +1,315 @@
+"""The memory plan (``hf_normswap.planning``) against the measured peak resident memory of each process (VmHWM).
+
+One case at a time, each in fresh processes (OMP_NUM_THREADS=1, glibc returning freed tensors to the OS as in
+scripts/bench_sharding.py), with tiny step budgets: memory depends on the shapes, not on how long a run lasts.
+
+    python scripts/bench_memory.py --out out/bench-memory                      # every case
+    python scripts/bench_memory.py --out out/bench-memory --cases runtime calibration-smollm2
+    python scripts/bench_memory.py --out out/bench-memory --replan   # the plan's predictions made again
+
+Cases:
+- ``runtime``: a process that has imported what the recipe imports, no model (the plan's ``RUNTIME_BYTES``);
+- ``calibration-smollm2``: SmolLM2-135M (``offline:smollm2``, real weights) converted to ELN with the ``block``
+  strategy on ``wiki.valid.tokens`` (../shared), as ``normswap convert`` does;
+- ``calibration-llama1b``: the same on a Llama-3.2-1B-shaped model with random weights, built from its config and
+  saved as sharded safetensors in a temporary folder (removed afterwards), on random token ids;
+- ``recipe-{ddp,fsdp2}-{all,norms}``: recipes/finetune.py on 2 processes over gloo (accelerate launch), SmolLM2
+  converted analytically (no calibration in the run), logit KL and the layer-wise term, fp32.
+
+``OUT/results.json`` holds the machine, the commit, each case's command, predicted and measured peaks per process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPE = ROOT / "recipes" / "finetune.py"
+WIKITEXT = ROOT.parent / "shared" / "data" / "wikitext-2" / "wiki.valid.tokens"
+LAUNCHERS = {"ddp": ["--multi_gpu"],
+             "fsdp2": ["--config_file", str(ROOT / "recipes" / "accelerate_configs" / "fsdp2.yaml")]}
+# Llama-3.2-1B's published shape (tied embeddings)
+LLAMA_1B = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                num_key_value_heads=8, head_dim=64, vocab_size=128256, max_position_embeddings=131072,
+                rope_theta=500000.0, tie_word_embeddings=True)
+# tiny budgets: shapes as the defaults, few steps (fewer tokens at 1B: one core's minutes)
+CALIBRATION = {"calibration-smollm2": dict(num_blocks=8, block_len=256, batch_size=4, block_steps=2, block_rows=1,
+                                           tune_steps=2, tune_blocks=4),
+               "calibration-llama1b": dict(num_blocks=2, block_len=64, batch_size=2, block_steps=2, block_rows=1,
+                                           tune_steps=2, tune_blocks=2)}
+RECIPE_BLOCK, RECIPE_STEPS, EVAL_LENGTH = 256, 2, 256
+
+
+def peak_rss() -> int:
+    """This process's peak resident set (VmHWM of /proc/self/status), bytes."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
+
+
+def environment() -> dict:
+    return dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1",
+                MALLOC_MMAP_THRESHOLD_="65536", PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+
+
+# ------------------------------------------------------------------------------------------- inside the processes
+
+
+def runtime_worker() -> dict:
+    import accelerate, datasets, torch, transformers  # noqa: F401, E401  what the recipe imports
+    from transformers import Trainer  # noqa: F401
+
+    import hf_normswap.calibration.calibrate  # noqa: F401
+    import hf_normswap.training.distill  # noqa: F401
+    return {"peak": peak_rss()}
+
+
+def resident() -> int:
+    return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def phase_sampler(phase: list[str], peaks: dict[str, int], done: threading.Event) -> threading.Thread:
+    """A thread that keeps the largest resident set seen under each name ``phase[0]`` takes, every 20 ms."""
+    def sample():
+        while not done.is_set():
+            peaks[phase[0]] = max(peaks.get(phase[0], 0), resident())
+            time.sleep(0.02)
+    thread = threading.Thread(target=sample, daemon=True)
+    thread.start()
+    return thread
+
+
+def marked(owner, name: str, phase: list[str], label: str) -> None:
+    """Make ``owner.name`` set ``phase[0] = label`` while it runs."""
+    function = getattr(owner, name)
+
+    def wrapper(*args, **kwargs):
+        phase[0] = label
+        return function(*args, **kwargs)
+    setattr(owner, name, wrapper)
+
+
+def calibration_worker(case: str, model: str, data: str) -> dict:
+    import torch
+
+    import hf_normswap
+    from hf_normswap.calibration import block_pass, end_to_end
+    from hf_normswap.calibration.calibrate import CalibrationConfig
+    from hf_normswap.checkpoint.loading import load_model
+
+    torch.set_num_threads(1)
+    settings = CALIBRATION[case]
+    phase, peaks, done = ["load"], {}, threading.Event()
+    marked(end_to_end, "teacher_outputs", phase, "calibration: block pass")  # the original's logits come first
+    marked(end_to_end, "tune", phase, "calibration: end-to-end steps")
+    marked(block_pass, "sequential", phase, "calibration: block pass")
+    sampler = phase_sampler(phase, peaks, done)
+    loaded, tokenizer = load_model(model)
+    if data == "random":
+        generator = torch.Generator().manual_seed(0)
+        data = torch.randint(0, loaded.config.vocab_size, (settings["num_blocks"], settings["block_len"]),
+                             generator=generator)
+    start = time.time()
+    hf_normswap.convert(loaded, to="eln", calibration=CalibrationConfig(data=data, tokenizer=tokenizer,
+                                                                         progress=False, **settings))
+    done.set()
+    sampler.join()
+    return {"peak": peak_rss(), "calibration_seconds": round(time.time() - start, 1), "phases": peaks}
+
+
+def recipe_worker(out: Path, recipe_args: list[str]) -> int:
+    import importlib.util
+
+    from hf_normswap.training import distill
+
+    phase, peaks, done = ["load"], {}, threading.Event()
+    train = distill.NormSwapTrainer.train
+
+    def marked_train(self, *args, **kwargs):
+        phase[0] = "training step"
+        try:
+            return train(self, *args, **kwargs)
+        finally:
+            phase[0] = "final evaluation and save"
+
+    distill.NormSwapTrainer.train = marked_train
+    sampler = phase_sampler(phase, peaks, done)
+    spec = importlib.util.spec_from_file_location("finetune", RECIPE)
+    recipe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(recipe)
+    code = recipe.main(recipe_args)
+    done.set()
+    sampler.join()
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"rank{os.environ.get('RANK', 0)}.json").write_text(json.dumps({"peak": peak_rss(), "phases": peaks}))
+    return code
+
+
+# ------------------------------------------------------------------------------------------------------ the cases
+
+
+def run_python(code: str, *args: str) -> dict:
+    result = subprocess.run([sys.executable, "-c", code, *args], cwd=ROOT, env=environment(), capture_output=True,
+                            text=True)
+    if result.returncode:
+        raise SystemExit(f"case failed:\n{result.stderr[-3000:]}")
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def worker_call(function: str, *args: str) -> str:
+    return (f"import json, sys; sys.path.insert(0, {str(ROOT / 'scripts')!r}); import bench_memory; "
+            f"print(json.dumps(bench_memory.{function}(*sys.argv[1:])))")
+
+
+def random_llama(folder: Path) -> Path:
+    """A Llama-3.2-1B-shaped model with random weights, fp32, in sharded safetensors, built in its own process."""
+    code = ("import sys, torch, transformers; torch.manual_seed(0)\n"
+            f"config = transformers.LlamaConfig(**{LLAMA_1B!r})\n"
+            "model = transformers.LlamaForCausalLM(config)\n"
+            "model.save_pretrained(sys.argv[1], max_shard_size='1GB')\n")
+    subprocess.run([sys.executable, "-c", code, str(folder)], check=True, cwd=ROOT, env=environment())
+    return folder
+
+
+def converted_smollm2(folder: Path) -> Path:
+    """SmolLM2 converted to ELN analytically (no calibration): the recipe's start, saved once."""
+    if not (folder / "config.json").exists():
+        code = ("import sys, hf_normswap\nfrom hf_normswap.checkpoint.loading import load_model\n"
+                "model, tokenizer = load_model('offline:smollm2')\nhf_normswap.convert(model, to='eln')\n"
+                "hf_normswap.save_pretrained(model, sys.argv[1], tokenizer=tokenizer, overwrite=True)\n")
+        subprocess.run([sys.executable, "-c", code, str(folder)], check=True, cwd=ROOT, env=environment())
+    return folder
+
+
+def prediction(name: str) -> tuple[list[int], dict[str, list[int]]]:
+    """The plan's peaks of a case (one per process) and its phases' host bytes (main, other)."""
+    import transformers
+
+    from hf_normswap.planning import plan
+    from hf_normswap.planning.phases import RUNTIME_BYTES
+
+    if name == "runtime":
+        return [RUNTIME_BYTES], {}
+    if name.startswith("calibration"):
+        model = "offline:smollm2" if name == "calibration-smollm2" else transformers.LlamaConfig(**LLAMA_1B)
+        result = plan(model, **calibration_settings(name))
+        return [result.conversion_peak()["host_main"]], {p.name: [p.host_main] for p in result.conversion}
+    _, mode, trainable = name.split("-")
+    result = plan("offline:smollm2", processes=2, sharding=mode, trainable=trainable, seq_len=RECIPE_BLOCK,
+                  eval_len=EVAL_LENGTH, calibrate=False)
+    peak = result.peak()
+    return [peak["host_main"], peak["host_other"]], {p.name: [p.host_main, p.host_other] for p in result.recipe}
+
+
+def replan(results: dict) -> dict:
+    """``results`` with every case's prediction made again by the plan as it is now (the measurements kept)."""
+    for case in results["cases"]:
+        case["predicted"], phases = prediction(case["case"])
+        for phase, values in phases.items():
+            case.setdefault("phases", {}).setdefault(phase, {})["predicted"] = values
+        case["ratio"] = [round(p / m, 3) for p, m in zip(case["predicted"], case["measured"])]
+    return results
+
+
+def calibration_settings(case: str) -> dict:
+    c = CALIBRATION[case]
+    return dict(calibration_blocks=c["num_blocks"], calibration_len=c["block_len"], calibration_batch=c["batch_size"],
+                tune_rows=c["tune_blocks"], block_rows=c["block_steps"] * c["block_rows"])
+
+
+def calibration_case(name: str, work: Path) -> dict:
+    if name == "calibration-smollm2":
+        model, data = "offline:smollm2", str(WIKITEXT)
+    else:
+        model, data = str(random_llama(work / "llama-1b")), "random"
+    measured = run_python(worker_call("calibration_worker"), name, model, data)
+    return {"case": name, "command": f"hf_normswap.convert({model}, 'eln', {CALIBRATION[name]})",
+            "phases": {phase: {"measured": [peak]} for phase, peak in measured["phases"].items()},
+            "measured": [measured["peak"]],
+            "calibration_seconds": measured["calibration_seconds"]}
+
+
+def recipe_case(name: str, work: Path, out: Path) -> dict:
+    _, mode, trainable = name.split("-")
+    converted = converted_smollm2(work / "converted")
+    run_dir = out / name
+    recipe_args = [f"model={converted}", "original=offline:smollm2", "method=eln", f"trainable={trainable}",
+                   "precision=fp32", "distill.weight=1", "distill.hidden=10", "progressive.enabled=false",
+                   f"block_len={RECIPE_BLOCK}", "eval_blocks=1", "final_eval.max_tokens=512",
+                   f"final_eval.max_length={EVAL_LENGTH}", f"output_dir={run_dir}", "resume=false", "threads=1",
+                   f"training.max_steps={RECIPE_STEPS}", "training.per_device_train_batch_size=1",
+                   "training.logging_steps=1", "training.save_strategy=no", "training.report_to=none",
+                   "training.disable_tqdm=true"]
+    command = [sys.executable, "-m", "accelerate.commands.launch", *LAUNCHERS[mode], "--num_processes", "2",
+               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port",
+               "0", str(Path(__file__).resolve()), "--worker", str(run_dir / "memory"), "--", *recipe_args]
+    result = subprocess.run(command, cwd=ROOT, env=environment(), capture_output=True, text=True)
+    (out / f"{name}.log").write_text(result.stdout + result.stderr)
+    if result.returncode:
+        raise SystemExit(f"{name} failed (see {out / f'{name}.log'}):\n{result.stderr[-3000:]}")
+    sharded = any(line.startswith("[sharding]") for line in result.stdout.splitlines())
+    if sharded != (mode == "fsdp2"):
+        raise SystemExit(f"{name}: the log {'has' if sharded else 'lacks'} the shard units: not {mode}")
+    ranks = [json.loads(p.read_text()) for p in sorted((run_dir / "memory").glob("rank*.json"))]
+    phases = sorted({phase for r in ranks for phase in r.get("phases", {})})
+    return {"case": name, "command": "accelerate launch " + " ".join(LAUNCHERS[mode]) + " --num_processes 2 "
+            "recipes/finetune.py " + " ".join(recipe_args[3:]), "measured": [r["peak"] for r in ranks],
+            "phases": {phase: {"measured": [r.get("phases", {}).get(phase) for r in ranks]} for phase in phases}}
+
+
+CASES = ["runtime", "calibration-smollm2", "calibration-llama1b", "recipe-ddp-all", "recipe-ddp-norms",
+         "recipe-fsdp2-all", "recipe-fsdp2-norms"]
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--worker"]:
+        return recipe_worker(Path(argv[1]), argv[3:])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="out/bench-memory")
+    parser.add_argument("--cases", nargs="+", default=CASES, choices=CASES)
+    parser.add_argument("--replan", action="store_true",
+                        help="measure nothing: predict OUT/results.json's cases again with the plan as it is now")
+    args = parser.parse_args(argv)
+    if args.replan:
+        path = Path(args.out) / "results.json"
+        path.write_text(json.dumps(replan(json.loads(path.read_text())), indent=1))
+        return 0
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from bench_speed import machine
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                            text=True).stdout.strip()
+    results = {"machine": machine(), "commit": commit, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+               "command": " ".join([Path(sys.argv[0]).name, *argv]), "cases": []}
+    with tempfile.TemporaryDirectory(prefix="bench-memory-", dir="/tmp") as work:
+        for name in args.cases:
+            start = time.time()
+            if name == "runtime":
+                case = {"case": name, "command": "import the recipe's libraries",
+                        "measured": [run_python(worker_call("runtime_worker"))["peak"]]}
+            elif name.startswith("calibration"):
+                case = calibration_case(name, Path(work))
+            else:
+                case = recipe_case(name, Path(work), out)
+            case["wall_seconds"] = round(time.time() - start, 1)
+            results["cases"].append(case)
+            replan(results)
+            print(json.dumps(case), flush=True)
+            (out / "results.json").write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
