@@ -15,6 +15,7 @@ PACKAGE = Path(hf_normswap.__file__).parent
 # The pipeline, bottom to top: a module may import its own stage (its subpackage) and the stages below it.
 STAGES = [
     ("version", "modules"),
+    ("triton_kernels",),
     ("kernels", "model_inputs", "placement", "precision", "validation"),
     ("packed_linear",),
     ("generated",),
