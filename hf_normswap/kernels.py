@@ -32,6 +32,7 @@ until a large enough input arrives.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
 import os
 import threading
@@ -178,7 +179,12 @@ class _FusedNorm(torch.autograd.Function):
 
 def _on_triton(x: torch.Tensor) -> bool:
     """CUDA tensors run hf_normswap.triton_kernels (no compile, so no size threshold) where triton is installed."""
-    return x.device.type == "cuda" and x.numel() > 0 and importlib.util.find_spec("triton") is not None
+    return x.device.type == "cuda" and x.numel() > 0 and _triton_installed()
+
+
+@functools.cache
+def _triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None
 
 
 def _usable(x: torch.Tensor, module: ElementwiseNorm, shape: torch.Tensor) -> bool:

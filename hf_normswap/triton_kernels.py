@@ -146,10 +146,12 @@ def _backward_kernel(X, DY, DX, S, SHIFT, W, DS, DSHIFT, DW, DB, M, N, METHOD: t
         tl.store(DB + partial, db, mask=mask)
 
 
-def _launch(width: int) -> tuple[int, int]:
-    """(columns a program handles, warps): one block a row up to :data:`MAX_BLOCK`, about 16 columns a thread."""
-    block = min(triton.next_power_of_2(width), MAX_BLOCK)
-    return block, max(1, min(16, block // 512))
+@functools.lru_cache(maxsize=None)
+def _launch(width: int) -> tuple[int, int, int]:
+    """(columns a program handles, warps, column blocks): one block a row up to :data:`MAX_BLOCK`, about 16 columns
+    a thread. Cached: a call's host time is what a small input costs."""
+    block = min(1 << (width - 1).bit_length(), MAX_BLOCK)
+    return block, max(1, min(16, block // 512)), -(-width // block)
 
 
 @functools.lru_cache(maxsize=None)
@@ -168,8 +170,8 @@ def forward(method: str, x: torch.Tensor, shape: torch.Tensor, weight: torch.Ten
     """``weight * f(x) + bias`` of a contiguous 2-D ``(tokens, C)`` ``x``, in its dtype; no autograd."""
     rows, width = x.shape
     y = torch.empty_like(x)
-    block, warps = _launch(width)
-    _forward_kernel[(rows, triton.cdiv(width, block))](
+    block, warps, blocks = _launch(width)
+    _forward_kernel[(rows, blocks)](
         x, y, shape, shift, weight, bias, width, METHOD=METHOD_IDS[method], PER_CHANNEL=shape.numel() > 1,
         HAS_SHIFT=shift is not None, HAS_BIAS=bias is not None, BLOCK=block, num_warps=warps)
     return y
@@ -182,13 +184,13 @@ def backward(method: str, x: torch.Tensor, grad_out: torch.Tensor, shape: torch.
     rows, width = x.shape
     grad_x = torch.empty_like(x)
     programs = _backward_programs(x)
-    block, warps = _launch(width)
+    block, warps, blocks = _launch(width)
     partials = torch.empty((2 + has_bias + (shift is not None), programs, width), dtype=torch.float32,
                            device=x.device)
     ds, dw = partials[0], partials[1]
     db = partials[2] if has_bias else None
     dshift = partials[-1] if shift is not None else None
-    _backward_kernel[(programs, triton.cdiv(width, block))](
+    _backward_kernel[(programs, blocks)](
         x, grad_out, grad_x, shape, shift, weight, ds, dshift, dw, db, rows, width, METHOD=METHOD_IDS[method],
         PER_CHANNEL=shape.numel() > 1, HAS_SHIFT=shift is not None, HAS_BIAS=has_bias, BLOCK=block,
         num_warps=warps)
@@ -235,12 +237,17 @@ def norm(method: str, x: torch.Tensor, shape: torch.Tensor, weight: torch.Tensor
     return y.view(x.shape)
 
 
+@functools.lru_cache(maxsize=None)
+def _method_of(squash) -> str | None:
+    from .modules import METHODS
+
+    return next((name for name in METHOD_IDS if METHODS[name].squash is squash), None)
+
+
 def module_norm(module, x: torch.Tensor, shape: torch.Tensor) -> torch.Tensor | None:
     """:func:`norm` for a DyT / ELN module (``hf_normswap.kernels`` calls it for CUDA tensors), or None for a
     module whose element function has no kernel here."""
-    from .modules import METHODS
-
-    method = next((name for name in METHOD_IDS if METHODS[name].squash is type(module).squash), None)
+    method = _method_of(type(module).squash)
     if method is None:
         return None
     return norm(method, x, shape, module.weight, module.bias)
