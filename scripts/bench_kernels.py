@@ -179,6 +179,8 @@ def parse_args(argv=None):
     parser.add_argument("--calls", type=int, default=20, help="calls a timing")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--reps", type=int, default=7)
+    parser.add_argument("--paths", default="triton,compiled,eager",
+                        help="DyT / ELN paths to time (the Triton one where it can run)")
     parser.add_argument("--json")
     return parser.parse_args(argv)
 
@@ -198,13 +200,15 @@ def main(argv=None) -> int:
         has_triton, interpret = False, False
     rows = []
     sections = args.sections.split(",")
+    wanted = args.paths.split(",")
+    others = [name for name in ("compiled", "eager") if name in wanted]
     if "device" in sections:
-        paths = (["triton"] if has_triton and (on_gpu or interpret) else []) + ["compiled", "eager"]
+        paths = (["triton"] if "triton" in wanted and has_triton and (on_gpu or interpret) else []) + others
         for size in map(int, args.sizes.split(",")):
             rows += measure((args.tokens, size), DTYPES[args.dtype], device, paths, args, "device")
     if "host" in sections:
-        triton_path = ("triton" if on_gpu else "triton-host") if has_triton else None
-        paths = ([triton_path] if triton_path else []) + ["compiled", "eager"]
+        triton_path = ("triton" if on_gpu else "triton-host") if has_triton and "triton" in wanted else None
+        paths = ([triton_path] if triton_path else []) + others
         shape = tuple(int(n) for n in args.host_shape.split(","))
         rows += measure(shape, DTYPES[args.dtype], device, paths, args, "host")
     if args.json:

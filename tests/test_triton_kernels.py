@@ -32,20 +32,20 @@ CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GP
 
 @pytest.fixture(scope="module")
 def interpreted():
-    """hf_normswap/triton_kernels.py loaded afresh with TRITON_INTERPRET=1: its kernels run on CPU tensors."""
+    """hf_normswap/triton_kernels.py loaded afresh under TRITON_INTERPRET=1: its kernels run on CPU tensors."""
     path = Path(hf_normswap.__file__).parent / "triton_kernels.py"
     previous = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "1"
-    try:
+    try:  # the variable is read when a kernel is decorated: the copy's kernels are interpreted, others compiled
         spec = importlib.util.spec_from_file_location("hf_normswap._triton_kernels_interpreted", path)
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
-        yield module
     finally:
         if previous is None:
             os.environ.pop("TRITON_INTERPRET", None)
         else:
             os.environ["TRITON_INTERPRET"] = previous
+    return module
 
 
 def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -131,6 +131,29 @@ def test_tanh_from_exp_is_accurate_in_fp32(interpreted):
     expected = torch.tanh(z.double())
     ulp = torch.finfo(torch.float32).eps * expected.abs().clamp_min(torch.finfo(torch.float32).tiny)
     assert float(((y.double() - expected).abs() / ulp).max()) <= 2
+
+
+@pytest.mark.parametrize("method", sorted(METHODS))
+def test_kernels_compile_for_hopper_without_a_gpu(method):
+    """Triton's compiler (its own ptxas, no GPU needed) builds both kernels for sm_90 (H100 / H200) in bf16 with a
+    per-channel shape parameter and a bias: what the interpreter cannot check (types, constexpr branches)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from hf_normswap import triton_kernels
+
+    flags = {"METHOD": triton_kernels.METHOD_IDS[method], "PER_CHANNEL": True, "HAS_SHIFT": False, "HAS_BIAS": True,
+             "BLOCK": triton_kernels.MAX_BLOCK, "SHIFT": None}
+    forward = {"X": "*bf16", "Y": "*bf16", "S": "*fp32", "SHIFT": "constexpr", "W": "*bf16", "B": "*bf16", "N": "i32"}
+    backward = {"X": "*bf16", "DY": "*bf16", "DX": "*bf16", "S": "*fp32", "SHIFT": "constexpr", "W": "*bf16",
+                "DS": "*fp32", "DSHIFT": "constexpr", "DW": "*fp32", "DB": "*fp32", "M": "i32", "N": "i32"}
+    for kernel, signature, constants in ((triton_kernels._forward_kernel, forward, flags),
+                                         (triton_kernels._backward_kernel, backward, dict(flags, DSHIFT=None))):
+        signature = dict(signature, **{name: "constexpr" for name in constants})
+        source = ASTSource(fn=kernel, signature=signature, constexprs=constants)
+        compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
+        assert compiled.asm["cubin"], kernel
 
 
 @pytest.mark.cuda
