@@ -178,16 +178,18 @@ if [ $DRY = 1 ]; then
   export CUDA_VISIBLE_DEVICES=""  # the CPU, also on a machine with a GPU
   DEVICE=cpu
   # no compiled path (its compiles take minutes on a CPU; tests/test_kernels.py checks it), one batch size
-  KERNELS=(--sizes 64 --tokens 256 --host-shape 1,64 --calls 2 --warmup 1 --reps 2 --paths triton,eager)
+  KERNELS=(--sizes 64 --tokens 8 --host-shape 1,64 --calls 2 --warmup 1 --reps 2 --paths triton,eager)
   MODEL=(--models smollm2-random --layers 1 --batch 1 --seq 16 --gen-batches 1,2 --prompt 4 --new-tokens 2 --reps 1)
   TRAIN=(--layers 1 --seq 32 --train-reps 1)
   BATCHES=(2)
+  TRAIN_LIMIT=400  # a shared CPU under load: the toy step's model set-up alone can take minutes
 else
   DEVICE=cuda
   KERNELS=(--sizes 576,4096 --tokens 8192 --host-shape 1,4096 --calls 20 --warmup 5 --reps 7)
   MODEL=(--models smollm2-random,llama3-8b-random --batch 8 --seq 2048 --gen-batches 1,32 --new-tokens 128 --reps 3)
   TRAIN=(--seq 512 --train-reps 5)
   BATCHES=(16 32)
+  TRAIN_LIMIT=150
 fi
 
 step imports 120 "$PYTHON" -c "import sys; sys.modules['datasets'] = sys.modules['gguf'] = None
@@ -201,7 +203,7 @@ TRITON_INTERPRET=$DRY step bench_kernels 150 "$PYTHON" scripts/bench_kernels.py 
 step bench_model 300 "$PYTHON" scripts/bench_decode.py --device $DEVICE --dtype bf16 "${MODEL[@]}" \
   --json "$WORK/bench_model.json"
 for BATCH in "${BATCHES[@]}"; do
-  step bench_train-$BATCH 150 "$PYTHON" scripts/bench_speed.py --device $DEVICE --sections train --models smollm2-random \
+  step bench_train-$BATCH $TRAIN_LIMIT "$PYTHON" scripts/bench_speed.py --device $DEVICE --sections train --models smollm2-random \
     --train-precision bf16 --no-model-calib --train-batch "$BATCH" "${TRAIN[@]}" --json "$WORK/bench_train-$BATCH.json"
 done
 
