@@ -182,7 +182,7 @@ if [ $DRY = 1 ]; then
   MODEL=(--models smollm2-random --layers 1 --batch 1 --seq 16 --gen-batches 1,2 --prompt 4 --new-tokens 2 --reps 1)
   TRAIN=(--layers 1 --seq 32 --train-reps 1)
   BATCHES=(2)
-  TRAIN_LIMIT=400  # a shared CPU under load: the toy step's model set-up alone can take minutes
+  TRAIN_LIMIT=600  # a shared CPU under load: the toy step and its two memory runs can take minutes
 else
   DEVICE=cuda
   KERNELS=(--sizes 576,4096 --tokens 8192 --host-shape 1,4096 --calls 20 --warmup 5 --reps 7)

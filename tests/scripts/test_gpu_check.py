@@ -16,7 +16,7 @@ STEPS = ["imports", "pytest", "bench_kernels", "bench_model", "bench_train-2", "
 def _check(out: Path, *options: str, cwd: Path = ROOT) -> dict:
     env = dict(os.environ, PYTHON=sys.executable, OMP_NUM_THREADS="1", GPU_CHECK_STASH=str(out / "stash"))
     done = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), str(out), "--dry-run", *options], cwd=cwd,
-                          env=env, capture_output=True, text=True, timeout=1200)
+                          env=env, capture_output=True, text=True, timeout=1500)
     assert done.returncode == 0, done.stderr[-2000:]
     summary = json.loads((out / "summary.json").read_text())
     assert list(summary["steps"]) == STEPS and summary["dry_run"] is True
