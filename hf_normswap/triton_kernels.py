@@ -42,7 +42,7 @@ import triton.language as tl
 
 ELN: tl.constexpr = tl.constexpr(0)
 DYT: tl.constexpr = tl.constexpr(1)
-METHOD_IDS = {"eln": 0, "dyt": 1}  # hf_normswap.modules.METHODS' names -> the ids _element branches on
+METHOD_IDS = {"eln": ELN.value, "dyt": DYT.value}  # hf_normswap.modules.METHODS names -> the ids _element branches on
 
 MAX_BLOCK = 4096  # columns a program handles; wider rows are split over programs on the second grid axis
 BACKWARD_PROGRAMS_PER_SM = 2  # row-walking backward programs per column block, per multiprocessor
