@@ -9,9 +9,10 @@ When is it used? Only where it is safe and worth it; everything else runs the pl
 
 * CPU and CUDA tensors of dtype fp32 / bf16 / fp16 with at least :data:`MIN_NUMEL` elements (below that the
   compiled call costs more than it saves, and tiny test models never trigger a compile), the module's parameters on
-  the input's device. On CUDA inductor writes the kernels in Triton: the eager formula's five or six kernel
-  launches and memory passes become one, as on the CPU (tests/test_cuda.py checks the values, scripts/bench_speed.py
-  ``--device cuda`` the speed);
+  the input's device. On CUDA, where triton is installed, the hand-written kernels of
+  :mod:`hf_normswap.triton_kernels` run instead, at any size (no compile, no guards a call): the eager formula's
+  five or six kernel launches and memory passes become one (tests/test_triton_kernels.py checks the values,
+  scripts/bench_kernels.py the speed);
 * not while scripting, tracing, exporting or compiling (a user's ``torch.compile`` fuses the plain formula into
   its own graph), not for meta / fake / functorch-wrapped tensors;
 * once a kernel fails to compile (no C++ compiler, ...) its key is marked broken and the fallback runs silently.
@@ -31,6 +32,8 @@ until a large enough input arrives.
 from __future__ import annotations
 
 import contextlib
+import functools
+import importlib.util
 import os
 import threading
 import types
@@ -156,8 +159,18 @@ class _FusedNorm(torch.autograd.Function):
         return None, None, grad_x, grad_shape.to(shape.dtype), grad_weight.to(weight.dtype), grad_bias
 
 
+def _on_triton(x: torch.Tensor) -> bool:
+    """CUDA tensors run hf_normswap.triton_kernels (no compile, so no size threshold) where triton is installed."""
+    return x.device.type == "cuda" and x.numel() > 0 and _triton_installed()
+
+
+@functools.cache
+def _triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
 def _usable(x: torch.Tensor, module: ElementwiseNorm, shape: torch.Tensor) -> bool:
-    if not _enabled or x.numel() < MIN_NUMEL:
+    if not _enabled or (x.numel() < MIN_NUMEL and not _on_triton(x)):
         return False
     if torch.jit.is_scripting() or torch.jit.is_tracing() or torch.compiler.is_compiling():
         return False
@@ -190,6 +203,12 @@ def fused_forward(module: ElementwiseNorm, x: torch.Tensor, shape: torch.Tensor)
     """The module's output through the fused kernels, or None when the fallback must run."""
     if not _usable(x, module, shape):
         return None
+    if _on_triton(x):
+        from . import triton_kernels
+
+        y = triton_kernels.module_norm(module, x, shape)
+        if y is not None:
+            return y
     cls, weight, bias = type(module), module.weight, module.bias
     key = (cls.squash, x.device, x.shape[-1], x.dtype, weight.dtype, None if bias is None else bias.dtype, shape.dim())
     forward = _kernel(("fwd",) + key, _make_forward, cls.squash)

@@ -17,17 +17,27 @@ ROOT = Path(__file__).resolve().parents[1]
 MATMUL_FLAGS = {"avx2", "fma", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8"}
 
 
-def machine() -> dict:
-    """CPU model, the `lscpu` flags that decide fp32 / bf16 matmul speed, threads and load: recorded with every row."""
+def machine(device: str = "cpu") -> dict:
+    """CPU model, the `lscpu` flags that decide fp32 / bf16 matmul speed, threads and load, and on a GPU its name and
+    Triton's version: recorded with every row."""
     try:
         lscpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
         cpu = next((l.split(":", 1)[1].strip() for l in lscpu.splitlines() if l.startswith("Model name")), "?")
     except OSError:
         lscpu, cpu = "", platform.processor()
     flags = set(next((l.split(":", 1)[1].split() for l in lscpu.splitlines() if l.startswith("Flags")), []))
-    return dict(cpu=cpu, cpu_flags=sorted(flags & MATMUL_FLAGS),
+    info = dict(cpu=cpu, cpu_flags=sorted(flags & MATMUL_FLAGS),
                 cores=os.cpu_count(), threads=torch.get_num_threads(), torch=torch.__version__,
                 load_average=os.getloadavg()[0])
+    if device.startswith("cuda"):
+        info["gpu"] = torch.cuda.get_device_name(device)
+        try:
+            import triton
+
+            info["triton"] = triton.__version__
+        except ImportError:
+            info["triton"] = None
+    return info
 
 
 def commit() -> str:

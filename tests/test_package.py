@@ -15,6 +15,7 @@ PACKAGE = Path(hf_normswap.__file__).parent
 # The pipeline, bottom to top: a module may import its own stage (its subpackage) and the stages below it.
 STAGES = [
     ("version", "modules", "hub_mirror"),
+    ("triton_kernels",),
     ("kernels", "placement", "precision", "validation"),
     ("model_inputs",),
     ("settings",),
