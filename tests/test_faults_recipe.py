@@ -155,3 +155,28 @@ def test_the_push_is_checked_before_loading(tmp_path, monkeypatch, capsys):
     assert "HF_HUB_OFFLINE is set" in recipe_refusal(["push_to_hub=me/model",
                                                                  f"output_dir={tmp_path / 'run'}"], capsys)
     assert not (tmp_path / "run").exists()
+
+
+# ------------------------------------------------------------------------------------------- the recipe's save
+
+
+def test_the_save_never_replaces_the_model_it_reads_or_a_checkpoint_it_did_not_save(converted, tmp_path, capsys):
+    """``model=conv save_dir=conv`` overwrote the converted checkpoint it trained from (exit 0); a save_dir holding
+    another checkpoint of the user's was replaced too. A save_dir a launch of this run saved to may be replaced."""
+    import shutil
+
+    conv, other = tmp_path / "conv", tmp_path / "other"
+    shutil.copytree(converted, conv)
+    shutil.copytree(converted, other)
+    before = file_tree(tmp_path)
+    run = [f"model={conv}", f"original={converted}", f"output_dir={tmp_path / 'run'}"]
+    assert "would replace model" in recipe_refusal([*run, f"save_dir={conv}"], capsys)
+    err = recipe_refusal([*run, f"save_dir={other}"], capsys)
+    assert "holds a checkpoint the recipe did not save there" in err
+    assert file_tree(tmp_path) == before
+    config = recipe_settings.load_config([*run, f"save_dir={tmp_path / 'new'}"])
+    run_dir.claim_run_dir(config)
+    shutil.copytree(converted, tmp_path / "new")  # what the first launch saved
+    run_dir.record_save(config)
+    recipe_settings.load_config([*run, f"save_dir={tmp_path / 'new'}"])  # the next launch replaces its own save
+    recipe_settings.load_config([*run, f"save_dir={tmp_path / 'run' / 'final'}"])  # inside output_dir: the run's own

@@ -110,7 +110,7 @@ def finish(config, state, run, original, tokenizer, eval_texts, summary: dict, l
     from ..checkpoint.record import ConversionRecord
     from .distill import merge_lora, without_autocast_wrapper
     from .recipe_models import whole_student
-    from .run_dir import write_json
+    from .run_dir import record_save, write_json
     from .sharding import is_sharded
 
     out, save_dir, trainer, encoder = Path(config.output_dir), config.save_path, run.trainer, run.encoder
@@ -142,6 +142,7 @@ def finish(config, state, run, original, tokenizer, eval_texts, summary: dict, l
     expected = probe_logits(model, tokenizer)
     hf_normswap.save_pretrained(model, save_dir, tokenizer=tokenizer, overwrite=True,
                                 evaluation=None if encoder else after.card("finetuned"))
+    record_save(config)
     if sharded:
         del model, skeleton  # the gathered copy (the skeleton filled): the reloaded one takes its place
     identical = reloads_identically(expected, save_dir, tokenizer)

@@ -15,6 +15,7 @@ import uuid
 from pathlib import Path
 
 from ..checkpoint.loading import resolve
+from ..checkpoint.save_load import check_output_dir
 from ..validation import ValidationError, shown
 
 RECORD = "run.json"
@@ -128,6 +129,34 @@ def check_run_dir(config) -> None:
         raise ValidationError(f"output_dir {out} trains {record.get('parameters')}, the config {asked}: its "
                               "checkpoints' optimizer state fits those parameters only; set them back, name another "
                               "output_dir, or set resume=false to start over")
+
+
+def check_save_dir(config) -> None:
+    """The final checkpoint replaces only one that a run in this output_dir saved (save_dir inside output_dir, or
+    recorded in its run.json): never the model or the original it reads, nor any other checkpoint of the user's."""
+    save = Path(os.path.realpath(config.save_path.expanduser()))
+    for key in ("model", "original"):
+        spec = getattr(config, key)
+        source = Path(spec).expanduser() if spec else None
+        if source is not None and source.exists() and save in (Path(os.path.realpath(source)),
+                                                                *Path(os.path.realpath(source)).parents):
+            raise ValidationError(f"save_dir {config.save_path} would replace {key} {shown(spec)}, which the recipe "
+                                  "reads: name another save_dir")
+    check_output_dir(save, overwrite=True)
+    out = Path(os.path.realpath(Path(config.output_dir).expanduser()))
+    record = read_json(out / RECORD) or {}
+    saved = record.get("saved") if record.get("written_by") == WRITTEN_BY else None
+    owned = out in save.parents or save == Path(saved or "")
+    if not owned and save.is_dir() and any(save.iterdir()):
+        raise ValidationError(f"save_dir {config.save_path} holds a checkpoint the recipe did not save there; it "
+                              "replaces only its own: name a new or empty save_dir")
+
+
+def record_save(config) -> None:
+    """Note in run.json where the final checkpoint went, so that a later launch may replace it (check_save_dir)."""
+    out = Path(config.output_dir)
+    record = read_json(out / RECORD) or {}
+    write_json(out / RECORD, {**record, "saved": os.path.realpath(config.save_path.expanduser())})
 
 
 def claim_run_dir(config) -> None:
