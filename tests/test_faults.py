@@ -562,3 +562,9 @@ def test_leftovers_of_dead_saves_go_and_those_of_running_saves_stay(converted, t
     save_load.recover_interrupted(out)
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([f".ckpt.partial-{live_pid}-0a1b2c3d", "ckpt", *users])
     assert file_tree(out) == file_tree(converted)  # the checkpoint an interrupted overwrite had moved aside is back
+
+
+@pytest.mark.parametrize("command", [["inspect", MISSING], ["eval", MISSING]])
+def test_a_cpu_index_past_the_one_cpu_device_is_refused(capsys, command):
+    code, line = _cli([*command, "--device", "cpu:99"], capsys)
+    assert code == 2 and "--device 'cpu:99': the CPU is one device" in line, line
