@@ -47,6 +47,7 @@ PREFIX = "generated"
 CACHE_ENV = "HF_NORMSWAP_CACHE"
 DEFAULT_TOKENS = 8192  # tokens sampled where the caller names no budget (an evaluation without --max-tokens)
 SAMPLER = "inverse-cdf"  # how a token is drawn (InverseCdfSampler): part of the cache key
+MAX_BATCH = 4096  # sequences a generate call: each step holds this many rows of vocabulary-wide fp32 scores
 WEIGHT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -78,19 +79,34 @@ class SamplingSettings:
                 raise ValueError(f"generated: {name} must be a whole number of at least 1, got {value!r}")
         if self.precision not in ("auto", *WEIGHT_DTYPES):
             raise ValueError(f"generated: precision must be auto, {', '.join(WEIGHT_DTYPES)}, got {self.precision!r}")
+        if self.prompt == "bos" and self.length < 2:
+            raise ValueError(f"generated: length must be at least 2 (the start token and one sampled), got {self.length}")
+        if self.batch_size > MAX_BATCH:
+            raise ValueError(f"generated: batch_size must be at most {MAX_BATCH}, got {self.batch_size} (each step "
+                             "of a batch holds batch_size x vocabulary scores)")
         if self.prompt != "bos" and self.prompt_tokens >= self.length:
             raise ValueError(f"generated: prompt_tokens ({self.prompt_tokens}) must be below length ({self.length})")
 
     @classmethod
     def from_spec(cls, spec: str) -> "SamplingSettings":
-        """``generated`` or ``generated:key=value,...``; ValueError names a bad key or value."""
+        """``generated`` or ``generated:key=value,...``; ValueError names a bad key or value, or a key given twice.
+        A comma-separated item that is not ``key=value`` of a field continues ``prompt=`` (a text spec of several
+        files holds commas), so the prompt may stand anywhere in the list."""
         options = spec[len(PREFIX) + 1:] if spec.startswith(PREFIX + ":") else ""
         fields = {f.name: f.type for f in dataclasses.fields(cls)}
-        values = {}
-        for item in filter(None, options.split(",") if "prompt=" not in options else _split_prompt(options)):
+        items: list[list[str]] = []
+        for item in filter(None, options.split(",")):
             key, sep, value = item.partition("=")
-            if not sep or key not in fields:
+            if sep and key in fields:
+                if any(known == key for known, _ in items):
+                    raise ValueError(f"generated: {key} is given twice; give it once")
+                items.append([key, value])
+            elif items and items[-1][0] == "prompt":
+                items[-1][1] += "," + item
+            else:
                 raise ValueError(f"generated: {item!r} is not one of {', '.join(f'{k}=...' for k in fields)}")
+        values = {}
+        for key, value in items:
             kind = {"float": float, "int": int}.get(fields[key], str)
             try:
                 values[key] = kind(value)
@@ -109,12 +125,6 @@ class SamplingSettings:
         context = getattr(text_config(model), "max_position_embeddings", None)
         if context is not None and self.length > context:
             raise ValueError(f"generated: length {self.length} is beyond the model's context of {context} tokens")
-
-
-def _split_prompt(options: str) -> list[str]:
-    """``prompt=`` takes the rest of the spec (a text spec may hold commas), so it comes last."""
-    head, _, prompt = options.partition("prompt=")
-    return [*filter(None, head.split(",")), "prompt=" + prompt]
 
 
 def weights_digest(model: nn.Module) -> str:

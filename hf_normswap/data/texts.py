@@ -158,7 +158,9 @@ def check_spec(spec: str) -> list[Path] | None:
     """What a text spec can be checked for before a model loads (local files exist, sampling settings are valid);
     returns the local files it names, None for other sources."""
     if is_generated(spec):
-        generation_settings(spec)
+        prompt = generation_settings(spec).prompt
+        if prompt != "bos":
+            check_spec(prompt)
         return None
     return local_paths(spec)
 
