@@ -375,3 +375,28 @@ def test_the_recipe_checks_a_large_text_file_without_reading_it_whole(tmp_path, 
     monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: pytest.fail("the whole file was loaded"))
     recipe_data.check_data(recipe_settings.load_config([f"calibration.data={big}", f"train_data={big}", f"eval_data={big}",
                                           f"output_dir={tmp_path / 'run'}"]))
+
+
+def test_a_report_that_fails_midway_leaves_no_part_of_itself(source, tmp_path, monkeypatch, capsys):
+    """A full disk while --report is written: it left a 0-byte (or cut) report.json; an earlier report stays."""
+    import os
+
+    real = Path.write_text
+
+    def full_disk(self, text, *args, **kwargs):
+        if self.name in ("report.json", f".report.json.partial-{os.getpid()}"):
+            real(self, text[:10], *args, **kwargs)
+            raise OSError(28, "No space left on device")
+        return real(self, text, *args, **kwargs)
+
+    report = tmp_path / "report.json"
+    for earlier in (None, '{"earlier": 1}'):
+        if earlier:
+            report.write_text(earlier)
+        monkeypatch.setattr(Path, "write_text", full_disk)
+        code, line = _cli(["convert", source / "llama", "--to", "eln", "--output", tmp_path / "out", "--overwrite",
+                           "--report", report], capsys)
+        monkeypatch.undo()
+        assert code == 2 and "cannot write --report" in line and "No space left on device" in line, line
+        assert (report.read_text() if earlier else report.exists()) == (earlier or False)
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "report.json"] if earlier else ["out"]

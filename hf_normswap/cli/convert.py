@@ -97,7 +97,7 @@ def run(args) -> None:
     output.save_and_push(args, model, tokenizer)
     if args.report:  # after the save: a report that cannot be written must not cost the checkpoint
         try:
-            Path(args.report).write_text(report.to_json())
+            output.write_whole(args.report, report.to_json())
         except OSError as error:
             saved = f" (the checkpoint is saved in {args.output})" if args.output else ""
             raise ConversionError(f"cannot write --report {args.report}: {error.strerror}{saved}") from None
