@@ -180,3 +180,24 @@ def test_the_save_never_replaces_the_model_it_reads_or_a_checkpoint_it_did_not_s
     run_dir.record_save(config)
     recipe_settings.load_config([*run, f"save_dir={tmp_path / 'new'}"])  # the next launch replaces its own save
     recipe_settings.load_config([*run, f"save_dir={tmp_path / 'run' / 'final'}"])  # inside output_dir: the run's own
+
+
+# ------------------------------------------------------------------------------------ names too long for a path
+
+
+@pytest.mark.parametrize("setting, shown", [("model={}", "model"), ("output_dir=/tmp/{}/run", "output_dir"),
+                                            ("save_dir=/tmp/{}", "output")])
+def test_a_name_longer_than_the_file_system_takes_is_one_line(capsys, setting, shown):
+    """ENAMETOOLONG was a traceback where the path was first touched: model= of 5,000 characters, an output_dir
+    part of 300."""
+    err = recipe_refusal([setting.format("a" * 5000 if shown == "model" else "b" * 300)], capsys)
+    assert err.startswith(f"finetune: error: {shown} '") and "the file system takes at most" in err, err
+
+
+def test_the_command_line_refuses_a_name_too_long_in_one_line(tmp_path, capsys):
+    from cli_runs import run_cli
+
+    code, line = run_cli(["inspect", "a" * 5000], capsys)
+    assert code == 2 and "a name in it is 5000 bytes long" in line
+    code, line = run_cli(["convert", "a" * 5000, "--to", "eln", "--output", tmp_path / ("b" * 300)], capsys)
+    assert code == 2 and "a name in it is 300 bytes long" in line and list(tmp_path.iterdir()) == []

@@ -15,8 +15,9 @@ import uuid
 from pathlib import Path
 
 from ..checkpoint.loading import resolve
+from ..checkpoint.packaged import PREFIX as PACKAGED
 from ..checkpoint.save_load import check_output_dir
-from ..validation import ValidationError, shown
+from ..validation import ValidationError, check_path_length, shown
 
 RECORD = "run.json"
 WRITTEN_BY = "hf-normswap recipes/finetune.py"
@@ -100,6 +101,7 @@ def check_run_dir(config) -> None:
     """Refuse, before anything loads, an output_dir the recipe did not create, and a resume that would train another
     model or other parameters than the run recorded there."""
     out = Path(config.output_dir)
+    check_path_length(out, "output_dir")
     if not out.exists():
         return
     if not out.is_dir():
@@ -137,9 +139,11 @@ def check_save_dir(config) -> None:
     save = Path(os.path.realpath(config.save_path.expanduser()))
     for key in ("model", "original"):
         spec = getattr(config, key)
-        source = Path(spec).expanduser() if spec else None
-        if source is not None and source.exists() and save in (Path(os.path.realpath(source)),
-                                                                *Path(os.path.realpath(source)).parents):
+        if not spec or spec.startswith(PACKAGED):  # a packaged model lives in the package, not in a save_dir
+            continue
+        check_path_length(spec, key)  # a name too long to be a path or a Hub id is refused here
+        source = Path(os.path.realpath(Path(spec).expanduser()))
+        if source.exists() and save in (source, *source.parents):
             raise ValidationError(f"save_dir {config.save_path} would replace {key} {shown(spec)}, which the recipe "
                                   "reads: name another save_dir")
     check_output_dir(save, overwrite=True)
