@@ -116,6 +116,10 @@ def check_run_dir(config) -> None:
                               "name a new or empty output_dir")
     if not config.resume:
         return
+    damaged = [key for key in ("model", "parameters") if not isinstance(record.get(key, {}), dict)]
+    if damaged:
+        raise ValidationError(f"{out / RECORD} is damaged ({damaged[0]} is {shown(record[damaged[0]])}, not an "
+                              "object): name a new output_dir, or set resume=false to start over")
     recorded, now = record.get("model") or {}, model_identity(config.model)
     if recorded.get("model") != now["model"] or recorded.get("path") != now["path"]:
         changed = f"model {shown(recorded.get('model'))}"
@@ -150,6 +154,7 @@ def check_save_dir(config) -> None:
     out = Path(os.path.realpath(Path(config.output_dir).expanduser()))
     record = read_json(out / RECORD) or {}
     saved = record.get("saved") if record.get("written_by") == WRITTEN_BY else None
+    saved = saved if isinstance(saved, str) else None
     owned = out in save.parents or save == Path(saved or "")
     if not owned and save.is_dir() and any(save.iterdir()):
         raise ValidationError(f"save_dir {config.save_path} holds a checkpoint the recipe did not save there; it "
