@@ -201,3 +201,19 @@ def test_the_command_line_refuses_a_name_too_long_in_one_line(tmp_path, capsys):
     assert code == 2 and "a name in it is 5000 bytes long" in line
     code, line = run_cli(["convert", "a" * 5000, "--to", "eln", "--output", tmp_path / ("b" * 300)], capsys)
     assert code == 2 and "a name in it is 300 bytes long" in line and list(tmp_path.iterdir()) == []
+
+
+def test_a_damaged_run_record_is_one_line(tmp_path, capsys):
+    """run.json holding {"model": "x"}: an AttributeError before; resume=false starts over and rewrites it."""
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "run.json").write_text(json.dumps({"written_by": run_dir.WRITTEN_BY, "model": "x"}))
+    err = recipe_refusal([f"output_dir={out}"], capsys)
+    assert "run.json is damaged (model is 'x', not an object)" in err and "resume=false" in err
+    run_dir.claim_run_dir(recipe_settings.load_config([f"output_dir={out}", "resume=false"]))
+    assert isinstance(json.loads((out / "run.json").read_text())["model"], dict)
+
+
+def test_more_threads_than_the_machine_has_cpus_is_refused(capsys):
+    err = recipe_refusal(["threads=100000"], capsys)
+    assert f"threads must be at most {os.cpu_count()} (the CPUs of this machine), got 100000" in err
