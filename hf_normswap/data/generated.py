@@ -26,11 +26,13 @@ import inspect
 import json
 import math
 import os
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 from tqdm.auto import tqdm
@@ -157,8 +159,13 @@ def cache_root() -> Path:
     return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "hf_normswap") / PREFIX
 
 
+class DamagedBatch(ValueError):
+    """A cached batch that this cache did not write as it is: unreadable, of another shape, or out of range."""
+
+
 class SampleCache:
-    """The batches of one (model, settings) pair: ``batch-000012.safetensors``, written atomically."""
+    """The batches of one (model, settings) pair: ``batch-000012.safetensors``, written atomically. What is read
+    back is checked against the model and the settings (:meth:`read`), since anything may have changed the files."""
 
     def __init__(self, model: nn.Module, settings: SamplingSettings, root: Path | None = None):
         self.settings = settings
@@ -166,25 +173,83 @@ class SampleCache:
         name = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
         self.directory = (root or cache_root()) / name
         self.key = key
+        self.vocabulary = vocabulary_size(model)
 
     def path(self, index: int) -> Path:
         return self.directory / f"batch-{index:06d}.safetensors"
 
     def has(self, index: int) -> bool:
-        return self.path(index).is_file()
+        path = self.path(index)
+        if path.is_dir():  # not ours to remove, and a batch cannot be written over it
+            raise ValueError(f"generated: {path} is a directory, not a batch of samples: move it away")
+        return path.is_file()
+
+    def prepare(self) -> None:
+        """The cache's folder, made (and found writable) before anything is drawn into it."""
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            (self.directory / "settings.json").write_text(json.dumps(self.key, indent=1))
+        except OSError as error:
+            raise _unwritable(self.directory, error) from None
 
     def write(self, index: int, ids: torch.Tensor, lengths: torch.Tensor, precision: str) -> None:
         """Batch ``index``, with the precision it was drawn in (``auto`` resolves per process) in its metadata."""
-        self.directory.mkdir(parents=True, exist_ok=True)
-        (self.directory / "settings.json").write_text(json.dumps(self.key, indent=1))
+        self.prepare()
         partial = self.path(index).with_suffix(f".partial-{os.getpid()}")
-        save_file({"input_ids": ids.to(torch.int32).contiguous(), "lengths": lengths.to(torch.int32)}, partial,
-                  metadata={"precision": precision})
-        os.replace(partial, self.path(index))  # a kill leaves a .partial file, never a half-written batch
+        try:
+            save_file({"input_ids": ids.to(torch.int32).contiguous(), "lengths": lengths.to(torch.int32)}, partial,
+                      metadata={"precision": precision})
+            os.replace(partial, self.path(index))  # a kill leaves a .partial file, never a half-written batch
+        except (OSError, SafetensorError) as error:
+            raise _unwritable(self.directory, error) from None
+        finally:
+            partial.unlink(missing_ok=True)
 
     def read(self, index: int) -> list[list[int]]:
-        batch = load_file(self.path(index))
-        return [row[:n].tolist() for row, n in zip(batch["input_ids"], batch["lengths"].tolist())]
+        """The rows of batch ``index``; :class:`DamagedBatch` naming the file and why, for anything this cache
+        would not have written: a link, an unreadable file, other tensors, shapes or dtypes, ids outside the
+        model's vocabulary, lengths outside the rows."""
+        path = self.path(index)
+        if path.is_symlink():
+            raise DamagedBatch(f"{path} is a link, not a batch this cache wrote")
+        try:
+            batch = load_file(path)
+        except Exception as error:  # safetensors raises its own error types for a cut or garbage file
+            raise DamagedBatch(f"{path} is unreadable ({_first_line(error)})") from None
+        ids, lengths = batch.get("input_ids"), batch.get("lengths")
+        settings = self.settings
+        problem = None
+        if set(batch) != {"input_ids", "lengths"}:
+            problem = f"it holds {sorted(batch)}, not input_ids and lengths"
+        elif ids.dtype != torch.int32 or lengths.dtype != torch.int32 or ids.dim() != 2 or lengths.dim() != 1:
+            problem = "its ids or lengths are not rows of int32 token ids"
+        elif ids.shape[0] != settings.batch_size or len(lengths) != ids.shape[0] or ids.shape[1] > settings.length:
+            problem = (f"its ids are {tuple(ids.shape)} with {len(lengths)} lengths, not {settings.batch_size} rows "
+                       f"of at most {settings.length}")
+        elif ids.numel() and (int(ids.min()) < 0 or self.vocabulary and int(ids.max()) >= self.vocabulary):
+            problem = f"its ids run from {int(ids.min())} to {int(ids.max())}, outside the model's vocabulary"
+        elif len(lengths) and (int(lengths.min()) < 1 or int(lengths.max()) > ids.shape[1]):
+            problem = f"its lengths run from {int(lengths.min())} to {int(lengths.max())}, outside its rows"
+        if problem:
+            raise DamagedBatch(f"{path} is damaged: {problem}")
+        return [row[:n].tolist() for row, n in zip(ids, lengths.tolist())]
+
+
+def _first_line(error: BaseException) -> str:
+    return (str(error).strip().splitlines() or [type(error).__name__])[0]
+
+
+def _unwritable(directory: Path, error: BaseException) -> ValueError:
+    reason = getattr(error, "strerror", None) or _first_line(error)
+    return ValueError(f"generated: cannot write the sample cache {directory} ({reason}): set {CACHE_ENV} to a "
+                      "writable folder with free space")
+
+
+def vocabulary_size(model: nn.Module) -> int | None:
+    """Ids the model's output head draws from (its config's ``vocab_size`` where it has no head)."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    size = getattr(head, "out_features", None) or getattr(getattr(head, "weight", None), "shape", [None])[0]
+    return size or getattr(text_config(model), "vocab_size", None)
 
 
 class InverseCdfSampler(LogitsProcessor):
@@ -307,13 +372,14 @@ def sampling_config(settings: SamplingSettings, eos: int | None) -> tuple[Genera
 
 @torch.no_grad()
 def draw(model: nn.Module, tokenizer, cache: SampleCache, indices: list[int], *,
-         prompt_texts: list[str] | None = None, progress: bool = True) -> str | None:
-    """Sample and cache the batches ``indices`` that are not cached yet (the settings are the cache's); returns the
-    precision they were drawn in, None when nothing was missing."""
+         prompt_texts: list[str] | None = None, progress: bool = True, redraw: bool = False) -> str | None:
+    """Sample and cache the batches ``indices`` that are not cached yet (``redraw``: all of them, over what is
+    there; the settings are the cache's); returns the precision they were drawn in, None when nothing was missing."""
     settings = cache.settings
-    missing = [i for i in indices if not cache.has(i)]
+    missing = [i for i in indices if redraw or not cache.has(i)]
     if not missing:
         return None
+    cache.prepare()
     device = model_device(model)
     eos = tokenizer.eos_token_id
     precision = sampling_precision(model, settings.precision)
@@ -373,7 +439,7 @@ def sample_texts(model: nn.Module, tokenizer, settings: SamplingSettings, max_to
         drawn += len(mine)
         _wait_for(cache, needed, wait)
         for index in needed:
-            batch = cache.read(index)
+            batch = _read_or_redraw(model, tokenizer, cache, index, prompt_texts)
             rows.extend(batch)
             have += sum(map(len, batch))
         read, count = count, count + batches_for(max_tokens - have, settings)
@@ -381,6 +447,19 @@ def sample_texts(model: nn.Module, tokenizer, settings: SamplingSettings, max_to
         print(f"[generated] {drawn * settings.batch_size * settings.length:,} tokens sampled in "
               f"{time.time() - start:.0f} s into {cache.directory}", flush=True)
     return [tokenizer.decode(ids, skip_special_tokens=True) for ids in rows]
+
+
+def _read_or_redraw(model, tokenizer, cache: SampleCache, index: int, prompt_texts) -> list[list[int]]:
+    """Batch ``index``; a damaged one is named and drawn again in its place (its seed gives the same rows)."""
+    try:
+        return cache.read(index)
+    except DamagedBatch as damaged:
+        print(f"[generated] {damaged}: drawing it again", file=sys.stderr, flush=True)
+    draw(model, tokenizer, cache, [index], prompt_texts=prompt_texts, progress=False, redraw=True)
+    try:
+        return cache.read(index)
+    except DamagedBatch as damaged:
+        raise ValueError(f"generated: {damaged}, and again after drawing it anew") from None
 
 
 def _wait_for(cache: SampleCache, indices, seconds: float) -> None:
