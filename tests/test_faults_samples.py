@@ -140,3 +140,42 @@ def test_a_cache_that_cannot_be_written_is_one_line_naming_its_setting(llama, tm
         assert not [p for p in (tmp_path / "cache").rglob("*") if "partial" in p.name or p.name.startswith("batch")]
     if case == "a file":
         assert (tmp_path / "cache").read_text() == "mine"
+
+
+# ------------------------------------------------------------------------------------------------ the prompts
+
+PROMPTED = "generated:length=12,batch_size=2,seed=1,precision=fp32,prompt=p.txt"
+
+
+def test_a_prompt_file_of_other_content_draws_other_samples(llama, tmp_path, monkeypatch):
+    """prompt=p.txt run from two folders whose p.txt differ: the second run read the first one's samples (the key
+    held the spec, not the prompt's content)."""
+    monkeypatch.setenv("HF_NORMSWAP_CACHE", str(tmp_path / "cache"))
+    drawn = []
+    for folder, text in (("a", "ABCDEFGHIJ the model\n"), ("b", "KLMNOPQRST the data\n")):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "p.txt").write_text(text * 4)
+        monkeypatch.chdir(tmp_path / folder)
+        drawn.append(_samples(llama, PROMPTED))
+    assert drawn[0] != drawn[1]
+    assert [text[:8] for text in drawn[1]] == ["KLMNOPQR"] * 2
+    assert len(list((tmp_path / "cache").rglob("batch-*.safetensors"))) == 2
+
+
+def test_one_long_prompt_document_gives_many_starts_tokenized_once(llama, tmp_path, monkeypatch):
+    """One 32 MB document: every row of every batch started with its same 8 tokens, and the whole source was
+    tokenized again for each batch (125 s, 6.6 GB). Each line now starts a row, and lines are tokenized as far as
+    the rows drawn reach."""
+    model, tokenizer = llama
+    lines = [f"{'the model' if i % 2 else 'norm data'} {i:04d} of the text in the norm and the data\n"
+             for i in range(2000)]
+    (tmp_path / "p.txt").write_text("".join(lines))
+    monkeypatch.setenv("HF_NORMSWAP_CACHE", str(tmp_path / "cache"))
+    monkeypatch.chdir(tmp_path)
+    tokenized = []
+    real = type(tokenizer).__call__
+    monkeypatch.setattr(type(tokenizer), "__call__", lambda self, text, **kw: tokenized.append(
+        sum(map(len, text)) if isinstance(text, list) else len(text)) or real(self, text, **kw))
+    texts = load_texts(PROMPTED, model=model, tokenizer=tokenizer, max_tokens=12 * 2 * 3)
+    assert [text[:14] for text in texts] == [line[:14] for line in lines[:6]]  # a line a row, in turn
+    assert sum(tokenized) < len("".join(lines)) // 4

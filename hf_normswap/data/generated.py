@@ -9,7 +9,7 @@ more than the model's own matmuls on a CPU and are replaced here, through genera
 
 The spec is ``generated`` or ``generated:key=value,...`` with the fields of :class:`SamplingSettings`, for example
 ``generated:temperature=0.8,top_p=0.95,length=512`` or ``generated:prompt=wikitext:wikitext-2-raw-v1:train``
-(the first ``prompt_tokens`` tokens of that source's documents start the sequences instead of the BOS token).
+(the first ``prompt_tokens`` tokens of that source's lines start the sequences instead of the BOS token).
 
 Samples go to a cache on disk, one safetensors file a batch (token ids only, nothing executable), under a key made
 of the model's identity (its name and a hash of a sample of every weight) and the settings. Batch ``i`` is drawn with
@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import inspect
+import itertools
 import json
 import math
 import os
@@ -65,7 +66,7 @@ class SamplingSettings:
     top_p: float = 1.0
     length: int = 512  # tokens a sequence, prompt included
     batch_size: int = 64  # sequences a generate call (and a cache file); more are faster a token (the configs: 128)
-    prompt: str = "bos"  # bos, or a text spec whose documents' first prompt_tokens tokens start the sequences
+    prompt: str = "bos"  # bos, or a text spec whose lines' first prompt_tokens tokens start the sequences
     prompt_tokens: int = 8
     seed: int = 0
     precision: str = "auto"  # fp32, bf16 or fp16 weights while sampling; auto: see sampling_precision
@@ -167,9 +168,12 @@ class SampleCache:
     """The batches of one (model, settings) pair: ``batch-000012.safetensors``, written atomically. What is read
     back is checked against the model and the settings (:meth:`read`), since anything may have changed the files."""
 
-    def __init__(self, model: nn.Module, settings: SamplingSettings, root: Path | None = None):
+    def __init__(self, model: nn.Module, settings: SamplingSettings, root: Path | None = None,
+                 prompt_texts: list[str] | None = None):
         self.settings = settings
         key = {"model": weights_digest(model), "sampler": SAMPLER, **dataclasses.asdict(settings)}
+        if settings.prompt != "bos":  # the spec names the source; its content is what the samples start from
+            key["prompt_content"] = texts_digest(prompt_texts or [])
         name = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
         self.directory = (root or cache_root()) / name
         self.key = key
@@ -233,6 +237,13 @@ class SampleCache:
         if problem:
             raise DamagedBatch(f"{path} is damaged: {problem}")
         return [row[:n].tolist() for row, n in zip(ids, lengths.tolist())]
+
+
+def texts_digest(texts: list[str]) -> str:
+    digest = hashlib.sha256()
+    for text in texts:
+        digest.update(hashlib.sha256(text.encode()).digest())
+    return digest.hexdigest()[:16]
 
 
 def _first_line(error: BaseException) -> str:
@@ -336,24 +347,43 @@ def batches_for(max_tokens: int, settings: SamplingSettings) -> int:
     return max(1, math.ceil(max_tokens / (settings.length * settings.batch_size)))
 
 
-def _prompts(settings: SamplingSettings, tokenizer, prompt_texts: list[str] | None, count: int,
+class Prompts:
+    """The starts of the sequences, from a prompt source's text: the first ``prompt_tokens`` tokens of each of its
+    lines in turn (a source read as one document, a large file or WikiText's rows joined, still gives many starts),
+    tokenized once and only as far as the sequences drawn reach; the lines are read again from the first when the
+    sequences outnumber them. A line longer than :attr:`PIECE_CHARS` is cut into pieces of that size."""
+
+    PIECE_CHARS = 4096
+    CHUNK = 256  # lines tokenized in one call
+
+    def __init__(self, settings: SamplingSettings, tokenizer, texts: list[str]):
+        self.settings, self.tokenizer, self.starts, self.done = settings, tokenizer, [], False
+        self.pieces = (line[i:i + self.PIECE_CHARS] for text in texts for line in text.splitlines() if line.strip()
+                       for i in range(0, len(line), self.PIECE_CHARS))
+
+    def __call__(self, index: int) -> list[int]:
+        while not self.done and len(self.starts) <= index:
+            chunk = list(itertools.islice(self.pieces, self.CHUNK))
+            self.done = not chunk
+            for ids in self.tokenizer(chunk, add_special_tokens=False)["input_ids"] if chunk else ():
+                if len(ids) >= self.settings.prompt_tokens:
+                    self.starts.append(ids[: self.settings.prompt_tokens])
+        if not self.starts:
+            raise ValueError(f"generated: no line of {self.settings.prompt} has {self.settings.prompt_tokens} tokens "
+                             "to start from")
+        return self.starts[index % len(self.starts)] if self.done else self.starts[index]
+
+
+def _prompts(settings: SamplingSettings, tokenizer, prompts: Prompts | None, count: int,
              start: int) -> torch.Tensor:
-    """``(count, P)`` prompt ids of the sequences ``start .. start + count - 1``: the BOS token, or the first
-    ``prompt_tokens`` tokens of the prompt source's documents in turn."""
+    """``(count, P)`` prompt ids of the sequences ``start .. start + count - 1``: the BOS token, or ``prompts``'
+    starts."""
     if settings.prompt == "bos":
         bos = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
         if bos is None:
             raise ValueError("generated: the tokenizer has no BOS or EOS token to start from; set prompt=SOURCE")
         return torch.full((count, 1), bos, dtype=torch.long)
-    starts = []
-    for text in prompt_texts or ():
-        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-        if len(ids) >= settings.prompt_tokens:
-            starts.append(ids[: settings.prompt_tokens])
-    if not starts:
-        raise ValueError(f"generated: no document of {settings.prompt} has {settings.prompt_tokens} tokens to start "
-                         "from")
-    return torch.tensor([starts[(start + i) % len(starts)] for i in range(count)], dtype=torch.long)
+    return torch.tensor([prompts(start + i) for i in range(count)], dtype=torch.long)
 
 
 def sampling_config(settings: SamplingSettings, eos: int | None) -> tuple[GenerationConfig, LogitsProcessorList]:
@@ -372,7 +402,7 @@ def sampling_config(settings: SamplingSettings, eos: int | None) -> tuple[Genera
 
 @torch.no_grad()
 def draw(model: nn.Module, tokenizer, cache: SampleCache, indices: list[int], *,
-         prompt_texts: list[str] | None = None, progress: bool = True, redraw: bool = False) -> str | None:
+         prompts: Prompts | None = None, progress: bool = True, redraw: bool = False) -> str | None:
     """Sample and cache the batches ``indices`` that are not cached yet (``redraw``: all of them, over what is
     there; the settings are the cache's); returns the precision they were drawn in, None when nothing was missing."""
     settings = cache.settings
@@ -393,14 +423,14 @@ def draw(model: nn.Module, tokenizer, cache: SampleCache, indices: list[int], *,
         with weights_in(model, WEIGHT_DTYPES[precision]), packed_linears(model, settings.batch_size) as packed:
             bar.set_postfix_str(f"{precision} weights{', packed' if packed else ''}", refresh=False)
             for index in missing:
-                prompts = _prompts(settings, tokenizer, prompt_texts, settings.batch_size, index * settings.batch_size)
-                prompts = prompts.to(device)
+                starts = _prompts(settings, tokenizer, prompts, settings.batch_size, index * settings.batch_size)
+                starts = starts.to(device)
                 with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
                     torch.manual_seed(settings.seed * 1_000_003 + index)
-                    out = model.generate(input_ids=prompts, attention_mask=torch.ones_like(prompts),
+                    out = model.generate(input_ids=starts, attention_mask=torch.ones_like(starts),
                                          logits_processor=sampler,
                                          **{cache_argument(model): preallocated_cache(model, settings.length)})
-                cache.write(index, out.cpu(), _lengths(out, prompts.shape[1], eos).cpu(), precision)
+                cache.write(index, out.cpu(), _lengths(out, starts.shape[1], eos).cpu(), precision)
                 bar.update(settings.batch_size * settings.length)
     finally:
         bar.close()
@@ -423,23 +453,24 @@ def _lengths(out: torch.Tensor, prompt_len: int, eos: int | None) -> torch.Tenso
 def sample_texts(model: nn.Module, tokenizer, settings: SamplingSettings, max_tokens: int, *,
                  prompt_texts: list[str] | None = None, rank: int = 0, world_size: int = 1, progress: bool = True,
                  cache_dir: Path | None = None, wait_seconds: float | None = None) -> list[str]:
-    """Texts of at least ``max_tokens`` sampled tokens, one a sequence (``prompt_texts``: the documents of
+    """Texts of at least ``max_tokens`` sampled tokens, one a sequence (``prompt_texts``: the text of
     ``settings.prompt``). Sequences that end early (EOS) are made up for by further batches. This process draws its
     share of the missing batches and waits for the others' (up to ``wait_seconds``; default: 0 alone, 6 hours with
     other processes)."""
     settings.check_model(model)
-    cache = SampleCache(model, settings, cache_dir)
+    cache = SampleCache(model, settings, cache_dir, prompt_texts)
+    prompts = None if settings.prompt == "bos" else Prompts(settings, tokenizer, prompt_texts or [])
     wait = wait_seconds if wait_seconds is not None else (0.0 if world_size == 1 else 6 * 3600.0)
     rows, have, read, count = [], 0, 0, batches_for(max_tokens, settings)
     start, drawn = time.time(), 0
     while have < max_tokens:
         needed = range(read, count)
         mine = [i for i in needed if i % world_size == rank and not cache.has(i)]
-        draw(model, tokenizer, cache, mine, prompt_texts=prompt_texts, progress=progress)
+        draw(model, tokenizer, cache, mine, prompts=prompts, progress=progress)
         drawn += len(mine)
         _wait_for(cache, needed, wait)
         for index in needed:
-            batch = _read_or_redraw(model, tokenizer, cache, index, prompt_texts)
+            batch = _read_or_redraw(model, tokenizer, cache, index, prompts)
             rows.extend(batch)
             have += sum(map(len, batch))
         read, count = count, count + batches_for(max_tokens - have, settings)
@@ -449,13 +480,13 @@ def sample_texts(model: nn.Module, tokenizer, settings: SamplingSettings, max_to
     return [tokenizer.decode(ids, skip_special_tokens=True) for ids in rows]
 
 
-def _read_or_redraw(model, tokenizer, cache: SampleCache, index: int, prompt_texts) -> list[list[int]]:
+def _read_or_redraw(model, tokenizer, cache: SampleCache, index: int, prompts) -> list[list[int]]:
     """Batch ``index``; a damaged one is named and drawn again in its place (its seed gives the same rows)."""
     try:
         return cache.read(index)
     except DamagedBatch as damaged:
         print(f"[generated] {damaged}: drawing it again", file=sys.stderr, flush=True)
-    draw(model, tokenizer, cache, [index], prompt_texts=prompt_texts, progress=False, redraw=True)
+    draw(model, tokenizer, cache, [index], prompts=prompts, progress=False, redraw=True)
     try:
         return cache.read(index)
     except DamagedBatch as damaged:
