@@ -89,6 +89,12 @@ def test_a_blank_eval_file_is_refused_before_loading(source, tmp_path, capsys):
      "--eval-max-length"),
     (["eval", "{model}", "--data", "{text}", "--max-length", "65"], "--max-length"),
     (["sensitivity", "{model}", "--to", "eln", "--data", "{text}", "--window-len", "65"], "--window-len"),
+    (["convert", "{model}", "--to", "eln", "--output", "{out}", "--calib", "{text}", "--calib-len", "65"],
+     "--calib-len"),  # calibration cut it to the context silently
+    (["sensitivity", "{model}", "--to", "eln", "--data", "{text}", "--calib", "{text}", "--calib-len", "65"],
+     "--calib-len"),
+    (["convert", "{model}", "--to", "eln", "--output", "{out}", "--eval", "generated:length=65"],
+     "--eval generated: length"),  # sampled after the conversion
 ])
 def test_windows_longer_than_the_context_are_refused_before_any_work(source, tmp_path, capsys, command, flag):
     filled = [a.format(model=source / "llama", out=tmp_path / "out", text=source / "text.txt") for a in command]
@@ -400,3 +406,4 @@ def test_a_report_that_fails_midway_leaves_no_part_of_itself(source, tmp_path, m
         assert code == 2 and "cannot write --report" in line and "No space left on device" in line, line
         assert (report.read_text() if earlier else report.exists()) == (earlier or False)
         assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "report.json"] if earlier else ["out"]
+

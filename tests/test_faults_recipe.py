@@ -6,13 +6,16 @@ byte-for-byte as before and nothing was written.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+from types import SimpleNamespace
 
 import pytest
+import torch
 
 from cli_runs import file_tree, recipe_refusal
-from hf_normswap.training import recipe_settings, run_dir
+from hf_normswap.training import recipe_models, recipe_settings, run_dir
 from tiny_models import tiny_model
 
 
@@ -217,3 +220,57 @@ def test_a_damaged_run_record_is_one_line(tmp_path, capsys):
 def test_more_threads_than_the_machine_has_cpus_is_refused(capsys):
     err = recipe_refusal(["threads=100000"], capsys)
     assert f"threads must be at most {os.cpu_count()} (the CPUs of this machine), got 100000" in err
+
+
+# ---------------------------------------------------------------------------- settings against the model's context
+
+ONE_PROCESS = SimpleNamespace(is_main_process=True, main_process_first=contextlib.nullcontext,
+                              device=torch.device("cpu"))  # accelerate's PartialState, as load_models reads it
+WITHIN = ["block_len=32", "calibration.block_len=32", "final_eval.max_length=32"]  # the tiny Llama has 64 positions
+
+
+def _within(*overrides: str) -> list[str]:
+    """WITHIN with ``overrides`` in place of its own settings (an override given twice is refused)."""
+    given = {o.split("=")[0] for o in overrides}
+    return [*(w for w in WITHIN if w.split("=")[0] not in given), *overrides]
+PAST_THE_CONTEXT = {
+    "block_len": "block_len=65",
+    "calibration.block_len": "calibration.block_len=65",
+    "final_eval.max_length": "final_eval.max_length=65",
+    "calibration.data": "calibration.data=generated:length=65",
+    "train_data": "train_data=generated:length=65",
+    "eval_data": "eval_data=generated:length=65,seed=1",
+}
+
+
+def test_the_list_of_settings_checked_against_the_context_is_the_recipes():
+    assert set(PAST_THE_CONTEXT) == set(recipe_models.CONTEXT_SETTINGS)
+
+
+@pytest.fixture(scope="module")
+def llama_with_tokenizer(models):
+    from tiny_models import tiny_tokenizer
+
+    tiny_model("llama").save_pretrained(models / "llama-tokenizer")
+    tiny_tokenizer().save_pretrained(models / "llama-tokenizer")
+    return models / "llama-tokenizer"
+
+
+@pytest.mark.parametrize("setting", sorted(PAST_THE_CONTEXT))
+def test_each_setting_past_the_models_context_is_refused_before_calibration(llama_with_tokenizer, tmp_path,
+                                                                             monkeypatch, capsys, setting):
+    """Each failed (an IndexError at training start, a DataError traceback) or was cut silently, after the
+    calibration and the first evaluation."""
+    import hf_normswap
+
+    model = llama_with_tokenizer
+    monkeypatch.setattr(hf_normswap, "convert", lambda *a, **k: pytest.fail("calibration started"))
+    config = recipe_settings.load_config([f"model={model}", f"output_dir={tmp_path / 'run'}",
+                                          *_within(PAST_THE_CONTEXT[setting])])
+    with pytest.raises(SystemExit) as exit:
+        recipe_models.load_models(config, ONE_PROCESS)  # where main loads the models, then calibrates
+    err = capsys.readouterr().err
+    assert exit.value.code == 2 and "Traceback" not in err, err
+    named = setting if setting.endswith(("len", "length")) else f"{setting} generated: length"
+    assert err.strip().splitlines()[-1] == (f"finetune: error: {named} 65 is longer than the context of {model} "
+                                           "(64 tokens); give at most 64")

@@ -41,7 +41,7 @@ from transformers import DynamicCache, GenerationConfig, LogitsProcessor, Logits
 from transformers.cache_utils import DynamicLayer
 from transformers.generation import TemperatureLogitsWarper, TopPLogitsWarper
 
-from ..model_inputs import text_config
+from ..model_inputs import check_context, text_config
 from ..placement import model_device
 from ..precision import matmul_speedup, weights_in
 from .packed_linear import packed_linears
@@ -83,7 +83,8 @@ class SamplingSettings:
         if self.precision not in ("auto", *WEIGHT_DTYPES):
             raise ValueError(f"generated: precision must be auto, {', '.join(WEIGHT_DTYPES)}, got {self.precision!r}")
         if self.prompt == "bos" and self.length < 2:
-            raise ValueError(f"generated: length must be at least 2 (the start token and one sampled), got {self.length}")
+            raise ValueError("generated: length must be at least 2 (the start token and one sampled), got "
+                             f"{self.length}")
         if self.batch_size > MAX_BATCH:
             raise ValueError(f"generated: batch_size must be at most {MAX_BATCH}, got {self.batch_size} (each step "
                              "of a batch holds batch_size x vocabulary scores)")
@@ -125,9 +126,7 @@ class SamplingSettings:
         if not (getattr(model, "can_generate", lambda: False)() and model.get_output_embeddings() is not None):
             raise ValueError(f"generated text needs a model with a language-model head; {type(model).__name__} "
                              "has none: name a text source instead")
-        context = getattr(text_config(model), "max_position_embeddings", None)
-        if context is not None and self.length > context:
-            raise ValueError(f"generated: length {self.length} is beyond the model's context of {context} tokens")
+        check_context({"generated: length": self.length}, model)
 
 
 def weights_digest(model: nn.Module) -> str:

@@ -154,6 +154,11 @@ def generation_settings(spec: str) -> SamplingSettings:
         raise DataError(str(error)) from None
 
 
+def sample_length(spec: str | None) -> int | None:
+    """The tokens of a sequence of a ``generated`` spec (to check against the model's context), else None."""
+    return generation_settings(spec).length if is_generated(spec) else None
+
+
 def check_spec(spec: str) -> list[Path] | None:
     """What a text spec can be checked for before a model loads (local files exist, sampling settings are valid);
     returns the local files it names, None for other sources."""

@@ -36,6 +36,38 @@ def place_for_training(model, config, state):
     return model.to(state.device)
 
 
+# The settings that must fit in the model's context: token lengths, and each generated source's sequence length.
+CONTEXT_SETTINGS = ("block_len", "calibration.block_len", "final_eval.max_length", "calibration.data", "train_data",
+                    "eval_data")
+
+
+def context_settings(config) -> dict[str, int | None]:
+    """Each of :data:`CONTEXT_SETTINGS` with the tokens it asks of the model's context (None: unset or unused)."""
+    from ..data.texts import sample_length
+
+    calibrating = converted_checkpoint(config) is None
+    lengths = {"block_len": config.block_len, "final_eval.max_length": config.final_eval.max_length,
+               "calibration.block_len": config.calibration.block_len if calibrating else None,
+               "calibration.data": sample_length(config.calibration.data) if calibrating else None,
+               "train_data": max(filter(None, map(sample_length, config.train_sources)), default=None),
+               "eval_data": sample_length(config.eval_data)}
+    return {key if key.endswith(("len", "length")) else f"{key} generated: length": lengths[key]
+            for key in CONTEXT_SETTINGS}
+
+
+def check_context_settings(config, models: dict) -> None:
+    """Every setting of :data:`CONTEXT_SETTINGS` within the context of each model, once it is loaded and before
+    calibration: a longer one failed (an IndexError, a DataError) or was cut silently after the calibration and the
+    first evaluation."""
+    from ..model_inputs import check_context
+
+    for name, model in models.items():
+        try:
+            check_context(context_settings(config), model, name)
+        except ValueError as error:
+            fail(str(error))
+
+
 def load_models(config, state):
     """(student, original, tokenizer), on the training device (:func:`place_for_training`). The main process
     calibrates and caches; the others load its result."""
@@ -47,8 +79,10 @@ def load_models(config, state):
     if converted_checkpoint(config) is not None:
         student, tokenizer = load_model(config.model)
         original, _ = load_model(original_spec(config), with_tokenizer=False)
+        check_context_settings(config, {config.model: student, original_spec(config): original})
         return place_for_training(student, config, state), place_for_training(original, config, state), tokenizer
     original, tokenizer = load_model(config.model)
+    check_context_settings(config, {config.model: original})  # before calibration, the first slow step
     original = place_for_training(original, config, state)
     with state.main_process_first():
         # the main process reuses the cache on a resume (check_calibration_cache: it matches the config); the others
