@@ -407,3 +407,16 @@ def test_a_report_that_fails_midway_leaves_no_part_of_itself(source, tmp_path, m
         assert (report.read_text() if earlier else report.exists()) == (earlier or False)
         assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "report.json"] if earlier else ["out"]
 
+
+def test_a_null_text_row_reads_as_a_blank_line_streamed_or_whole(monkeypatch):
+    """A Hub dataset of lines with a null row: a TypeError in the stream's packing and in the whole read."""
+    import datasets
+
+    from hf_normswap.data import streaming, texts as data
+
+    rows = datasets.Dataset.from_dict({"text": [" = Title = ", "", " the model of the norm", None, " the data", ""]})
+    monkeypatch.setattr(data, "hub_dataset", lambda spec, split, streaming=False: (rows, "text"))
+    [whole] = data.load_texts("someone/lines")
+    assert whole == " = Title = \n\n the model of the norm\n\n the data\n"
+    streamed = list(streaming._documents(rows.to_iterable_dataset(), "text"))
+    assert "".join(text for text, _ in streamed) == whole and streamed[-1][1]

@@ -138,9 +138,14 @@ def hub_dataset(spec: str, default_split: str, streaming: bool = False):
     return dataset, _text_column(dataset)
 
 
+def row_text(value) -> str:
+    """A row's text as read from a dataset: a null (None) row is an empty one, as a blank line reads."""
+    return "" if value is None else value
+
+
 def _hub(spec: str, default_split: str) -> list[str]:
     dataset, column = hub_dataset(spec, default_split)
-    rows = dataset[column]
+    rows = [row_text(value) for value in dataset[column]]
     if "" in rows:  # one line per row, blank lines kept (WikiText): the split is one text, as its raw file reads
         return ["\n".join(rows)]
     return [t for t in rows if t and t.strip()]
