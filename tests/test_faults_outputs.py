@@ -420,3 +420,28 @@ def test_a_null_text_row_reads_as_a_blank_line_streamed_or_whole(monkeypatch):
     assert whole == " = Title = \n\n the model of the norm\n\n the data\n"
     streamed = list(streaming._documents(rows.to_iterable_dataset(), "text"))
     assert "".join(text for text, _ in streamed) == whole and streamed[-1][1]
+
+
+@pytest.mark.parametrize("against", ["bert", "other vocabulary", "other tokenizer"])
+def test_eval_against_an_unrelated_model_is_refused(source, tmp_path, capsys, against):
+    """`eval bert --against llama` printed numbers for two unrelated models."""
+    from tokenizers import Tokenizer, models as vocabularies
+    from transformers import PreTrainedTokenizerFast
+
+    model, scored = tmp_path / "against", source / "llama"
+    if against == "bert":  # scored: bert, against the llama
+        tiny_model("bert").save_pretrained(tmp_path / "bert")
+        tiny_tokenizer().save_pretrained(tmp_path / "bert")
+        model, scored = scored, tmp_path / "bert"
+        expected = "bert is an encoder"
+    elif against == "other vocabulary":
+        tiny_model("llama", vocab_size=96).save_pretrained(model)
+        expected = "has a vocabulary of 128 tokens"
+    else:
+        tiny_model("llama").save_pretrained(model)
+        words = {f"w{i}": i for i in range(128)}
+        PreTrainedTokenizerFast(tokenizer_object=Tokenizer(vocabularies.WordLevel(words, unk_token="w0")),
+                                unk_token="w0").save_pretrained(model)
+        expected = "read text into other ids"
+    code, line = _cli(["eval", scored, "--against", model, "--data", source / "text.txt"], capsys)
+    assert code == 2 and "--against names another model" in line and expected in line, line
