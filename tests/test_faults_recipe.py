@@ -274,3 +274,18 @@ def test_each_setting_past_the_models_context_is_refused_before_calibration(llam
     named = setting if setting.endswith(("len", "length")) else f"{setting} generated: length"
     assert err.strip().splitlines()[-1] == (f"finetune: error: {named} 65 is longer than the context of {model} "
                                            "(64 tokens); give at most 64")
+
+
+def test_a_sample_cache_that_cannot_be_written_stops_the_recipe_in_one_line(llama_with_tokenizer, tmp_path,
+                                                                             monkeypatch, capsys):
+    """The calibration's DataError was a traceback out of the recipe."""
+    (tmp_path / "cache").write_text("mine")
+    monkeypatch.setenv("HF_NORMSWAP_CACHE", str(tmp_path / "cache"))
+    config = recipe_settings.load_config([f"model={llama_with_tokenizer}", f"output_dir={tmp_path / 'run'}", *WITHIN,
+                                          "calibration.data=generated:length=16,batch_size=2"])
+    with pytest.raises(SystemExit) as exit:
+        recipe_models.load_models(config, ONE_PROCESS)
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and str(exit.value.code).startswith("finetune: calibration.data: generated: cannot "
+                                                                      "write the sample cache"), err
+    assert "HF_NORMSWAP_CACHE" in str(exit.value.code) and (tmp_path / "cache").read_text() == "mine"

@@ -74,6 +74,7 @@ def load_models(config, state):
     import hf_normswap
     from ..checkpoint.record import read_config
     from ..checkpoint.loading import load_model
+    from ..data import DataError
 
     cache = Path(config.output_dir) / "calibrated"
     if converted_checkpoint(config) is not None:
@@ -93,8 +94,11 @@ def load_models(config, state):
         else:
             student = copy.deepcopy(original)
             start = time.time()
-            report = hf_normswap.convert(student, to=config.method,
-                                         calibration=dataclasses.replace(config.calibration, tokenizer=tokenizer))
+            try:
+                report = hf_normswap.convert(student, to=config.method,
+                                             calibration=dataclasses.replace(config.calibration, tokenizer=tokenizer))
+            except DataError as error:  # e.g. the original's samples cannot be cached
+                raise SystemExit(f"finetune: calibration.data: {error}") from None
             print(f"[finetune] converted {len(report.converted)} norms to {config.method.upper()} with "
                   f"calibration in {time.time() - start:.0f}s", flush=True)
             if state.is_main_process:
