@@ -289,3 +289,18 @@ def test_a_sample_cache_that_cannot_be_written_stops_the_recipe_in_one_line(llam
     assert "Traceback" not in err and str(exit.value.code).startswith("finetune: calibration.data: generated: cannot "
                                                                       "write the sample cache"), err
     assert "HF_NORMSWAP_CACHE" in str(exit.value.code) and (tmp_path / "cache").read_text() == "mine"
+
+
+def test_a_resume_keeps_the_earlier_launches_history(tmp_path):
+    """Launch 1 trained 3 steps and saved checkpoint-2 (save_steps 2) and its summary; launch 2 resumed from
+    checkpoint-2, whose trainer_state holds the rows up to step 2: launch 1's step 3 and final row were dropped."""
+    rows = [{"step": 0, "eval_loss": 3.0}, {"step": 1, "loss": 2.9}, {"step": 2, "loss": 2.8}]
+    first = rows + [{"step": 3, "loss": 2.7}, {"step": 3, "train_runtime": 4.3, "train_loss": 2.8}]
+    run_dir.write_json(tmp_path / "summary.json", {"history": first})
+    (tmp_path / "checkpoint-2").mkdir()
+    (tmp_path / "checkpoint-2" / "trainer_state.json").write_text(json.dumps({"global_step": 2, "log_history": rows}))
+    resumed = run_dir.read_json(run_dir.last_checkpoint(tmp_path) / "trainer_state.json")
+    second = [{"step": 3, "loss": 2.6}, {"step": 4, "train_runtime": 2.0, "train_loss": 2.6}]
+    history = run_dir.launch_history(run_dir.read_json(tmp_path / "summary.json"), resumed, rows + second)
+    assert history == first + second
+    assert run_dir.launch_history({"history": first}, {}, second) == second  # nothing resumed: a new training

@@ -86,6 +86,17 @@ def trained_parameters(config) -> dict:
             "lora": dataclasses.asdict(config.lora) if config.trainable == "lora" else None}
 
 
+def launch_history(summary: dict, resumed_state: dict, log_history: list[dict]) -> list[dict]:
+    """The logged rows of every launch: the earlier launches' as ``summary.json`` holds them, then the rows this one
+    logged. The Trainer's own history, restored from the checkpoint it resumed (``resumed_state``), ends at that
+    checkpoint's step: an earlier launch's rows after it (its final summary row, steps after the last save) were
+    lost from ``summary.json`` at each resume. A launch that resumed nothing started over: its rows alone."""
+    if not resumed_state:
+        return log_history
+    restored = resumed_state.get("log_history") or []
+    return (summary.get("history") or restored) + log_history[len(restored):]
+
+
 def last_checkpoint(output_dir: Path) -> Path | None:
     """The newest complete Trainer checkpoint: the Trainer writes ``trainer_state.json`` last, so a checkpoint a
     kill interrupted has none (or a part of one) and is skipped."""
