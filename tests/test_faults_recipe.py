@@ -304,3 +304,21 @@ def test_a_resume_keeps_the_earlier_launches_history(tmp_path):
     history = run_dir.launch_history(run_dir.read_json(tmp_path / "summary.json"), resumed, rows + second)
     assert history == first + second
     assert run_dir.launch_history({"history": first}, {}, second) == second  # nothing resumed: a new training
+
+
+@pytest.mark.parametrize("targets, message", [("[c_attn, c_proj]", "names no module of"),
+                                              ("'q_pro[j'", "is not a regular expression")])
+def test_lora_targets_the_model_lacks_are_refused_before_calibration(llama_with_tokenizer, tmp_path,
+                                                                      monkeypatch, capsys, targets, message):
+    """GPT-2's module names on a Llama: peft refused them after the calibration and the first evaluation."""
+    import hf_normswap
+
+    monkeypatch.setattr(hf_normswap, "convert", lambda *a, **k: pytest.fail("calibration started"))
+    config = recipe_settings.load_config([f"model={llama_with_tokenizer}", f"output_dir={tmp_path / 'run'}",
+                                          *WITHIN, "trainable=lora", f"lora.target_modules={targets}"])
+    with pytest.raises(SystemExit) as exit:
+        recipe_models.load_models(config, ONE_PROCESS)
+    assert exit.value.code == 2 and message in capsys.readouterr().err.strip().splitlines()[-1]
+    recipe_models.check_lora_targets(recipe_settings.load_config(["trainable=lora",
+                                                                  "lora.target_modules=[q_proj, v_proj]"]),
+                                     tiny_model("llama"))  # a Llama's own names pass

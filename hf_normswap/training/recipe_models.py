@@ -66,6 +66,27 @@ def check_context_settings(config, models: dict) -> None:
             check_context(context_settings(config), model, name)
         except ValueError as error:
             fail(str(error))
+    check_lora_targets(config, next(iter(models.values())))
+
+
+def check_lora_targets(config, model) -> None:
+    """``lora.target_modules`` names modules of the model (as peft matches them: a string is a regular expression
+    over the whole name, a list's entries name a module or end its name): peft refused them only after the
+    calibration and the first evaluation."""
+    import re
+
+    targets = config.lora.target_modules
+    if config.trainable != "lora" or targets == "all-linear":
+        return
+    names = [name for name, _ in model.named_modules()]
+    try:
+        found = (any(re.fullmatch(targets, name) for name in names) if isinstance(targets, str)
+                 else any(name == t or name.endswith("." + t) for name in names for t in targets))
+    except re.error as error:
+        fail(f"lora.target_modules {targets!r} is not a regular expression ({error})")
+    if not found:
+        fail(f"lora.target_modules {targets!r} names no module of {config.model}: name its linear layers (e.g. "
+             "q_proj, v_proj) or all-linear")
 
 
 def load_models(config, state):
