@@ -123,13 +123,13 @@ def test_a_cache_that_cannot_be_written_is_one_line_naming_its_setting(llama, tm
         if os.access(tmp_path / "cache", os.W_OK):
             pytest.skip("root writes anywhere")
     else:
-        from hf_normswap.data import generated
+        from hf_normswap.data import sample_cache
 
         def full(tensors, filename, **kwargs):
             open(filename, "wb").write(b"\0" * 10)
             raise OSError(28, "No space left on device")
 
-        monkeypatch.setattr(generated, "save_file", full)
+        monkeypatch.setattr(sample_cache, "save_file", full)
     monkeypatch.setenv("HF_NORMSWAP_CACHE", str(tmp_path / "cache"))
     with pytest.raises(DataError) as error:
         _samples(llama)
