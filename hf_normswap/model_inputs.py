@@ -14,6 +14,28 @@ def text_config(model: nn.Module):
     return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
+def context_length(model: nn.Module) -> int | None:
+    """The positions the model's config gives it (``n_positions`` / ``max_position_embeddings`` / ``n_ctx``)."""
+    config = getattr(model, "config", None)
+    config = getattr(config, "text_config", None) or config
+    for attr in ("n_positions", "max_position_embeddings", "n_ctx"):
+        value = getattr(config, attr, None)
+        if value is not None:
+            return int(value)
+    return None
+
+
+def check_context(lengths: dict, model: nn.Module, name: str = "the model") -> None:
+    """Every length of ``lengths`` (setting or flag -> tokens; None: unset) within the model's context: a longer one
+    indexes past its position table, an IndexError (or a silent cut) after all the work before it. The one check of
+    a length against the context, for every setting that gives one; ValueError naming the setting and the model."""
+    context = context_length(model)
+    for key, length in lengths.items():
+        if length is not None and context is not None and length > context:
+            raise ValueError(f"{key} {length} is longer than the context of {name} ({context} tokens); give at most "
+                             f"{context}")
+
+
 def dummy_inputs(model: nn.Module, batch: int = 2, seq_len: int = 8, seed: int = 0) -> dict[str, torch.Tensor]:
     """Inputs for ``model(**inputs)`` built from its config: token ids, pixels or audio features as it expects.
 

@@ -22,6 +22,8 @@ def check_device(device: str, what: str = "device", fix: str = "pass --device cp
     except (RuntimeError, TypeError):
         raise ValueError(f"{what} {device!r} is not a torch device: name one such as cpu, cuda or cuda:1") from None
     kind = resolved.type
+    if kind == "cpu" and resolved.index not in (None, 0):  # torch takes any index and runs on the one CPU device
+        raise ValueError(f"{what} {device!r}: the CPU is one device, cpu (or cpu:0)")
     backend = getattr(torch, kind, None)
     if kind != "cpu" and not (hasattr(backend, "is_available") and backend.is_available()):
         raise ValueError(f"{what} {device!r}: this machine has no {kind} device; {fix}")

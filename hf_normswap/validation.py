@@ -73,6 +73,23 @@ def check_output_file(path, flag: str) -> None:
         raise ValidationError(f"{flag} {path}: permission denied; pick a path you can write")
 
 
+def check_path_length(path, what: str) -> None:
+    """A path with a name longer than the file system takes (NAME_MAX, 255 bytes on Linux) or longer as a whole than
+    PATH_MAX fails with ENAMETOOLONG wherever it is first touched, a traceback; refused here, naming ``what``."""
+    text = os.fspath(Path(path).expanduser())
+    try:
+        name_max, path_max = os.pathconf("/", "PC_NAME_MAX"), os.pathconf("/", "PC_PATH_MAX")
+    except (OSError, ValueError, AttributeError):  # no pathconf (Windows): its own limits
+        name_max, path_max = 255, 4096
+    longest = max(Path(text).parts or [""], key=lambda part: len(os.fsencode(part)))
+    if len(os.fsencode(longest)) > name_max:
+        raise ValidationError(f"{what} {shown(text)}: a name in it is {len(os.fsencode(longest))} bytes long, the "
+                              f"file system takes at most {name_max}")
+    if len(os.fsencode(text)) >= path_max:
+        raise ValidationError(f"{what} {shown(text)} is {len(os.fsencode(text))} bytes long, the file system takes "
+                              f"paths below {path_max}")
+
+
 def _holds_text(file: Path, chunk: int = 1 << 20) -> bool:
     """Whether ``file`` has a byte other than whitespace (read until the first one: at once for real text)."""
     with open(file, "rb") as handle:

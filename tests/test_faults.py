@@ -562,3 +562,33 @@ def test_leftovers_of_dead_saves_go_and_those_of_running_saves_stay(converted, t
     save_load.recover_interrupted(out)
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([f".ckpt.partial-{live_pid}-0a1b2c3d", "ckpt", *users])
     assert file_tree(out) == file_tree(converted)  # the checkpoint an interrupted overwrite had moved aside is back
+
+
+@pytest.mark.parametrize("command", [["inspect", MISSING], ["eval", MISSING]])
+def test_a_cpu_index_past_the_one_cpu_device_is_refused(capsys, command):
+    code, line = _cli([*command, "--device", "cpu:99"], capsys)
+    assert code == 2 and "--device 'cpu:99': the CPU is one device" in line, line
+
+
+# ----------------------------------------------------------------------------------- the original's samples
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("generated:length=1", "length must be at least 2 (the start token and one sampled), got 1"),
+    ("generated:batch_size=1000000000", "batch_size must be at most 4096"),
+    ("generated:length=16,seed=1,length=32", "length is given twice"),
+    ("generated:prompt=/nonexistent/p.txt,length=32", "data file not found: /nonexistent/p.txt"),
+])
+def test_sampling_settings_are_refused_in_one_line_before_loading(capsys, spec, message):
+    """length=1 failed after loading ("max_new_tokens must be greater than 0"), a billion-row batch in its first
+    allocation, a key given twice took its last value, and a missing prompt file was found only once sampling."""
+    code, line = _cli(["convert", MISSING, "--to", "eln", "--calib", spec], capsys)
+    assert code == 2 and message in line, line
+
+
+def test_a_prompt_before_other_keys_leaves_them_their_own(tmp_path):
+    from hf_normswap.data import generation_settings
+
+    files = f"{tmp_path / 'a.txt'},{tmp_path / 'b.txt'}"
+    settings = generation_settings(f"generated:prompt={files},length=32,batch_size=4")
+    assert (settings.prompt, settings.length, settings.batch_size) == (files, 32, 4)

@@ -89,6 +89,12 @@ def test_a_blank_eval_file_is_refused_before_loading(source, tmp_path, capsys):
      "--eval-max-length"),
     (["eval", "{model}", "--data", "{text}", "--max-length", "65"], "--max-length"),
     (["sensitivity", "{model}", "--to", "eln", "--data", "{text}", "--window-len", "65"], "--window-len"),
+    (["convert", "{model}", "--to", "eln", "--output", "{out}", "--calib", "{text}", "--calib-len", "65"],
+     "--calib-len"),  # calibration cut it to the context silently
+    (["sensitivity", "{model}", "--to", "eln", "--data", "{text}", "--calib", "{text}", "--calib-len", "65"],
+     "--calib-len"),
+    (["convert", "{model}", "--to", "eln", "--output", "{out}", "--eval", "generated:length=65"],
+     "--eval generated: length"),  # sampled after the conversion
 ])
 def test_windows_longer_than_the_context_are_refused_before_any_work(source, tmp_path, capsys, command, flag):
     filled = [a.format(model=source / "llama", out=tmp_path / "out", text=source / "text.txt") for a in command]
@@ -375,3 +381,67 @@ def test_the_recipe_checks_a_large_text_file_without_reading_it_whole(tmp_path, 
     monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: pytest.fail("the whole file was loaded"))
     recipe_data.check_data(recipe_settings.load_config([f"calibration.data={big}", f"train_data={big}", f"eval_data={big}",
                                           f"output_dir={tmp_path / 'run'}"]))
+
+
+def test_a_report_that_fails_midway_leaves_no_part_of_itself(source, tmp_path, monkeypatch, capsys):
+    """A full disk while --report is written: it left a 0-byte (or cut) report.json; an earlier report stays."""
+    import os
+
+    real = Path.write_text
+
+    def full_disk(self, text, *args, **kwargs):
+        if self.name in ("report.json", f".report.json.partial-{os.getpid()}"):
+            real(self, text[:10], *args, **kwargs)
+            raise OSError(28, "No space left on device")
+        return real(self, text, *args, **kwargs)
+
+    report = tmp_path / "report.json"
+    for earlier in (None, '{"earlier": 1}'):
+        if earlier:
+            report.write_text(earlier)
+        monkeypatch.setattr(Path, "write_text", full_disk)
+        code, line = _cli(["convert", source / "llama", "--to", "eln", "--output", tmp_path / "out", "--overwrite",
+                           "--report", report], capsys)
+        monkeypatch.undo()
+        assert code == 2 and "cannot write --report" in line and "No space left on device" in line, line
+        assert (report.read_text() if earlier else report.exists()) == (earlier or False)
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "report.json"] if earlier else ["out"]
+
+
+def test_a_null_text_row_reads_as_a_blank_line_streamed_or_whole(monkeypatch):
+    """A Hub dataset of lines with a null row: a TypeError in the stream's packing and in the whole read."""
+    import datasets
+
+    from hf_normswap.data import streaming, texts as data
+
+    rows = datasets.Dataset.from_dict({"text": [" = Title = ", "", " the model of the norm", None, " the data", ""]})
+    monkeypatch.setattr(data, "hub_dataset", lambda spec, split, streaming=False: (rows, "text"))
+    [whole] = data.load_texts("someone/lines")
+    assert whole == " = Title = \n\n the model of the norm\n\n the data\n"
+    streamed = list(streaming._documents(rows.to_iterable_dataset(), "text"))
+    assert "".join(text for text, _ in streamed) == whole and streamed[-1][1]
+
+
+@pytest.mark.parametrize("against", ["bert", "other vocabulary", "other tokenizer"])
+def test_eval_against_an_unrelated_model_is_refused(source, tmp_path, capsys, against):
+    """`eval bert --against llama` printed numbers for two unrelated models."""
+    from tokenizers import Tokenizer, models as vocabularies
+    from transformers import PreTrainedTokenizerFast
+
+    model, scored = tmp_path / "against", source / "llama"
+    if against == "bert":  # scored: bert, against the llama
+        tiny_model("bert").save_pretrained(tmp_path / "bert")
+        tiny_tokenizer().save_pretrained(tmp_path / "bert")
+        model, scored = scored, tmp_path / "bert"
+        expected = "bert is an encoder"
+    elif against == "other vocabulary":
+        tiny_model("llama", vocab_size=96).save_pretrained(model)
+        expected = "has a vocabulary of 128 tokens"
+    else:
+        tiny_model("llama").save_pretrained(model)
+        words = {f"w{i}": i for i in range(128)}
+        PreTrainedTokenizerFast(tokenizer_object=Tokenizer(vocabularies.WordLevel(words, unk_token="w0")),
+                                unk_token="w0").save_pretrained(model)
+        expected = "read text into other ids"
+    code, line = _cli(["eval", scored, "--against", model, "--data", source / "text.txt"], capsys)
+    assert code == 2 and "--against names another model" in line and expected in line, line

@@ -6,13 +6,16 @@ byte-for-byte as before and nothing was written.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+from types import SimpleNamespace
 
 import pytest
+import torch
 
 from cli_runs import file_tree, recipe_refusal
-from hf_normswap.training import recipe_settings, run_dir
+from hf_normswap.training import recipe_models, recipe_settings, run_dir
 from tiny_models import tiny_model
 
 
@@ -155,3 +158,167 @@ def test_the_push_is_checked_before_loading(tmp_path, monkeypatch, capsys):
     assert "HF_HUB_OFFLINE is set" in recipe_refusal(["push_to_hub=me/model",
                                                                  f"output_dir={tmp_path / 'run'}"], capsys)
     assert not (tmp_path / "run").exists()
+
+
+# ------------------------------------------------------------------------------------------- the recipe's save
+
+
+def test_the_save_never_replaces_the_model_it_reads_or_a_checkpoint_it_did_not_save(converted, tmp_path, capsys):
+    """``model=conv save_dir=conv`` overwrote the converted checkpoint it trained from (exit 0); a save_dir holding
+    another checkpoint of the user's was replaced too. A save_dir a launch of this run saved to may be replaced."""
+    import shutil
+
+    conv, other = tmp_path / "conv", tmp_path / "other"
+    shutil.copytree(converted, conv)
+    shutil.copytree(converted, other)
+    before = file_tree(tmp_path)
+    run = [f"model={conv}", f"original={converted}", f"output_dir={tmp_path / 'run'}"]
+    assert "would replace model" in recipe_refusal([*run, f"save_dir={conv}"], capsys)
+    err = recipe_refusal([*run, f"save_dir={other}"], capsys)
+    assert "holds a checkpoint the recipe did not save there" in err
+    assert file_tree(tmp_path) == before
+    config = recipe_settings.load_config([*run, f"save_dir={tmp_path / 'new'}"])
+    run_dir.claim_run_dir(config)
+    shutil.copytree(converted, tmp_path / "new")  # what the first launch saved
+    run_dir.record_save(config)
+    recipe_settings.load_config([*run, f"save_dir={tmp_path / 'new'}"])  # the next launch replaces its own save
+    recipe_settings.load_config([*run, f"save_dir={tmp_path / 'run' / 'final'}"])  # inside output_dir: the run's own
+
+
+# ------------------------------------------------------------------------------------ names too long for a path
+
+
+@pytest.mark.parametrize("setting, shown", [("model={}", "model"), ("output_dir=/tmp/{}/run", "output_dir"),
+                                            ("save_dir=/tmp/{}", "output")])
+def test_a_name_longer_than_the_file_system_takes_is_one_line(capsys, setting, shown):
+    """ENAMETOOLONG was a traceback where the path was first touched: model= of 5,000 characters, an output_dir
+    part of 300."""
+    err = recipe_refusal([setting.format("a" * 5000 if shown == "model" else "b" * 300)], capsys)
+    assert err.startswith(f"finetune: error: {shown} '") and "the file system takes at most" in err, err
+
+
+def test_the_command_line_refuses_a_name_too_long_in_one_line(tmp_path, capsys):
+    from cli_runs import run_cli
+
+    code, line = run_cli(["inspect", "a" * 5000], capsys)
+    assert code == 2 and "a name in it is 5000 bytes long" in line
+    code, line = run_cli(["convert", "a" * 5000, "--to", "eln", "--output", tmp_path / ("b" * 300)], capsys)
+    assert code == 2 and "a name in it is 300 bytes long" in line and list(tmp_path.iterdir()) == []
+
+
+def test_a_damaged_run_record_is_one_line(tmp_path, capsys):
+    """run.json holding {"model": "x"}: an AttributeError before; resume=false starts over and rewrites it."""
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "run.json").write_text(json.dumps({"written_by": run_dir.WRITTEN_BY, "model": "x"}))
+    err = recipe_refusal([f"output_dir={out}"], capsys)
+    assert "run.json is damaged (model is 'x', not an object)" in err and "resume=false" in err
+    run_dir.claim_run_dir(recipe_settings.load_config([f"output_dir={out}", "resume=false"]))
+    assert isinstance(json.loads((out / "run.json").read_text())["model"], dict)
+
+
+def test_more_threads_than_the_machine_has_cpus_is_refused(capsys):
+    err = recipe_refusal(["threads=100000"], capsys)
+    assert f"threads must be at most {os.cpu_count()} (the CPUs of this machine), got 100000" in err
+
+
+# ---------------------------------------------------------------------------- settings against the model's context
+
+ONE_PROCESS = SimpleNamespace(is_main_process=True, main_process_first=contextlib.nullcontext,
+                              device=torch.device("cpu"))  # accelerate's PartialState, as load_models reads it
+WITHIN = ["block_len=32", "calibration.block_len=32", "final_eval.max_length=32"]  # the tiny Llama has 64 positions
+
+
+def _within(*overrides: str) -> list[str]:
+    """WITHIN with ``overrides`` in place of its own settings (an override given twice is refused)."""
+    given = {o.split("=")[0] for o in overrides}
+    return [*(w for w in WITHIN if w.split("=")[0] not in given), *overrides]
+PAST_THE_CONTEXT = {
+    "block_len": "block_len=65",
+    "calibration.block_len": "calibration.block_len=65",
+    "final_eval.max_length": "final_eval.max_length=65",
+    "calibration.data": "calibration.data=generated:length=65",
+    "train_data": "train_data=generated:length=65",
+    "eval_data": "eval_data=generated:length=65,seed=1",
+}
+
+
+def test_the_list_of_settings_checked_against_the_context_is_the_recipes():
+    assert set(PAST_THE_CONTEXT) == set(recipe_models.CONTEXT_SETTINGS)
+
+
+@pytest.fixture(scope="module")
+def llama_with_tokenizer(models):
+    from tiny_models import tiny_tokenizer
+
+    tiny_model("llama").save_pretrained(models / "llama-tokenizer")
+    tiny_tokenizer().save_pretrained(models / "llama-tokenizer")
+    return models / "llama-tokenizer"
+
+
+@pytest.mark.parametrize("setting", sorted(PAST_THE_CONTEXT))
+def test_each_setting_past_the_models_context_is_refused_before_calibration(llama_with_tokenizer, tmp_path,
+                                                                             monkeypatch, capsys, setting):
+    """Each failed (an IndexError at training start, a DataError traceback) or was cut silently, after the
+    calibration and the first evaluation."""
+    import hf_normswap
+
+    model = llama_with_tokenizer
+    monkeypatch.setattr(hf_normswap, "convert", lambda *a, **k: pytest.fail("calibration started"))
+    config = recipe_settings.load_config([f"model={model}", f"output_dir={tmp_path / 'run'}",
+                                          *_within(PAST_THE_CONTEXT[setting])])
+    with pytest.raises(SystemExit) as exit:
+        recipe_models.load_models(config, ONE_PROCESS)  # where main loads the models, then calibrates
+    err = capsys.readouterr().err
+    assert exit.value.code == 2 and "Traceback" not in err, err
+    named = setting if setting.endswith(("len", "length")) else f"{setting} generated: length"
+    assert err.strip().splitlines()[-1] == (f"finetune: error: {named} 65 is longer than the context of {model} "
+                                           "(64 tokens); give at most 64")
+
+
+def test_a_sample_cache_that_cannot_be_written_stops_the_recipe_in_one_line(llama_with_tokenizer, tmp_path,
+                                                                             monkeypatch, capsys):
+    """The calibration's DataError was a traceback out of the recipe."""
+    (tmp_path / "cache").write_text("mine")
+    monkeypatch.setenv("HF_NORMSWAP_CACHE", str(tmp_path / "cache"))
+    config = recipe_settings.load_config([f"model={llama_with_tokenizer}", f"output_dir={tmp_path / 'run'}", *WITHIN,
+                                          "calibration.data=generated:length=16,batch_size=2"])
+    with pytest.raises(SystemExit) as exit:
+        recipe_models.load_models(config, ONE_PROCESS)
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and str(exit.value.code).startswith("finetune: calibration.data: generated: cannot "
+                                                                      "write the sample cache"), err
+    assert "HF_NORMSWAP_CACHE" in str(exit.value.code) and (tmp_path / "cache").read_text() == "mine"
+
+
+def test_a_resume_keeps_the_earlier_launches_history(tmp_path):
+    """Launch 1 trained 3 steps and saved checkpoint-2 (save_steps 2) and its summary; launch 2 resumed from
+    checkpoint-2, whose trainer_state holds the rows up to step 2: launch 1's step 3 and final row were dropped."""
+    rows = [{"step": 0, "eval_loss": 3.0}, {"step": 1, "loss": 2.9}, {"step": 2, "loss": 2.8}]
+    first = rows + [{"step": 3, "loss": 2.7}, {"step": 3, "train_runtime": 4.3, "train_loss": 2.8}]
+    run_dir.write_json(tmp_path / "summary.json", {"history": first})
+    (tmp_path / "checkpoint-2").mkdir()
+    (tmp_path / "checkpoint-2" / "trainer_state.json").write_text(json.dumps({"global_step": 2, "log_history": rows}))
+    resumed = run_dir.read_json(run_dir.last_checkpoint(tmp_path) / "trainer_state.json")
+    second = [{"step": 3, "loss": 2.6}, {"step": 4, "train_runtime": 2.0, "train_loss": 2.6}]
+    history = run_dir.launch_history(run_dir.read_json(tmp_path / "summary.json"), resumed, rows + second)
+    assert history == first + second
+    assert run_dir.launch_history({"history": first}, {}, second) == second  # nothing resumed: a new training
+
+
+@pytest.mark.parametrize("targets, message", [("[c_attn, c_proj]", "names no module of"),
+                                              ("'q_pro[j'", "is not a regular expression")])
+def test_lora_targets_the_model_lacks_are_refused_before_calibration(llama_with_tokenizer, tmp_path,
+                                                                      monkeypatch, capsys, targets, message):
+    """GPT-2's module names on a Llama: peft refused them after the calibration and the first evaluation."""
+    import hf_normswap
+
+    monkeypatch.setattr(hf_normswap, "convert", lambda *a, **k: pytest.fail("calibration started"))
+    config = recipe_settings.load_config([f"model={llama_with_tokenizer}", f"output_dir={tmp_path / 'run'}",
+                                          *WITHIN, "trainable=lora", f"lora.target_modules={targets}"])
+    with pytest.raises(SystemExit) as exit:
+        recipe_models.load_models(config, ONE_PROCESS)
+    assert exit.value.code == 2 and message in capsys.readouterr().err.strip().splitlines()[-1]
+    recipe_models.check_lora_targets(recipe_settings.load_config(["trainable=lora",
+                                                                  "lora.target_modules=[q_proj, v_proj]"]),
+                                     tiny_model("llama"))  # a Llama's own names pass

@@ -26,7 +26,7 @@ from transformers import CONFIG_MAPPING, AutoConfig, AutoModel, AutoModelForCaus
 
 from .. import kernels
 from ..data import texts as data
-from ..validation import ValidationError, first_line
+from ..validation import ValidationError, check_path_length, first_line
 from . import config_checks, remote_code
 from .packaged import PREFIX, packaged_path
 from .record import ConversionRecord, read_config
@@ -47,6 +47,10 @@ def _model_class(config):
 
 def resolve(spec: str) -> tuple[str, dict]:
     """(path or Hub id, extra ``from_pretrained`` kwargs) for a model spec."""
+    try:
+        check_path_length(spec, "model")  # a Hub id is far shorter: such a name is neither
+    except ValidationError as error:
+        raise ModelLoadError(str(error)) from None
     if spec.startswith(PREFIX):
         spec = str(packaged_path(spec))
     path = Path(spec)

@@ -28,7 +28,7 @@ from safetensors import SafetensorError
 from torch import nn
 
 from ..modules import METHODS, ElementwiseNorm
-from ..validation import ValidationError, first_line
+from ..validation import ValidationError, check_path_length, first_line
 from ..version import __version__
 from . import config_checks, model_card, remote_code
 from .record import ConversionRecord, read_config
@@ -150,6 +150,10 @@ def check_output_dir(path: str | os.PathLike, overwrite: bool = False, into_exis
     ``into_existing`` allows that, see :func:`atomic_directory`). It changes nothing: a checkpoint that an
     interrupted save left to be put back is checked as if it were back (see :func:`recover_interrupted`)."""
     path = Path(path).expanduser()
+    try:
+        check_path_length(path, "output")
+    except ValidationError as error:
+        raise OutputExistsError(str(error)) from None
     real = _real(path)
     existing = real if real.exists() else _pending_restore(real)
     if existing is not None:

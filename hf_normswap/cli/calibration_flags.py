@@ -35,8 +35,8 @@ def calibration_args(parser: argparse.ArgumentParser) -> None:
                             "files, or a Hub dataset name[:config][:split]; without it the analytic values are used")
     group.add_argument("--calib-blocks", type=int, default=defaults.num_blocks, metavar="N",
                        help="calibration blocks (default: %(default)s)")
-    group.add_argument("--calib-len", type=int, default=defaults.block_len, metavar="L",
-                       help="tokens per block (default: %(default)s)")
+    group.add_argument("--calib-len", type=int, metavar="L",
+                       help=f"tokens per block (default: {defaults.block_len}, or the model's context when shorter)")
     group.add_argument("--strategy", choices=[DEFAULT_STRATEGY, *STRATEGIES],
                        help=f"calibration strategy, listed at the end (default: {DEFAULT_STRATEGY})")
     group.add_argument("--max-tokens-per-norm", type=int, default=defaults.max_tokens_per_norm, metavar="K",

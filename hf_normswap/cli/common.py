@@ -108,3 +108,17 @@ def calibration_overlap(calib_spec, recorded, data: str, texts) -> str | None:
         if spec or recorded.get("fingerprint"):
             return overlap_warning(spec, None, data, texts, calib_fingerprint=recorded.get("fingerprint"))
     return None
+
+
+def check_context_lengths(args, model, lengths: dict, sources: dict) -> None:
+    """The lengths given, and the sequence length of each ``generated`` source, within the model's context, before
+    any work (``model_inputs.check_context``): calibration cut a longer --calib-len silently, and an evaluation's
+    samples failed only after the conversion."""
+    from ..data.texts import sample_length
+    from ..model_inputs import check_context
+
+    sampled = {f"{flag} generated: length": sample_length(spec) for flag, spec in sources.items()}
+    try:
+        check_context({**lengths, **sampled}, model, args.model)
+    except ValueError as error:
+        raise ValidationError(str(error)) from None

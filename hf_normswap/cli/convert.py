@@ -12,7 +12,7 @@ from ..checkpoint.record import ConversionRecord
 from ..checkpoint.save_load import check_output_dir
 from ..convert import ConversionError, check_not_converted, check_selection, convert
 from ..data import check_spec
-from ..evaluation.perplexity import EvaluationError, check_window
+from ..evaluation.perplexity import EvaluationError
 from ..evaluation.sensitivity import exact
 from ..evaluation.texts import evaluation_texts
 from ..fold import fold
@@ -20,8 +20,8 @@ from ..modules import METHODS
 from ..validation import check_data_files, check_input_scale, check_output_file, first_line
 from . import output, sensitivity
 from .calibration_flags import calibration, calibration_args, check_calibration_args
-from .common import MODEL_HELP, calibration_overlap, check_evaluation_args, evaluation_args, \
-    placement, placement_args, roles, run_evaluation, selection_args, warn
+from .common import MODEL_HELP, calibration_overlap, check_context_lengths, check_evaluation_args, \
+    evaluation_args, placement, placement_args, roles, run_evaluation, selection_args, warn
 
 
 def add_parser(commands) -> None:
@@ -72,8 +72,9 @@ def run(args) -> None:
         check_spec(args.budget_data)
     model, tokenizer = load_model(args.model, **where)
     check_not_converted(model)
-    if args.eval_data:
-        check_window(args.eval_max_length, {args.model: model}, "--eval-max-length")
+    check_context_lengths(args, model, {"--calib-len": args.calib_len if args.calib else None,
+                                        "--eval-max-length": args.eval_max_length if args.eval_data else None},
+                          {"--calib": args.calib, "--eval": args.eval_data})
     original = copy.deepcopy(model) if args.eval_data else None  # the reference for --eval
     if budget:
         budget, reasons = sensitivity.select_within_budget(args, model, tokenizer)
@@ -97,7 +98,7 @@ def run(args) -> None:
     output.save_and_push(args, model, tokenizer)
     if args.report:  # after the save: a report that cannot be written must not cost the checkpoint
         try:
-            Path(args.report).write_text(report.to_json())
+            output.write_whole(args.report, report.to_json())
         except OSError as error:
             saved = f" (the checkpoint is saved in {args.output})" if args.output else ""
             raise ConversionError(f"cannot write --report {args.report}: {error.strerror}{saved}") from None

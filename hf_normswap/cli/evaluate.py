@@ -54,12 +54,34 @@ def _embedding_evaluation(args, model, tokenizer, against, texts):
                                max_length=args.max_length, data=args.data)
 
 
+def _check_same_vocabulary(args, scored, reference) -> None:
+    """``--against`` compares the model's outputs with the original's position by position and id by id: both must
+    be the same kind of model (an encoder, or one that predicts the next token) reading text into the same ids."""
+    from ..model_inputs import text_config
+
+    (model, tokenizer), (against, against_tokenizer) = scored, reference
+    sizes = [getattr(text_config(m), "vocab_size", None) for m in (model, against)]
+    if is_encoder(model) != is_encoder(against):
+        kinds = ["an encoder" if is_encoder(m) else "a language model" for m in (model, against)]
+        difference = f"{args.model} is {kinds[0]}, {args.against} {kinds[1]}"
+    elif None not in sizes and sizes[0] != sizes[1]:
+        difference = f"{args.model} has a vocabulary of {sizes[0]} tokens, {args.against} of {sizes[1]}"
+    elif None not in (tokenizer, against_tokenizer) and tokenizer.get_vocab() != against_tokenizer.get_vocab():
+        difference = f"the tokenizers of {args.model} and {args.against} read text into other ids"
+    else:
+        return
+    raise EvaluationError(f"--against names another model: {difference}; name the model's own original")
+
+
 def run(args) -> None:
     check_evaluation_args(args)
     check_data_files(check_spec(args.data), "--data")
     where = placement(args)
     model, tokenizer = load_model(args.model, **where)
-    against = load_model(args.against, with_tokenizer=False, **where)[0] if args.against else None
+    against = None
+    if args.against:
+        against, against_tokenizer = load_model(args.against, **where)
+        _check_same_vocabulary(args, (model, tokenizer), (against, against_tokenizer))
     check_window(args.max_length, {args.model: model, **({args.against: against} if against else {})},
                  "--max-length")
     texts = evaluation_texts(args.data, _original_of(model, against), tokenizer, args.max_tokens)

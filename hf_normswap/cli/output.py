@@ -4,6 +4,7 @@ keeps the converted model in a temporary directory that the error names, so a lo
 from __future__ import annotations
 
 import functools
+import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -73,3 +74,18 @@ def keep(save, name: str) -> Path:
         shutil.rmtree(folder, ignore_errors=True)
         raise CheckpointError(f"cannot save the converted model, not even to a temporary directory "
                               f"({first_line(error)}); free disk space and run again") from None
+
+
+def write_whole(path, text: str) -> None:
+    """``path`` holds the new text or what it held before, never a part: a write that fails (a full disk) leaves no
+    empty or truncated file (``--report``). A device or a pipe (``/dev/stdout``) is written in place."""
+    path = Path(os.path.realpath(Path(path).expanduser()))
+    if path.exists() and not path.is_file():
+        path.write_text(text)
+        return
+    staging = path.parent / f".{path.name}.partial-{os.getpid()}"
+    try:
+        staging.write_text(text)
+        os.replace(staging, path)
+    finally:
+        staging.unlink(missing_ok=True)

@@ -10,12 +10,12 @@ import json
 from ..checkpoint.loading import load_model
 from ..convert import ConversionError, check_not_converted, plan
 from ..data import check_spec
-from ..evaluation.perplexity import check_window, context_length
+from ..model_inputs import context_length
 from ..evaluation.texts import evaluation_texts
 from ..modules import METHODS
 from ..validation import check_number, check_output_file
 from .calibration_flags import calibration, calibration_args, check_calibration_args
-from .common import MODEL_HELP, calibration_overlap, placement, placement_args, roles, \
+from .common import MODEL_HELP, calibration_overlap, check_context_lengths, placement, placement_args, roles, \
     selection_args, warn
 
 
@@ -41,7 +41,7 @@ def add_parser(commands) -> None:
     sens.add_argument("--log", metavar="JSONL", help="append each measurement to this file as it is made")
     placement_args(sens)
     calibration_args(sens)
-    sens.set_defaults(calib_blocks=CALIB_BLOCKS, calib_len=CALIB_LEN)
+    sens.set_defaults(calib_blocks=CALIB_BLOCKS)  # --calib-len unset: CALIB_LEN
     selection_args(sens)
 
 
@@ -109,7 +109,7 @@ def select_within_budget(args, model, tokenizer):
 
 
 def run(args) -> None:
-    from ..evaluation.sensitivity import EVAL_LEN, measure_map, plot
+    from ..evaluation.sensitivity import CALIB_LEN, EVAL_LEN, measure_map, plot
 
     check_calibration_args(args)
     for flag in ("windows", "window_len", "sentences"):
@@ -124,12 +124,15 @@ def run(args) -> None:
             check_output_file(path, flag)
     model, tokenizer = load_model(args.model, **placement(args))
     check_not_converted(model)
-    check_window(args.window_len, {args.model: model}, "--window-len")
+    check_context_lengths(args, model, {"--window-len": args.window_len,
+                                        "--calib-len": args.calib_len if args.calib else None},
+                          {"--calib": args.calib, "--data": args.data})
     window_len = args.window_len or min(EVAL_LEN, context_length(model) or EVAL_LEN)
     _, selected, _ = plan(model, roles(args.roles), args.include, args.exclude)
     texts = evaluation_texts(args.data, model, tokenizer, args.windows * window_len)
     measured = calibration(args, tokenizer)
     if measured is not None:
+        measured.block_len = args.calib_len or CALIB_LEN
         measured.tune_steps, measured.progress = args.tune_steps, False
         measured.block_weights_lr = _measured_weights_lr(args)
         warn(calibration_overlap(args.calib, None, args.data, texts))

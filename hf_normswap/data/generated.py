@@ -9,10 +9,10 @@ more than the model's own matmuls on a CPU and are replaced here, through genera
 
 The spec is ``generated`` or ``generated:key=value,...`` with the fields of :class:`SamplingSettings`, for example
 ``generated:temperature=0.8,top_p=0.95,length=512`` or ``generated:prompt=wikitext:wikitext-2-raw-v1:train``
-(the first ``prompt_tokens`` tokens of that source's documents start the sequences instead of the BOS token).
+(the first ``prompt_tokens`` tokens of that source's lines start the sequences instead of the BOS token).
 
-Samples go to a cache on disk, one safetensors file a batch (token ids only, nothing executable), under a key made
-of the model's identity (its name and a hash of a sample of every weight) and the settings. Batch ``i`` is drawn with
+Samples go to a cache on disk (:mod:`.sample_cache`), one file a batch, under a key made of the model's identity,
+the settings and the prompt's content. Batch ``i`` is drawn with
 its own seed, from ``seed`` and ``i``, so the text does not depend on how many processes drew it or in how many
 launches: a resumed run, another method or another process reads the batches already there and draws only the rest,
 and processes of one launch each draw the batches ``i`` with ``i % world_size == rank``.
@@ -21,32 +21,29 @@ and processes of one launch each draw the batches ``i`` with ``i % world_size ==
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import inspect
-import json
+import itertools
 import math
-import os
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
 from torch import nn
 from tqdm.auto import tqdm
 from transformers import DynamicCache, GenerationConfig, LogitsProcessor, LogitsProcessorList
 from transformers.cache_utils import DynamicLayer
 from transformers.generation import TemperatureLogitsWarper, TopPLogitsWarper
 
-from ..model_inputs import text_config
+from ..model_inputs import check_context
 from ..placement import model_device
 from ..precision import matmul_speedup, weights_in
 from .packed_linear import packed_linears
-
+from .sample_cache import DamagedBatch, SampleCache, wait_for
 PREFIX = "generated"
-CACHE_ENV = "HF_NORMSWAP_CACHE"
 DEFAULT_TOKENS = 8192  # tokens sampled where the caller names no budget (an evaluation without --max-tokens)
-SAMPLER = "inverse-cdf"  # how a token is drawn (InverseCdfSampler): part of the cache key
+MAX_BATCH = 4096  # sequences a generate call: each step holds this many rows of vocabulary-wide fp32 scores
 WEIGHT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -62,7 +59,7 @@ class SamplingSettings:
     top_p: float = 1.0
     length: int = 512  # tokens a sequence, prompt included
     batch_size: int = 64  # sequences a generate call (and a cache file); more are faster a token (the configs: 128)
-    prompt: str = "bos"  # bos, or a text spec whose documents' first prompt_tokens tokens start the sequences
+    prompt: str = "bos"  # bos, or a text spec whose lines' first prompt_tokens tokens start the sequences
     prompt_tokens: int = 8
     seed: int = 0
     precision: str = "auto"  # fp32, bf16 or fp16 weights while sampling; auto: see sampling_precision
@@ -78,19 +75,35 @@ class SamplingSettings:
                 raise ValueError(f"generated: {name} must be a whole number of at least 1, got {value!r}")
         if self.precision not in ("auto", *WEIGHT_DTYPES):
             raise ValueError(f"generated: precision must be auto, {', '.join(WEIGHT_DTYPES)}, got {self.precision!r}")
+        if self.prompt == "bos" and self.length < 2:
+            raise ValueError("generated: length must be at least 2 (the start token and one sampled), got "
+                             f"{self.length}")
+        if self.batch_size > MAX_BATCH:
+            raise ValueError(f"generated: batch_size must be at most {MAX_BATCH}, got {self.batch_size} (each step "
+                             "of a batch holds batch_size x vocabulary scores)")
         if self.prompt != "bos" and self.prompt_tokens >= self.length:
             raise ValueError(f"generated: prompt_tokens ({self.prompt_tokens}) must be below length ({self.length})")
 
     @classmethod
     def from_spec(cls, spec: str) -> "SamplingSettings":
-        """``generated`` or ``generated:key=value,...``; ValueError names a bad key or value."""
+        """``generated`` or ``generated:key=value,...``; ValueError names a bad key or value, or a key given twice.
+        A comma-separated item that is not ``key=value`` of a field continues ``prompt=`` (a text spec of several
+        files holds commas), so the prompt may stand anywhere in the list."""
         options = spec[len(PREFIX) + 1:] if spec.startswith(PREFIX + ":") else ""
         fields = {f.name: f.type for f in dataclasses.fields(cls)}
-        values = {}
-        for item in filter(None, options.split(",") if "prompt=" not in options else _split_prompt(options)):
+        items: list[list[str]] = []
+        for item in filter(None, options.split(",")):
             key, sep, value = item.partition("=")
-            if not sep or key not in fields:
+            if sep and key in fields:
+                if any(known == key for known, _ in items):
+                    raise ValueError(f"generated: {key} is given twice; give it once")
+                items.append([key, value])
+            elif items and items[-1][0] == "prompt":
+                items[-1][1] += "," + item
+            else:
                 raise ValueError(f"generated: {item!r} is not one of {', '.join(f'{k}=...' for k in fields)}")
+        values = {}
+        for key, value in items:
             kind = {"float": float, "int": int}.get(fields[key], str)
             try:
                 values[key] = kind(value)
@@ -106,27 +119,7 @@ class SamplingSettings:
         if not (getattr(model, "can_generate", lambda: False)() and model.get_output_embeddings() is not None):
             raise ValueError(f"generated text needs a model with a language-model head; {type(model).__name__} "
                              "has none: name a text source instead")
-        context = getattr(text_config(model), "max_position_embeddings", None)
-        if context is not None and self.length > context:
-            raise ValueError(f"generated: length {self.length} is beyond the model's context of {context} tokens")
-
-
-def _split_prompt(options: str) -> list[str]:
-    """``prompt=`` takes the rest of the spec (a text spec may hold commas), so it comes last."""
-    head, _, prompt = options.partition("prompt=")
-    return [*filter(None, head.split(",")), "prompt=" + prompt]
-
-
-def weights_digest(model: nn.Module) -> str:
-    """The model's name and a hash of every weight's name, shape, dtype and a strided sample of its values: a
-    changed weight changes it, at the cost of a few thousand values a tensor, not the whole model."""
-    digest = hashlib.sha256(str(getattr(model.config, "name_or_path", "")).encode())
-    for name, tensor in sorted(model.state_dict().items()):
-        flat = tensor.detach().reshape(-1)
-        sample = flat[:: max(1, flat.numel() // 4096)].float().cpu()
-        digest.update(f"{name}{tuple(tensor.shape)}{tensor.dtype}".encode())
-        digest.update(sample.numpy().tobytes())
-    return digest.hexdigest()[:16]
+        check_context({"generated: length": self.length}, model)
 
 
 def sampling_precision(model: nn.Module, requested: str) -> str:
@@ -141,40 +134,6 @@ def sampling_precision(model: nn.Module, requested: str) -> str:
     if dtype in half:
         return half[dtype]
     return "bf16" if matmul_speedup(model_device(model)) > 1 else "fp32"
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "hf_normswap") / PREFIX
-
-
-class SampleCache:
-    """The batches of one (model, settings) pair: ``batch-000012.safetensors``, written atomically."""
-
-    def __init__(self, model: nn.Module, settings: SamplingSettings, root: Path | None = None):
-        self.settings = settings
-        key = {"model": weights_digest(model), "sampler": SAMPLER, **dataclasses.asdict(settings)}
-        name = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-        self.directory = (root or cache_root()) / name
-        self.key = key
-
-    def path(self, index: int) -> Path:
-        return self.directory / f"batch-{index:06d}.safetensors"
-
-    def has(self, index: int) -> bool:
-        return self.path(index).is_file()
-
-    def write(self, index: int, ids: torch.Tensor, lengths: torch.Tensor, precision: str) -> None:
-        """Batch ``index``, with the precision it was drawn in (``auto`` resolves per process) in its metadata."""
-        self.directory.mkdir(parents=True, exist_ok=True)
-        (self.directory / "settings.json").write_text(json.dumps(self.key, indent=1))
-        partial = self.path(index).with_suffix(f".partial-{os.getpid()}")
-        save_file({"input_ids": ids.to(torch.int32).contiguous(), "lengths": lengths.to(torch.int32)}, partial,
-                  metadata={"precision": precision})
-        os.replace(partial, self.path(index))  # a kill leaves a .partial file, never a half-written batch
-
-    def read(self, index: int) -> list[list[int]]:
-        batch = load_file(self.path(index))
-        return [row[:n].tolist() for row, n in zip(batch["input_ids"], batch["lengths"].tolist())]
 
 
 class InverseCdfSampler(LogitsProcessor):
@@ -261,24 +220,43 @@ def batches_for(max_tokens: int, settings: SamplingSettings) -> int:
     return max(1, math.ceil(max_tokens / (settings.length * settings.batch_size)))
 
 
-def _prompts(settings: SamplingSettings, tokenizer, prompt_texts: list[str] | None, count: int,
+class Prompts:
+    """The starts of the sequences, from a prompt source's text: the first ``prompt_tokens`` tokens of each of its
+    lines in turn (a source read as one document, a large file or WikiText's rows joined, still gives many starts),
+    tokenized once and only as far as the sequences drawn reach; the lines are read again from the first when the
+    sequences outnumber them. A line longer than :attr:`PIECE_CHARS` is cut into pieces of that size."""
+
+    PIECE_CHARS = 4096
+    CHUNK = 256  # lines tokenized in one call
+
+    def __init__(self, settings: SamplingSettings, tokenizer, texts: list[str]):
+        self.settings, self.tokenizer, self.starts, self.done = settings, tokenizer, [], False
+        self.pieces = (line[i:i + self.PIECE_CHARS] for text in texts for line in text.splitlines() if line.strip()
+                       for i in range(0, len(line), self.PIECE_CHARS))
+
+    def __call__(self, index: int) -> list[int]:
+        while not self.done and len(self.starts) <= index:
+            chunk = list(itertools.islice(self.pieces, self.CHUNK))
+            self.done = not chunk
+            for ids in self.tokenizer(chunk, add_special_tokens=False)["input_ids"] if chunk else ():
+                if len(ids) >= self.settings.prompt_tokens:
+                    self.starts.append(ids[: self.settings.prompt_tokens])
+        if not self.starts:
+            raise ValueError(f"generated: no line of {self.settings.prompt} has {self.settings.prompt_tokens} tokens "
+                             "to start from")
+        return self.starts[index % len(self.starts)] if self.done else self.starts[index]
+
+
+def _prompts(settings: SamplingSettings, tokenizer, prompts: Prompts | None, count: int,
              start: int) -> torch.Tensor:
-    """``(count, P)`` prompt ids of the sequences ``start .. start + count - 1``: the BOS token, or the first
-    ``prompt_tokens`` tokens of the prompt source's documents in turn."""
+    """``(count, P)`` prompt ids of the sequences ``start .. start + count - 1``: the BOS token, or ``prompts``'
+    starts."""
     if settings.prompt == "bos":
         bos = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
         if bos is None:
             raise ValueError("generated: the tokenizer has no BOS or EOS token to start from; set prompt=SOURCE")
         return torch.full((count, 1), bos, dtype=torch.long)
-    starts = []
-    for text in prompt_texts or ():
-        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-        if len(ids) >= settings.prompt_tokens:
-            starts.append(ids[: settings.prompt_tokens])
-    if not starts:
-        raise ValueError(f"generated: no document of {settings.prompt} has {settings.prompt_tokens} tokens to start "
-                         "from")
-    return torch.tensor([starts[(start + i) % len(starts)] for i in range(count)], dtype=torch.long)
+    return torch.tensor([prompts(start + i) for i in range(count)], dtype=torch.long)
 
 
 def sampling_config(settings: SamplingSettings, eos: int | None) -> tuple[GenerationConfig, LogitsProcessorList]:
@@ -297,13 +275,14 @@ def sampling_config(settings: SamplingSettings, eos: int | None) -> tuple[Genera
 
 @torch.no_grad()
 def draw(model: nn.Module, tokenizer, cache: SampleCache, indices: list[int], *,
-         prompt_texts: list[str] | None = None, progress: bool = True) -> str | None:
-    """Sample and cache the batches ``indices`` that are not cached yet (the settings are the cache's); returns the
-    precision they were drawn in, None when nothing was missing."""
+         prompts: Prompts | None = None, progress: bool = True, redraw: bool = False) -> str | None:
+    """Sample and cache the batches ``indices`` that are not cached yet (``redraw``: all of them, over what is
+    there; the settings are the cache's); returns the precision they were drawn in, None when nothing was missing."""
     settings = cache.settings
-    missing = [i for i in indices if not cache.has(i)]
+    missing = [i for i in indices if redraw or not cache.has(i)]
     if not missing:
         return None
+    cache.prepare()
     device = model_device(model)
     eos = tokenizer.eos_token_id
     precision = sampling_precision(model, settings.precision)
@@ -317,14 +296,14 @@ def draw(model: nn.Module, tokenizer, cache: SampleCache, indices: list[int], *,
         with weights_in(model, WEIGHT_DTYPES[precision]), packed_linears(model, settings.batch_size) as packed:
             bar.set_postfix_str(f"{precision} weights{', packed' if packed else ''}", refresh=False)
             for index in missing:
-                prompts = _prompts(settings, tokenizer, prompt_texts, settings.batch_size, index * settings.batch_size)
-                prompts = prompts.to(device)
+                starts = _prompts(settings, tokenizer, prompts, settings.batch_size, index * settings.batch_size)
+                starts = starts.to(device)
                 with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
                     torch.manual_seed(settings.seed * 1_000_003 + index)
-                    out = model.generate(input_ids=prompts, attention_mask=torch.ones_like(prompts),
+                    out = model.generate(input_ids=starts, attention_mask=torch.ones_like(starts),
                                          logits_processor=sampler,
                                          **{cache_argument(model): preallocated_cache(model, settings.length)})
-                cache.write(index, out.cpu(), _lengths(out, prompts.shape[1], eos).cpu(), precision)
+                cache.write(index, out.cpu(), _lengths(out, starts.shape[1], eos).cpu(), precision)
                 bar.update(settings.batch_size * settings.length)
     finally:
         bar.close()
@@ -347,23 +326,24 @@ def _lengths(out: torch.Tensor, prompt_len: int, eos: int | None) -> torch.Tenso
 def sample_texts(model: nn.Module, tokenizer, settings: SamplingSettings, max_tokens: int, *,
                  prompt_texts: list[str] | None = None, rank: int = 0, world_size: int = 1, progress: bool = True,
                  cache_dir: Path | None = None, wait_seconds: float | None = None) -> list[str]:
-    """Texts of at least ``max_tokens`` sampled tokens, one a sequence (``prompt_texts``: the documents of
+    """Texts of at least ``max_tokens`` sampled tokens, one a sequence (``prompt_texts``: the text of
     ``settings.prompt``). Sequences that end early (EOS) are made up for by further batches. This process draws its
     share of the missing batches and waits for the others' (up to ``wait_seconds``; default: 0 alone, 6 hours with
     other processes)."""
     settings.check_model(model)
-    cache = SampleCache(model, settings, cache_dir)
+    cache = SampleCache(model, settings, cache_dir, prompt_texts)
+    prompts = None if settings.prompt == "bos" else Prompts(settings, tokenizer, prompt_texts or [])
     wait = wait_seconds if wait_seconds is not None else (0.0 if world_size == 1 else 6 * 3600.0)
     rows, have, read, count = [], 0, 0, batches_for(max_tokens, settings)
     start, drawn = time.time(), 0
     while have < max_tokens:
         needed = range(read, count)
         mine = [i for i in needed if i % world_size == rank and not cache.has(i)]
-        draw(model, tokenizer, cache, mine, prompt_texts=prompt_texts, progress=progress)
+        draw(model, tokenizer, cache, mine, prompts=prompts, progress=progress)
         drawn += len(mine)
-        _wait_for(cache, needed, wait)
+        wait_for(cache, needed, wait)
         for index in needed:
-            batch = cache.read(index)
+            batch = _read_or_redraw(model, tokenizer, cache, index, prompts)
             rows.extend(batch)
             have += sum(map(len, batch))
         read, count = count, count + batches_for(max_tokens - have, settings)
@@ -373,11 +353,14 @@ def sample_texts(model: nn.Module, tokenizer, settings: SamplingSettings, max_to
     return [tokenizer.decode(ids, skip_special_tokens=True) for ids in rows]
 
 
-def _wait_for(cache: SampleCache, indices, seconds: float) -> None:
-    deadline = time.time() + seconds
-    while not all(cache.has(i) for i in indices):
-        if time.time() > deadline:
-            missing = sum(not cache.has(i) for i in indices)
-            raise ValueError(f"generated: {missing} of {len(indices)} batches of {cache.directory} were not drawn by "
-                             "the other processes")
-        time.sleep(1.0)
+def _read_or_redraw(model, tokenizer, cache: SampleCache, index: int, prompts) -> list[list[int]]:
+    """Batch ``index``; a damaged one is named and drawn again in its place (its seed gives the same rows)."""
+    try:
+        return cache.read(index)
+    except DamagedBatch as damaged:
+        print(f"[generated] {damaged}: drawing it again", file=sys.stderr, flush=True)
+    draw(model, tokenizer, cache, [index], prompts=prompts, progress=False, redraw=True)
+    try:
+        return cache.read(index)
+    except DamagedBatch as damaged:
+        raise ValueError(f"generated: {damaged}, and again after drawing it anew") from None

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from ..validation import first_line
 from .generated import is_generated
-from .texts import DataError, hub_dataset, is_builtin, local_paths
+from .texts import DataError, hub_dataset, is_builtin, local_paths, row_text
 
 LINE_PROBE_ROWS = 1000  # rows read to tell a dataset of lines from one of documents
 PIECE_CHARS = 1 << 16  # characters a dataset of lines is tokenized in at a time (about)
@@ -42,12 +42,12 @@ def _documents(source, column: str):
     and the split is one text, its rows joined by newlines. That text is handed on in pieces of about
     :data:`PIECE_CHARS`, each cut where a paragraph begins after a blank line: byte-level BPE tokenizers split there
     anyway (a run of newlines is its own token), so the pieces tokenize as the whole does."""
-    if not any(row[column] == "" for row in source.take(LINE_PROBE_ROWS)):
+    if not any(row_text(row[column]) == "" for row in source.take(LINE_PROBE_ROWS)):
         yield from ((row[column], True) for row in source if row[column] and row[column].strip())
         return
     piece, size, after_blank = [], 0, False
     for row in source:
-        text = row[column]
+        text = row_text(row[column])
         if after_blank and text and size >= PIECE_CHARS:
             yield "\n".join(piece) + "\n", False
             piece, size = [], 0

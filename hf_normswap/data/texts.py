@@ -138,9 +138,14 @@ def hub_dataset(spec: str, default_split: str, streaming: bool = False):
     return dataset, _text_column(dataset)
 
 
+def row_text(value) -> str:
+    """A row's text as read from a dataset: a null (None) row is an empty one, as a blank line reads."""
+    return "" if value is None else value
+
+
 def _hub(spec: str, default_split: str) -> list[str]:
     dataset, column = hub_dataset(spec, default_split)
-    rows = dataset[column]
+    rows = [row_text(value) for value in dataset[column]]
     if "" in rows:  # one line per row, blank lines kept (WikiText): the split is one text, as its raw file reads
         return ["\n".join(rows)]
     return [t for t in rows if t and t.strip()]
@@ -154,11 +159,18 @@ def generation_settings(spec: str) -> SamplingSettings:
         raise DataError(str(error)) from None
 
 
+def sample_length(spec: str | None) -> int | None:
+    """The tokens of a sequence of a ``generated`` spec (to check against the model's context), else None."""
+    return generation_settings(spec).length if is_generated(spec) else None
+
+
 def check_spec(spec: str) -> list[Path] | None:
     """What a text spec can be checked for before a model loads (local files exist, sampling settings are valid);
     returns the local files it names, None for other sources."""
     if is_generated(spec):
-        generation_settings(spec)
+        prompt = generation_settings(spec).prompt
+        if prompt != "bos":
+            check_spec(prompt)
         return None
     return local_paths(spec)
 

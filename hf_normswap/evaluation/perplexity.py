@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ..model_inputs import is_causal_lm
+from ..model_inputs import check_context, context_length, is_causal_lm
 from ..placement import model_device
 from .texts import Document, documents
 
@@ -75,25 +75,13 @@ def rolling_windows(n_tokens: int, max_length: int, stride: int | None = None) -
     return windows
 
 
-def context_length(model: nn.Module) -> int | None:
-    """The positions the model's config gives it (``n_positions`` / ``max_position_embeddings`` / ``n_ctx``)."""
-    config = getattr(model, "config", None)
-    config = getattr(config, "text_config", None) or config
-    for attr in ("n_positions", "max_position_embeddings", "n_ctx"):
-        value = getattr(config, attr, None)
-        if value is not None:
-            return int(value)
-    return None
-
-
 def check_window(length: int | None, models: Mapping[str, nn.Module], flag: str = "max_length") -> None:
-    """A window longer than a model's context indexes past its position table (an IndexError after all the work
-    before it): refused before any work, naming the model."""
+    """A window longer than a model's context is refused before any work, naming the model (``check_context``)."""
     for name, model in models.items():
-        context = context_length(model)
-        if length is not None and context is not None and length > context:
-            raise EvaluationError(f"{flag} {length} is longer than the context of {name} ({context} tokens); give "
-                                  f"at most {context}")
+        try:
+            check_context({flag: length}, model, name)
+        except ValueError as error:
+            raise EvaluationError(str(error)) from None
 
 
 def default_max_length(model: nn.Module, tokenizer=None) -> int:

@@ -6,6 +6,7 @@ loads. The ``training`` section is transformers' own ``TrainingArguments``, chec
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -189,6 +190,9 @@ class RecipeConfig:
             _at_least(getattr(self, name), name, 1, whole=True)
         for name in ("max_train_tokens", "train_tokens", "threads"):
             _at_least(getattr(self, name), name, 1, whole=True)
+        if self.threads is not None and self.threads > (os.cpu_count() or 1):  # torch would try to start them all
+            raise ValidationError(f"threads must be at most {os.cpu_count()} (the CPUs of this machine), got "
+                                  f"{self.threads}")
         _at_least(self.max_minutes, "max_minutes", 0)
         _at_least(self.head_chunk, "head_chunk", 0, whole=True)
         _at_least(self.seed, "seed", 0, whole=True)

@@ -109,12 +109,16 @@ def main(argv: list[str] | None = None) -> int:
 def evaluate_calibrated(config, student, original, tokenizer, summary: dict, state, log):
     """The calibrated model against the original, once (a resumed run keeps the first measurement), on the main
     process; returns the evaluation texts, which the final evaluation reads again (every process under FSDP2)."""
+    from ..data import DataError
     from ..evaluation.texts import evaluation_texts
     from .run_dir import write_json
     from .sharding import fsdp2_requested
 
     def texts():
-        return evaluation_texts(config.eval_data, original, tokenizer, config.final_eval.max_tokens)
+        try:
+            return evaluation_texts(config.eval_data, original, tokenizer, config.final_eval.max_tokens)
+        except DataError as error:  # e.g. the original's samples cannot be cached
+            raise SystemExit(f"finetune: eval_data: {error}") from None
 
     eval_texts = texts() if state.is_main_process else None
     if state.is_main_process and "calibrated" not in summary:

@@ -11,7 +11,7 @@ from .recipe_settings import converted_checkpoint, fail
 def check_data(config) -> None:
     """Read every text source before any model loads, so a missing file or an unreachable Hub dataset stops the
     run at once with one line naming the key that overrides it."""
-    from ..data import DataError, generation_settings, is_generated, load_texts, packed_stream, same_sample
+    from ..data import DataError, check_spec, is_generated, load_texts, packed_stream, same_sample
 
     training = [("train_data", spec, "calibration") for spec in config.train_sources]
     sources = [*training, ("eval_data", config.eval_data, "evaluation")]
@@ -26,7 +26,7 @@ def check_data(config) -> None:
     for key, spec, split in sources:
         try:
             if is_generated(spec):
-                generation_settings(spec)  # sampled once the original is loaded
+                check_spec(spec)  # sampled once the original is loaded; its prompt file must exist
             else:  # a token budget of 1: a large local file is opened, not read whole (data.LAZY_BYTES)
                 load_texts(spec, split, max_tokens=1)
         except DataError as error:

@@ -36,19 +36,75 @@ def place_for_training(model, config, state):
     return model.to(state.device)
 
 
+# The settings that must fit in the model's context: token lengths, and each generated source's sequence length.
+CONTEXT_SETTINGS = ("block_len", "calibration.block_len", "final_eval.max_length", "calibration.data", "train_data",
+                    "eval_data")
+
+
+def context_settings(config) -> dict[str, int | None]:
+    """Each of :data:`CONTEXT_SETTINGS` with the tokens it asks of the model's context (None: unset or unused)."""
+    from ..data.texts import sample_length
+
+    calibrating = converted_checkpoint(config) is None
+    lengths = {"block_len": config.block_len, "final_eval.max_length": config.final_eval.max_length,
+               "calibration.block_len": config.calibration.block_len if calibrating else None,
+               "calibration.data": sample_length(config.calibration.data) if calibrating else None,
+               "train_data": max(filter(None, map(sample_length, config.train_sources)), default=None),
+               "eval_data": sample_length(config.eval_data)}
+    return {key if key.endswith(("len", "length")) else f"{key} generated: length": lengths[key]
+            for key in CONTEXT_SETTINGS}
+
+
+def check_context_settings(config, models: dict) -> None:
+    """Every setting of :data:`CONTEXT_SETTINGS` within the context of each model, once it is loaded and before
+    calibration: a longer one failed (an IndexError, a DataError) or was cut silently after the calibration and the
+    first evaluation."""
+    from ..model_inputs import check_context
+
+    for name, model in models.items():
+        try:
+            check_context(context_settings(config), model, name)
+        except ValueError as error:
+            fail(str(error))
+    check_lora_targets(config, next(iter(models.values())))
+
+
+def check_lora_targets(config, model) -> None:
+    """``lora.target_modules`` names modules of the model (as peft matches them: a string is a regular expression
+    over the whole name, a list's entries name a module or end its name): peft refused them only after the
+    calibration and the first evaluation."""
+    import re
+
+    targets = config.lora.target_modules
+    if config.trainable != "lora" or targets == "all-linear":
+        return
+    names = [name for name, _ in model.named_modules()]
+    try:
+        found = (any(re.fullmatch(targets, name) for name in names) if isinstance(targets, str)
+                 else any(name == t or name.endswith("." + t) for name in names for t in targets))
+    except re.error as error:
+        fail(f"lora.target_modules {targets!r} is not a regular expression ({error})")
+    if not found:
+        fail(f"lora.target_modules {targets!r} names no module of {config.model}: name its linear layers (e.g. "
+             "q_proj, v_proj) or all-linear")
+
+
 def load_models(config, state):
     """(student, original, tokenizer), on the training device (:func:`place_for_training`). The main process
     calibrates and caches; the others load its result."""
     import hf_normswap
     from ..checkpoint.record import read_config
     from ..checkpoint.loading import load_model
+    from ..data import DataError
 
     cache = Path(config.output_dir) / "calibrated"
     if converted_checkpoint(config) is not None:
         student, tokenizer = load_model(config.model)
         original, _ = load_model(original_spec(config), with_tokenizer=False)
+        check_context_settings(config, {config.model: student, original_spec(config): original})
         return place_for_training(student, config, state), place_for_training(original, config, state), tokenizer
     original, tokenizer = load_model(config.model)
+    check_context_settings(config, {config.model: original})  # before calibration, the first slow step
     original = place_for_training(original, config, state)
     with state.main_process_first():
         # the main process reuses the cache on a resume (check_calibration_cache: it matches the config); the others
@@ -59,8 +115,11 @@ def load_models(config, state):
         else:
             student = copy.deepcopy(original)
             start = time.time()
-            report = hf_normswap.convert(student, to=config.method,
-                                         calibration=dataclasses.replace(config.calibration, tokenizer=tokenizer))
+            try:
+                report = hf_normswap.convert(student, to=config.method,
+                                             calibration=dataclasses.replace(config.calibration, tokenizer=tokenizer))
+            except DataError as error:  # e.g. the original's samples cannot be cached
+                raise SystemExit(f"finetune: calibration.data: {error}") from None
             print(f"[finetune] converted {len(report.converted)} norms to {config.method.upper()} with "
                   f"calibration in {time.time() - start:.0f}s", flush=True)
             if state.is_main_process:

@@ -110,7 +110,7 @@ def finish(config, state, run, original, tokenizer, eval_texts, summary: dict, l
     from ..checkpoint.record import ConversionRecord
     from .distill import merge_lora, without_autocast_wrapper
     from .recipe_models import whole_student
-    from .run_dir import write_json
+    from .run_dir import launch_history, record_save, write_json
     from .sharding import is_sharded
 
     out, save_dir, trainer, encoder = Path(config.output_dir), config.save_path, run.trainer, run.encoder
@@ -125,7 +125,7 @@ def finish(config, state, run, original, tokenizer, eval_texts, summary: dict, l
         return
     model = merge_lora(model).eval()
     log(f"after training:\n{after.table()}")
-    history = trainer.state.log_history
+    history = launch_history(summary, run.resumed, trainer.state.log_history)
     tokens = trainer.state.num_input_tokens_seen
     launches = summary.get("launches", []) + [{"resumed_from": run.last, "wall_seconds": round(run.wall, 1),
                                                "start_step": run.resumed.get("global_step", 0),
@@ -142,6 +142,7 @@ def finish(config, state, run, original, tokenizer, eval_texts, summary: dict, l
     expected = probe_logits(model, tokenizer)
     hf_normswap.save_pretrained(model, save_dir, tokenizer=tokenizer, overwrite=True,
                                 evaluation=None if encoder else after.card("finetuned"))
+    record_save(config)
     if sharded:
         del model, skeleton  # the gathered copy (the skeleton filled): the reloaded one takes its place
     identical = reloads_identically(expected, save_dir, tokenizer)

@@ -24,9 +24,9 @@ def load_config(argv=None):
     from ..checkpoint.hub import PushError, preflight
     from ..checkpoint.loading import ModelLoadError
     from ..checkpoint.packaged import PackagedModelMissing
-    from ..checkpoint.save_load import CheckpointError, check_output_dir
+    from ..checkpoint.save_load import CheckpointError
     from .config import read_recipe_config
-    from .run_dir import check_run_dir
+    from .run_dir import check_run_dir, check_save_dir
     from ..validation import ValidationError
 
     parser = argparse.ArgumentParser(description=DESCRIPTION)
@@ -37,7 +37,7 @@ def load_config(argv=None):
         check_sharding()  # first: a DeepSpeed environment fails the TrainingArguments check with another reason
         config = read_recipe_config(args.config, args.overrides)
         check_run_dir(config)
-        check_output_dir(config.save_path, overwrite=True)
+        check_save_dir(config)
         check_calibration_cache(config)
         if config.push_to_hub:
             preflight(config.push_to_hub)

@@ -15,7 +15,9 @@ import uuid
 from pathlib import Path
 
 from ..checkpoint.loading import resolve
-from ..validation import ValidationError, shown
+from ..checkpoint.packaged import PREFIX as PACKAGED
+from ..checkpoint.save_load import check_output_dir
+from ..validation import ValidationError, check_path_length, shown
 
 RECORD = "run.json"
 WRITTEN_BY = "hf-normswap recipes/finetune.py"
@@ -84,6 +86,17 @@ def trained_parameters(config) -> dict:
             "lora": dataclasses.asdict(config.lora) if config.trainable == "lora" else None}
 
 
+def launch_history(summary: dict, resumed_state: dict, log_history: list[dict]) -> list[dict]:
+    """The logged rows of every launch: the earlier launches' as ``summary.json`` holds them, then the rows this one
+    logged. The Trainer's own history, restored from the checkpoint it resumed (``resumed_state``), ends at that
+    checkpoint's step: an earlier launch's rows after it (its final summary row, steps after the last save) were
+    lost from ``summary.json`` at each resume. A launch that resumed nothing started over: its rows alone."""
+    if not resumed_state:
+        return log_history
+    restored = resumed_state.get("log_history") or []
+    return (summary.get("history") or restored) + log_history[len(restored):]
+
+
 def last_checkpoint(output_dir: Path) -> Path | None:
     """The newest complete Trainer checkpoint: the Trainer writes ``trainer_state.json`` last, so a checkpoint a
     kill interrupted has none (or a part of one) and is skipped."""
@@ -99,6 +112,7 @@ def check_run_dir(config) -> None:
     """Refuse, before anything loads, an output_dir the recipe did not create, and a resume that would train another
     model or other parameters than the run recorded there."""
     out = Path(config.output_dir)
+    check_path_length(out, "output_dir")
     if not out.exists():
         return
     if not out.is_dir():
@@ -113,6 +127,10 @@ def check_run_dir(config) -> None:
                               "name a new or empty output_dir")
     if not config.resume:
         return
+    damaged = [key for key in ("model", "parameters") if not isinstance(record.get(key, {}), dict)]
+    if damaged:
+        raise ValidationError(f"{out / RECORD} is damaged ({damaged[0]} is {shown(record[damaged[0]])}, not an "
+                              "object): name a new output_dir, or set resume=false to start over")
     recorded, now = record.get("model") or {}, model_identity(config.model)
     if recorded.get("model") != now["model"] or recorded.get("path") != now["path"]:
         changed = f"model {shown(recorded.get('model'))}"
@@ -128,6 +146,37 @@ def check_run_dir(config) -> None:
         raise ValidationError(f"output_dir {out} trains {record.get('parameters')}, the config {asked}: its "
                               "checkpoints' optimizer state fits those parameters only; set them back, name another "
                               "output_dir, or set resume=false to start over")
+
+
+def check_save_dir(config) -> None:
+    """The final checkpoint replaces only one that a run in this output_dir saved (save_dir inside output_dir, or
+    recorded in its run.json): never the model or the original it reads, nor any other checkpoint of the user's."""
+    save = Path(os.path.realpath(config.save_path.expanduser()))
+    for key in ("model", "original"):
+        spec = getattr(config, key)
+        if not spec or spec.startswith(PACKAGED):  # a packaged model lives in the package, not in a save_dir
+            continue
+        check_path_length(spec, key)  # a name too long to be a path or a Hub id is refused here
+        source = Path(os.path.realpath(Path(spec).expanduser()))
+        if source.exists() and save in (source, *source.parents):
+            raise ValidationError(f"save_dir {config.save_path} would replace {key} {shown(spec)}, which the recipe "
+                                  "reads: name another save_dir")
+    check_output_dir(save, overwrite=True)
+    out = Path(os.path.realpath(Path(config.output_dir).expanduser()))
+    record = read_json(out / RECORD) or {}
+    saved = record.get("saved") if record.get("written_by") == WRITTEN_BY else None
+    saved = saved if isinstance(saved, str) else None
+    owned = out in save.parents or save == Path(saved or "")
+    if not owned and save.is_dir() and any(save.iterdir()):
+        raise ValidationError(f"save_dir {config.save_path} holds a checkpoint the recipe did not save there; it "
+                              "replaces only its own: name a new or empty save_dir")
+
+
+def record_save(config) -> None:
+    """Note in run.json where the final checkpoint went, so that a later launch may replace it (check_save_dir)."""
+    out = Path(config.output_dir)
+    record = read_json(out / RECORD) or {}
+    write_json(out / RECORD, {**record, "saved": os.path.realpath(config.save_path.expanduser())})
 
 
 def claim_run_dir(config) -> None:

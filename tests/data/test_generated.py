@@ -96,7 +96,7 @@ def test_two_processes_draw_different_shares_of_one_text(tmp_path):
     ("generated:length=0", "length must be a whole number of at least 1"),
     ("generated:tempreature=1", "is not one of temperature=..."),
     ("generated:length=abc", "length='abc' is not a int"),
-    ("generated:length=65", "beyond the model's context of 64 tokens"),
+    ("generated:length=65", "length 65 is longer than the context of the model (64 tokens)"),
 ])
 def test_bad_settings_are_one_line(spec, message):
     with pytest.raises(DataError) as error:
