@@ -5,8 +5,8 @@ refused), merges the layers and builds the dataclass, whose ``__post_init__`` ch
 
 What is checked here, before OmegaConf sees the text: the file's size and encoding, YAML anchors and aliases (an
 alias bomb expands to gigabytes), interpolations (``${oc.env:HF_TOKEN}`` would copy a secret into the settings)
-and a key given twice. Every refusal is one :class:`ValidationError` line naming the file, the override or the
-setting, with the nearest known key suggested for an unknown one.
+and a key given twice in one file. Every refusal is one :class:`ValidationError` line naming the file, the override
+or the setting, with the nearest known key suggested for an unknown one.
 """
 
 from __future__ import annotations
@@ -93,17 +93,14 @@ def read_yaml_file(path: str | Path, flag: str = "--config") -> dict:
 
 
 def read_overrides(overrides: list[str]) -> dict:
-    """``a.b=value`` overrides as a nested mapping (values read as YAML); a key given twice is refused."""
+    """``a.b=value`` overrides as a nested mapping (values read as YAML); a key given again takes its last value, as
+    on any command line (a script's overrides, then the user's)."""
     out: dict = {}
-    seen = set()
     for item in overrides:
         key, sep, value = item.partition("=")
         key = key.lstrip("-")
         if not sep or not key:
             raise ValidationError(f"override {item!r} is not KEY=VALUE")
-        if key in seen:
-            raise ValidationError(f"override {key} is given twice; keep one")
-        seen.add(key)
         *sections, last = key.split(".")
         section = out
         for part in sections:

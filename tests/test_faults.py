@@ -467,7 +467,6 @@ def test_a_yaml_alias_is_refused_in_one_line_before_anything(tmp_path, where):
 @pytest.mark.parametrize("text, overrides, message", [
     ("lr: {base: 1e-4}\nlr: {base: 1e-3}\n", [], "'lr' is given twice (line 2); keep one"),
     ("distill:\n  weight: 0.1\n  weight: 0.2\n", [], "'weight' is given twice (line 3); keep one"),
-    ("", ["lr.base=1e-4", "lr.base=1e-3"], "override lr.base is given twice; keep one"),
     ("", ["output_dir=${oc.env:HF_TOKEN}"], "interpolations (${...}) are not read"),
     ("push_to_hub: ${oc.env:HF_TOKEN}\n", [], "interpolations (${...}) are not read"),
     ("", ["lr=0.5"], "setting lr must be a section of settings, got 0.5"),
@@ -482,10 +481,11 @@ def test_a_key_given_twice_or_an_interpolation_is_one_line(tmp_path, text, overr
     assert message in str(error.value) and "\n" not in str(error.value)
 
 
-def test_the_learning_rate_users_type_is_a_float():
+def test_the_learning_rate_users_type_is_a_float_and_the_last_override_wins():
     from hf_normswap.training.config import read_recipe_config
 
     assert read_recipe_config(None, ["lr.base=1e-3"]).lr.base == pytest.approx(1e-3)
+    assert read_recipe_config(None, ["lr.base=1e-4", "lr.base=1e-3"]).lr.base == pytest.approx(1e-3)
 
 
 def test_a_config_file_not_utf8_or_too_large_is_one_line(tmp_path):

@@ -230,7 +230,7 @@ WITHIN = ["block_len=32", "calibration.block_len=32", "final_eval.max_length=32"
 
 
 def _within(*overrides: str) -> list[str]:
-    """WITHIN with ``overrides`` in place of its own settings (an override given twice is refused)."""
+    """WITHIN with ``overrides`` in place of its own settings."""
     given = {o.split("=")[0] for o in overrides}
     return [*(w for w in WITHIN if w.split("=")[0] not in given), *overrides]
 PAST_THE_CONTEXT = {
