@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from ..discovery.norms import NormInfo
-from ..model_inputs import forward_without_cache, text_config
+from ..model_inputs import dummy_inputs, forward_without_cache, text_config
 from ..placement import model_device
 from .fitting import analytic_input_scale, saturating_init
 
@@ -24,11 +24,14 @@ PROBE_SEQUENCES, PROBE_LENGTH = 4, 64
 
 def probe_ids(model: nn.Module, sequences: int = PROBE_SEQUENCES, length: int = PROBE_LENGTH,
               seed: int = 0) -> dict[str, torch.Tensor]:
-    """Random token ids from the model's vocabulary, BOS first where it has one, on the model's device."""
+    """Random token ids from the model's vocabulary, BOS first where it has one, on the model's device (a model
+    of images or audio: random pixels or features, ``model_inputs.dummy_inputs``)."""
+    if getattr(model, "main_input_name", "input_ids") != "input_ids":
+        return dummy_inputs(model, batch=sequences, seed=seed)
     config = text_config(model)
     embeddings = model.get_input_embeddings()
     vocab = getattr(embeddings, "num_embeddings", None) or config.vocab_size
-    length = min(length, getattr(config, "max_position_embeddings", None) or length)
+    length = min(length, (getattr(config, "max_position_embeddings", None) or 2 * length) // 2)  # RoBERTa offsets
     generator = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, vocab, (sequences, length), generator=generator)
     pad = getattr(config, "pad_token_id", None)
