@@ -24,7 +24,7 @@ from ..model_inputs import ends_in_hidden_states, text_config
 from .calibrate import CalibrationConfig
 
 NONE = "none"  # ``--calib none``: no calibration, the analytic start
-SAMPLES = "generated:length={length},batch_size=16"  # one batch of 16 sequences of 128 tokens (or the context)
+SAMPLES = "generated:length={length},batch_size={batch}"  # one batch: 16 sequences of 128 tokens (or the context)
 TEXT = "builtin"
 
 
@@ -39,15 +39,16 @@ class Default:
     strategy: str
     steps: dict
 
-    def spec(self, model: nn.Module, block_len: int | None = None) -> str:
-        """The data spec for ``model``: samples of ``block_len`` tokens (the default's), within its context."""
+    def spec(self, model: nn.Module, num_blocks: int | None = None, block_len: int | None = None) -> str:
+        """The data spec for ``model``: one batch of ``num_blocks`` samples (at most 16 a batch) of ``block_len``
+        tokens (the default's), within its context."""
         block_len = block_len or self.block_len
         context = getattr(text_config(model), "max_position_embeddings", None) or block_len
-        return self.data.format(length=min(block_len, context))
+        return self.data.format(length=min(block_len, context), batch=min(num_blocks or self.num_blocks, 16))
 
     def config(self, model: nn.Module, tokenizer, **settings) -> CalibrationConfig:
         """The :class:`CalibrationConfig`; ``settings`` (the user's own choices) win over the default's."""
-        chosen = dict(data=self.spec(model, settings.get("block_len")), num_blocks=self.num_blocks, block_len=self.block_len,
+        chosen = dict(data=self.spec(model, settings.get("num_blocks"), settings.get("block_len")), num_blocks=self.num_blocks, block_len=self.block_len,
                       strategy=self.strategy,
                       **(self.steps if settings.get("strategy") in (None, self.strategy) else {}))
         chosen.update({key: value for key, value in settings.items() if value is not None})

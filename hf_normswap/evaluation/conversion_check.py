@@ -19,10 +19,9 @@ from torch import nn
 
 from ..calibration.input_scales import probe_ids
 from ..data import load_texts, token_blocks
-from ..model_inputs import dummy_inputs, first_tensor, forward_without_cache, mean_pool, text_config
+from ..model_inputs import dummy_inputs, first_tensor, forward_without_cache, is_causal_lm, mean_pool, text_config
 from ..placement import model_device
 from .embeddings import sentences
-from .perplexity import is_causal_lm
 
 MAX_RATIO = 50.0  # perplexity ratio above which a conversion has failed
 MIN_COSINE = 0.5  # output cosine below which it has

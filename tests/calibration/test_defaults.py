@@ -35,6 +35,7 @@ def test_the_users_settings_win_over_the_defaults():
     assert (fast.strategy, fast.block_steps, fast.num_blocks) == ("fast", None, 4)  # the default's steps dropped
     longer, _ = default_calibration(llama, tokenizer, block_steps=30, block_len=32)
     assert (longer.block_steps, longer.data) == (30, "generated:length=32,batch_size=16")
+    assert fast.data == "generated:length=64,batch_size=4"  # no more samples drawn than are read
 
 
 def test_the_api_default_is_the_command_lines(monkeypatch, tmp_path):
@@ -45,7 +46,7 @@ def test_the_api_default_is_the_command_lines(monkeypatch, tmp_path):
                                                               "fast", {}))
     model = tiny_model("llama")
     report = hf_normswap.convert(model, "eln", tokenizer=tiny_tokenizer())
-    assert report.calibration["data"] == "generated:length=16,batch_size=16"
+    assert report.calibration["data"] == "generated:length=16,batch_size=2"
     assert report.calibration["strategy"] == "fast"
 
 
