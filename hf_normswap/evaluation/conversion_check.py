@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..calibration.input_scales import probe_ids
-from ..data import load_texts, token_blocks
+from ..data import DataError, load_texts, token_blocks
 from ..model_inputs import dummy_inputs, first_tensor, forward_without_cache, is_causal_lm, mean_pool, text_config
 from ..placement import model_device
 from .embeddings import sentences
@@ -97,7 +97,10 @@ class ConversionCheck:
         device = model_device(model)
         if self.perplexity:
             length = min(WINDOW_LEN, getattr(text_config(model), "max_position_embeddings", None) or WINDOW_LEN)
-            ids = token_blocks(tokenizer, texts, WINDOWS, length)
+            try:
+                ids = token_blocks(tokenizer, texts, WINDOWS, length)
+            except DataError:  # a tokenizer that makes too few tokens of the text: the check still runs
+                return [probe_ids(model, WINDOWS, WINDOW_LEN, seed=1)], "random token ids"
             inputs = {"input_ids": ids.to(device), "attention_mask": torch.ones_like(ids).to(device)}
             return [inputs], f"{ids.numel()} tokens of the offline held-out text"
         rows = sentences(texts, tokenizer, max_sentences=SENTENCES)

@@ -347,7 +347,7 @@ def smollm2(tmp_path_factory):
     if not path.is_file():
         pytest.skip(f"packaged SmolLM2 file missing: {path}")
     model, tokenizer = hf_normswap.checkpoint.loading.load_model("offline:smollm2")
-    hf_normswap.convert(model, to="eln")
+    hf_normswap.convert(model, to="eln", input_scale=1.0)  # the theory's start: what is saved, not its quality
     directory = tmp_path_factory.mktemp("smollm2") / "smollm2-eln"
     hf_normswap.save_pretrained(model, directory, tokenizer=tokenizer, base_model=model_card.hub_id("offline:smollm2"))
     return model, tokenizer, directory
