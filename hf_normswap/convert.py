@@ -16,6 +16,8 @@ from torch import nn
 
 from . import kernels
 from .calibration.calibrate import CalibrationConfig, as_config, calibrate_and_replace
+from .calibration.defaults import default_calibration
+from .calibration.input_scales import measured_start
 from .calibration.report import fit_table
 from .checkpoint.record import ConversionRecord, read_config
 from .checkpoint.save_load import enable_save
@@ -168,7 +170,8 @@ def replace_module(model: nn.Module, name: str, new: nn.Module) -> nn.Module:
 @dataclass
 class ConvertConfig:
     """What :func:`convert` does: the method, which norms (by role and name pattern), and how the new parameters are
-    set (the analytic start for inputs of RMS ``input_scale``, or fitted by ``calibration``).
+    set (the analytic start for inputs of RMS ``input_scale``, None: each norm's own, measured in one forward pass
+    on token ids; or fitted by ``calibration``).
 
     Checked when made, so a bad setting is one :class:`ConversionError` before any model is touched. A converted
     model records it in ``config.json`` (``normswap.convert`` and ``normswap.calibration``);
@@ -180,7 +183,7 @@ class ConvertConfig:
     include: str | None = None
     exclude: str | None = None
     per_channel: bool = False
-    input_scale: float = 1.0
+    input_scale: float | None = None
     calibration: CalibrationConfig | None = None
 
     def __post_init__(self):
@@ -189,7 +192,8 @@ class ConvertConfig:
             raise ConversionError(f"unknown method {self.method!r}: use {' or '.join(f'--to {k}' for k in METHODS)}")
         self.roles = (self.roles,) if isinstance(self.roles, str) else tuple(self.roles)
         check_selection(self.roles, self.include, self.exclude)
-        check_input_scale(self.input_scale, "input_scale")
+        if self.input_scale is not None:
+            check_input_scale(self.input_scale, "input_scale")
         if self.calibration is not None:
             try:
                 self.calibration = as_config(self.calibration)
@@ -233,21 +237,28 @@ def check_not_converted(model: nn.Module) -> None:
                               "--include / --exclude")
 
 
-def convert(model: nn.Module, to: str | ConvertConfig = "eln", calibration=None, **settings) -> ConversionReport:
+def convert(model: nn.Module, to: str | ConvertConfig = "eln", calibration="default", *, tokenizer=None,
+            **settings) -> ConversionReport:
     """Replace the selected norms of ``model`` with DyT or ELN modules, in place.
 
     ``to`` is a :class:`ConvertConfig`, or the method name with the config's other fields as keyword arguments
-    (``convert(model, "eln", calibration=..., roles=..., include=...)``). Without ``calibration`` the shape
-    parameters come from the theory for inputs of scale ``input_scale``. With a
+    (``convert(model, "eln", calibration=..., roles=..., include=...)``). ``calibration`` is a
     :class:`~hf_normswap.calibration.calibrate.CalibrationConfig` (or token ids, shorthand for one with default
-    options) each module is per-channel and fitted to captured activations instead.
+    options): each module is per-channel and fitted to captured activations. By default (``"default"``) it is
+    what ``normswap convert`` does without ``--calib`` (``calibration.defaults``): with the model's ``tokenizer``,
+    calibration on the original's own samples (an encoder: on the offline text); without one, or with
+    ``calibration=None``, the start measured from one forward pass on random token ids, or, with ``input_scale``,
+    the theory for inputs of that RMS.
     Returns a :class:`ConversionReport`; the same summary is stored as ``model.config.normswap``.
     """
     if isinstance(to, ConvertConfig):
-        if calibration is not None or settings:
+        if not (isinstance(calibration, str) and calibration == "default") or settings:
             raise ConversionError("give the settings in the ConvertConfig, not beside it")
         config = to
     else:
+        if isinstance(calibration, str) and calibration == "default":
+            chosen = settings.get("input_scale") is None
+            calibration = default_calibration(model, tokenizer)[0] if chosen else None
         config = ConvertConfig(method=to, calibration=calibration, **settings)
     check_not_converted(model)
     kernels.install()  # the fused DyT / ELN path, for calibration and everything after
@@ -256,14 +267,17 @@ def convert(model: nn.Module, to: str | ConvertConfig = "eln", calibration=None,
     norms, selected, skipped = plan(model, roles, include, exclude)
     report = ConversionReport(method=method, skipped=skipped, found=norms)
     fits = {}
-    if calibration is not None:
-        def build(source, info, *, input_scale, per_channel):
-            return build_replacement(source, info, method, input_scale=input_scale, per_channel=per_channel)
 
+    def build(source, info, *, input_scale, per_channel):
+        return build_replacement(source, info, method, input_scale=input_scale, per_channel=per_channel)
+
+    if calibration is not None:
         result = calibrate_and_replace(model, selected, calibration, build, replace_module)
         fits, report.calibration = result.fits, result.summary
+    elif input_scale is None:  # no text: each norm's inputs measured in one pass on random token ids
+        measured_start(model, selected, build, replace_module)
     for info in selected:
-        if calibration is not None:
+        if calibration is not None or input_scale is None:
             replacement = model.get_submodule(info.name)
         else:
             source = model.get_submodule(info.name)

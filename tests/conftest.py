@@ -23,7 +23,7 @@ def converted(tmp_path_factory):
     from tiny_models import tiny_model
 
     model = tiny_model("llama")
-    hf_normswap.convert(model, to="eln")
+    hf_normswap.convert(model, to="eln", input_scale=1.0)  # the theory's start: one shape parameter a module
     directory = tmp_path_factory.mktemp("converted") / "llama-eln"
     hf_normswap.save_pretrained(model, directory)
     return directory

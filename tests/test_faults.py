@@ -77,7 +77,7 @@ def test_overwrite_of_a_directory_holding_other_files_is_refused(tmp_path, monke
     tiny_model("llama").save_pretrained(tmp_path / "source")
     (tmp_path / "notes.txt").write_text("mine")
     before = file_tree(tmp_path)
-    code, line = _cli(["convert", "source", "--to", "eln", "--output", ".", "--overwrite"], capsys)
+    code, line = _cli(["convert", "source", "--to", "eln", "--calib", "none", "--output", ".", "--overwrite"], capsys)
     assert code == 2 and "not empty and not a checkpoint saved by hf_normswap" in line and "new or empty" in line
     assert file_tree(tmp_path) == before
 
@@ -347,7 +347,8 @@ def test_failed_save_keeps_the_converted_model_and_says_where(tmp_path, monkeypa
         return real_save(model, directory, **kwargs)
 
     monkeypatch.setattr(cli.output, "save_pretrained", failing)
-    code, line = _cli(["convert", tmp_path / "source", "--to", "eln", "--output", tmp_path / "out"], capsys)
+    code, line = _cli(["convert", tmp_path / "source", "--to", "eln", "--calib", "none", "--output", tmp_path / "out"],
+                      capsys)
     assert code == 2 and "No space left on device" in line
     kept = Path(line.split("kept in ")[1].split(":")[0])
     assert save_load.read_config(kept)["normswap"]["method"] == "eln"
@@ -359,7 +360,8 @@ def test_failed_push_without_output_keeps_the_converted_model(tmp_path, monkeypa
     tiny_model("llama").save_pretrained(tmp_path / "source")
     monkeypatch.setenv("HF_TOKEN", "hf_fake")
     monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # nothing listens on the discard port
-    code, line = _cli(["convert", tmp_path / "source", "--to", "dyt", "--push-to-hub", "me/model"], capsys)
+    code, line = _cli(["convert", tmp_path / "source", "--to", "dyt", "--calib", "none", "--push-to-hub", "me/model"],
+                      capsys)
     assert code == 2 and "cannot reach the Hub" in line and "normswap push" in line
     kept = Path(line.split("kept in ")[1].split(": push it")[0])
     assert save_load.read_config(kept)["normswap"]["method"] == "dyt"
@@ -404,7 +406,8 @@ def test_corrupt_model_files_are_one_line(converted, tmp_path, capsys, case, kin
         tiny_model("llama").save_pretrained(directory)
     message = _corrupt(directory, case)
     before = file_tree(directory)
-    for command in (["inspect", directory], ["convert", directory, "--to", "eln", "--output", tmp_path / "out"]):
+    for command in (["inspect", directory],
+                    ["convert", directory, "--to", "eln", "--calib", "none", "--output", tmp_path / "out"]):
         code, line = _cli(command, capsys)
         assert code == 2 and message in line, line
     assert file_tree(directory) == before and not (tmp_path / "out").exists()

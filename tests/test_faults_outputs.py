@@ -21,6 +21,8 @@ from hf_normswap.checkpoint import save_load
 from cli_runs import file_tree, run_cli as _cli
 from tiny_models import tiny_model, tiny_tokenizer
 
+ANALYTIC = ("--calib", "none")  # the analytic start: quick, and enough for what these tests check
+
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 TEXT = "The model reads the text. The norm of the data is the scale of the model.\n" * 40
@@ -61,7 +63,7 @@ def test_a_full_disk_keeps_the_conversion(source, tmp_path, temp_dir, monkeypatc
         return real(tensors, filename, **kwargs)
 
     monkeypatch.setattr(modeling_utils, "safe_save_file", full_disk)
-    code, line = _cli(["convert", source / "llama", "--to", "eln", "--output", tmp_path / "out"], capsys)
+    code, line = _cli(["convert", source / "llama", "--to", "eln", *ANALYTIC, "--output", tmp_path / "out"], capsys)
     assert code == 2 and "cannot save to" in line and "No space left on device" in line, line
     kept = Path(line.split("kept in ")[1].split(": move")[0])
     assert kept.parent.parent == temp_dir and hf_normswap.load(kept).config.normswap["method"] == "eln"
@@ -70,7 +72,7 @@ def test_a_full_disk_keeps_the_conversion(source, tmp_path, temp_dir, monkeypatc
 
 def test_a_report_that_cannot_be_written_does_not_cost_the_checkpoint(source, tmp_path, capsys):
     """/dev/full passes the check (a writable file) and fails the write with ENOSPC."""
-    code, line = _cli(["convert", source / "llama", "--to", "eln", "--output", tmp_path / "out", "--report",
+    code, line = _cli(["convert", source / "llama", "--to", "eln", *ANALYTIC, "--output", tmp_path / "out", "--report",
                        "/dev/full"], capsys)
     assert code == 2 and "cannot write --report /dev/full" in line and f"saved in {tmp_path / 'out'}" in line
     assert hf_normswap.load(tmp_path / "out").config.normswap["method"] == "eln"
@@ -78,14 +80,15 @@ def test_a_report_that_cannot_be_written_does_not_cost_the_checkpoint(source, tm
 
 def test_a_blank_eval_file_is_refused_before_loading(source, tmp_path, capsys):
     (tmp_path / "blank.txt").write_text("\n   \n\t\n")
-    code, line = _cli(["convert", source / "llama", "--to", "eln", "--output", tmp_path / "out", "--eval",
+    code, line = _cli(["convert", source / "llama", "--to", "eln", *ANALYTIC, "--output", tmp_path / "out", "--eval",
                        tmp_path / "blank.txt"], capsys)
     assert code == 2 and "--eval" in line and "no text (the files are empty or blank)" in line
     assert sorted(p.name for p in tmp_path.iterdir()) == ["blank.txt"]
 
 
 @pytest.mark.parametrize("command, flag", [
-    (["convert", "{model}", "--to", "eln", "--output", "{out}", "--eval", "{text}", "--eval-max-length", "65"],
+    (["convert", "{model}", "--to", "eln", *ANALYTIC,
+      "--output", "{out}", "--eval", "{text}", "--eval-max-length", "65"],
      "--eval-max-length"),
     (["eval", "{model}", "--data", "{text}", "--max-length", "65"], "--max-length"),
     (["sensitivity", "{model}", "--to", "eln", "--data", "{text}", "--window-len", "65"], "--window-len"),
@@ -116,7 +119,7 @@ def test_an_evaluation_failing_after_the_conversion_keeps_it(source, tmp_path, m
         raise RuntimeError("out of memory")
 
     monkeypatch.setattr(cli.convert, "run_evaluation", broken)
-    code, line = _cli(["convert", source / "llama", "--to", "dyt", "--output", tmp_path / "out", "--eval",
+    code, line = _cli(["convert", source / "llama", "--to", "dyt", *ANALYTIC, "--output", tmp_path / "out", "--eval",
                        source / "text.txt"], capsys)
     assert code == 2 and "--eval failed (out of memory)" in line and f"without its evaluation, in {tmp_path / 'out'}" in line
     assert hf_normswap.load(tmp_path / "out").config.normswap["method"] == "dyt"
@@ -150,17 +153,19 @@ def test_folders_named_like_a_saves_leftovers_are_the_users(converted, source, t
         (tmp_path / name).mkdir()
         (tmp_path / name / "notes.txt").write_text("mine")
     before = file_tree(tmp_path)
-    code, line = _cli(["convert", tmp_path / "no-such-model", "--to", "eln", "--output", tmp_path / "ckpt"], capsys)
+    code, line = _cli(["convert", tmp_path / "no-such-model", "--to", "eln", *ANALYTIC,
+                       "--output", tmp_path / "ckpt"], capsys)
     assert code == 2 and "model not found" in line
     assert file_tree(tmp_path) == before and not (tmp_path / "ckpt").exists()
     dead = tmp_path / f".ckpt.old-{2 ** 22 + 1}-0a1b2c3d"  # an overwrite killed between renames (no such pid)
     shutil.copytree(converted, dead)
     (tmp_path / "ckpt").write_text("a file in the way")
-    code, line = _cli(["convert", source / "llama", "--to", "eln", "--output", tmp_path / "ckpt"], capsys)
+    code, line = _cli(["convert", source / "llama", "--to", "eln", *ANALYTIC, "--output", tmp_path / "ckpt"], capsys)
     assert code == 2 and "exists and is not a directory" in line
     assert dead.is_dir() and (tmp_path / "ckpt").read_text() == "a file in the way"  # refused: not restored
     (tmp_path / "ckpt").unlink()
-    code, _ = _cli(["convert", source / "llama", "--to", "dyt", "--output", tmp_path / "ckpt", "--overwrite"], capsys)
+    code, _ = _cli(["convert", source / "llama", "--to", "dyt", *ANALYTIC,
+                    "--output", tmp_path / "ckpt", "--overwrite"], capsys)
     assert code == 0 and not dead.exists()  # put back, then replaced by the new checkpoint
     assert save_load.read_config(tmp_path / "ckpt")["normswap"]["method"] == "dyt"
     assert {k: v for k, v in file_tree(tmp_path).items() if k in before} == before
@@ -190,13 +195,14 @@ def test_an_output_that_is_a_symlink_is_written_through(converted, source, tmp_p
     """A link to a checkpoint stays a link, to the new checkpoint; a link to an empty folder gets it."""
     shutil.copytree(converted, tmp_path / "real")
     (tmp_path / "link").symlink_to(tmp_path / "real")
-    code, _ = _cli(["convert", source / "llama", "--to", "dyt", "--output", tmp_path / "link", "--overwrite"], capsys)
+    code, _ = _cli(["convert", source / "llama", "--to", "dyt", *ANALYTIC,
+                    "--output", tmp_path / "link", "--overwrite"], capsys)
     assert code == 0 and (tmp_path / "link").is_symlink()
     assert save_load.read_config(tmp_path / "real")["normswap"]["method"] == "dyt"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["link", "real"]  # no dangling .link.old-*
     (tmp_path / "empty").mkdir()
     (tmp_path / "to-empty").symlink_to(tmp_path / "empty")
-    code, _ = _cli(["convert", source / "llama", "--to", "eln", "--output", tmp_path / "to-empty"], capsys)
+    code, _ = _cli(["convert", source / "llama", "--to", "eln", *ANALYTIC, "--output", tmp_path / "to-empty"], capsys)
     assert code == 0 and (tmp_path / "to-empty").is_symlink()
     assert save_load.read_config(tmp_path / "empty")["normswap"]["method"] == "eln"
 
@@ -291,7 +297,7 @@ def test_files_transformers_refuses_are_one_line(source, tmp_path, capsys, case,
         config.update({"num_attention_heads": 3} if "heads" in case else {"rms_norm_eps": -1})
         (model / "config.json").write_text(json.dumps(config))
     before = file_tree(tmp_path)
-    for command in (["inspect", model], ["convert", model, "--to", "eln", "--output", tmp_path / "out"]):
+    for command in (["inspect", model], ["convert", model, "--to", "eln", *ANALYTIC, "--output", tmp_path / "out"]):
         code, line = _cli(command, capsys)
         assert code == 2 and message in line, line
     assert file_tree(tmp_path) == before
@@ -342,7 +348,7 @@ def test_a_norm_epsilon_that_is_not_a_small_positive_number_is_refused(source, t
     text = (model / "config.json").read_text()
     (model / "config.json").write_text(text.replace('"rms_norm_eps": 1e-06', f'"rms_norm_eps": {value}'))
     assert value in (model / "config.json").read_text()
-    code, line = _cli(["convert", model, "--to", "eln", "--output", tmp_path / "out"], capsys)
+    code, line = _cli(["convert", model, "--to", "eln", *ANALYTIC, "--output", tmp_path / "out"], capsys)
     assert code == 2 and "config.json rms_norm_eps is" in line and "small positive number" in line, line
     assert not (tmp_path / "out").exists()
 

@@ -8,6 +8,8 @@
 - ``end_to_end.py``: the final steps on the model's output (KL to the original's logits).
 - ``activation_cache.py``: the hidden states kept between blocks, in memory or spilled to disk.
 - ``report.py``: the per-norm fit table and the plots of each fit.
+- ``defaults.py``: the calibration a conversion that names none gets (the original's samples, or builtin text).
+- ``input_scales.py``: the start without text, each norm's inputs measured in one pass on random token ids.
 
 The batches come from ``hf_normswap.data`` (``model_batches``), in one call.
 """

@@ -40,7 +40,8 @@ def _number(value) -> str:
 def _calibration_section(calibration) -> str:
     if not calibration:
         return ("No calibration data: the shape parameters come from the analytic initialization (the source norm's "
-                "slope at zero for unit-scale inputs), so the converted model approximates the original only roughly.")
+                "slope at zero for inputs of the scale measured on random token ids, or of the given input scale), "
+                "so the converted model approximates the original only roughly.")
     if not isinstance(calibration, dict):
         return f"`{calibration}`"
     rows = ["| setting | value |", "|---|---|"]
@@ -101,6 +102,19 @@ def _evaluation_section(evaluation) -> str | None:
             converted, (int, float)) and original else ""
         lines.append(f"| {name} | {_number(original)} | {_number(converted)} | {ratio} |")
     return "\n".join(lines)
+
+
+def _check_section(check) -> str | None:
+    """The check run after the conversion (``evaluation.conversion_check``), in one sentence."""
+    if not check:
+        return None
+    if check.get("metric") == "perplexity":
+        found = (f"perplexity {_number(check.get('original'))} -> {_number(check.get('converted'))}, "
+                 f"{_number(check.get('value'))}x the original's")
+    else:
+        found = f"output cosine to the original {_number(check.get('value'))}"
+    verdict = "**failed**: far from the original" if check.get("failed") else "passed"
+    return f"Checked after the conversion on {check.get('data')}: {found}; {verdict}."
 
 
 def is_own_card(path: Path) -> bool:
@@ -173,6 +187,13 @@ Method `{method}`, per-channel shape parameter: `{block.get("per_channel", False
 ## Calibration
 
 {_calibration_section(block.get("calibration"))}
+"""
+    check = _check_section(block.get("check"))
+    if check:
+        body += f"""
+## Check after the conversion
+
+{check}
 """
     training = _training_section(block.get("training"))
     if training:

@@ -23,7 +23,7 @@ from ..version import __version__
 
 KEY = "normswap"  # the config attribute and config.json key
 FORMAT_VERSION = 2
-PARTS = ("evaluation", "budget", "training", "folded")  # what later stages add to a conversion's record
+PARTS = ("evaluation", "budget", "training", "folded", "check")  # what later stages add to a conversion's record
 
 
 @dataclass
@@ -46,6 +46,7 @@ class ConversionRecord:
     budget: dict | None = None
     training: dict | None = None
     folded: dict | None = None
+    check: dict | None = None  # the check after the conversion (evaluation.conversion_check)
 
     # --------------------------------------------------------------------------------------------- reading
 
@@ -104,8 +105,8 @@ class ConversionRecord:
 
     @classmethod
     def amend(cls, model, **parts) -> "ConversionRecord | None":
-        """Add later stages' parts (:data:`PARTS`: ``evaluation=``, ``budget=``, ``training=``, ``folded=``) to
-        the record of ``model``; a model that was not converted is left as it is (None)."""
+        """Add later stages' parts (:data:`PARTS`: ``evaluation=``, ``budget=``, ``training=``, ``folded=``,
+        ``check=``) to the record of ``model``; a model that was not converted is left as it is (None)."""
         unknown = set(parts) - set(PARTS)
         if unknown:
             raise TypeError(f"a conversion record has no part {', '.join(sorted(unknown))}; parts: {', '.join(PARTS)}")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 
 from ..calibration.calibrate import DEFAULT_STRATEGY, STRATEGIES, CalibrationConfig, strategy_help
+from ..calibration.defaults import NONE, default_calibration
 from ..convert import ConversionError
 from ..precision import PRECISIONS
 from ..settings import read_settings
@@ -32,11 +33,15 @@ def calibration_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("calibration (fit alpha/beta to real activations; see calibrate.py)")
     group.add_argument("--calib", metavar="SPEC",
                        help="calibration text: 'builtin' (offline, ships with Python), local txt/json/jsonl/parquet "
-                            "files, or a Hub dataset name[:config][:split]; without it the analytic values are used")
-    group.add_argument("--calib-blocks", type=int, default=defaults.num_blocks, metavar="N",
-                       help="calibration blocks (default: %(default)s)")
+                            "files, a Hub dataset name[:config][:split], or generated[:options] (the original's "
+                            "samples); 'none': no calibration, the analytic start (each norm's input scale measured "
+                            "on random token ids, or --input-scale). Default: 16 x 128 tokens of the original's "
+                            "samples (an encoder: of builtin text)")
+    group.add_argument("--calib-blocks", type=int, metavar="N",
+                       help=f"calibration blocks (default: {defaults.num_blocks} with --calib, 16 without)")
     group.add_argument("--calib-len", type=int, metavar="L",
-                       help=f"tokens per block (default: {defaults.block_len}, or the model's context when shorter)")
+                       help=f"tokens per block (default: {defaults.block_len} with --calib, 128 without, or the "
+                            "model's context when shorter)")
     group.add_argument("--strategy", choices=[DEFAULT_STRATEGY, *STRATEGIES],
                        help=f"calibration strategy, listed at the end (default: {DEFAULT_STRATEGY})")
     group.add_argument("--max-tokens-per-norm", type=int, default=defaults.max_tokens_per_norm, metavar="K",
@@ -64,7 +69,10 @@ def calibration_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _given(args) -> dict:
-    return {field: getattr(args, _dest(field)) for field in FLAGS if getattr(args, _dest(field)) is not None}
+    given = {field: getattr(args, _dest(field)) for field in FLAGS if getattr(args, _dest(field)) is not None}
+    if given.get("data") == NONE:
+        del given["data"]
+    return given
 
 
 def calibration_config(args, tokenizer=None) -> CalibrationConfig:
@@ -78,10 +86,13 @@ def check_calibration_args(args) -> None:
     """Flag mistakes that need no model, so they fail before the (slow) load; numbers are checked even unused."""
     calibration_config(args)
     given = _given(args)
-    if not args.calib:
+    if getattr(args, "input_scale", None) is not None and args.calib != NONE:
+        raise ConversionError("--input-scale sets the analytic start: add --calib none (calibration measures the "
+                              "scales itself)")
+    if args.calib == NONE:
         for field in NEEDS_DATA:
             if field in given:
-                raise ConversionError(f"{FLAGS[field]} needs --calib SPEC (e.g. --calib builtin)")
+                raise ConversionError(f"{FLAGS[field]} needs calibration: drop --calib none")
     for field in BLOCK_ONLY:
         if field in given and args.strategy not in (None, DEFAULT_STRATEGY, "block"):
             raise ConversionError(f"{FLAGS[field]} needs the block strategy, not {args.strategy}")
@@ -89,10 +100,17 @@ def check_calibration_args(args) -> None:
         check_output_folder(args.plots, "--plots")
 
 
-def calibration(args, tokenizer) -> CalibrationConfig | None:
-    """The calibration the flags ask for, or None without ``--calib`` (the analytic values)."""
-    if not args.calib:
+def calibration(args, model, tokenizer) -> CalibrationConfig | None:
+    """The calibration the flags ask for: None for ``--calib none`` (the analytic start), the given text, or without
+    ``--calib`` the default (``calibration.defaults``), said in one line."""
+    if args.calib == NONE:
         return None
+    if not args.calib:
+        given = _given(args)
+        config, line = default_calibration(model, tokenizer, **given)
+        print(line or "no tokenizer: the start measured on random token ids, uncalibrated; --calib DATA with a "
+                      "tokenizer calibrates")
+        return config
     if tokenizer is None:
         raise ConversionError("--calib needs a model with a tokenizer")
     return calibration_config(args, tokenizer)

@@ -12,6 +12,8 @@ from ..checkpoint.record import ConversionRecord
 from ..checkpoint.save_load import check_output_dir
 from ..convert import ConversionError, check_not_converted, check_selection, convert
 from ..data import check_spec
+from ..calibration.defaults import NONE
+from ..evaluation.conversion_check import ConversionCheck
 from ..evaluation.perplexity import EvaluationError
 from ..evaluation.sensitivity import exact
 from ..evaluation.texts import evaluation_texts
@@ -29,8 +31,12 @@ def add_parser(commands) -> None:
     conv.add_argument("model", help=MODEL_HELP)
     conv.add_argument("--to", required=True, choices=sorted(METHODS), type=str.lower, help="element-wise method")
     conv.add_argument("--per-channel", action="store_true", help="one alpha/beta per channel instead of per module")
-    conv.add_argument("--input-scale", type=float, default=1.0,
-                      help="typical input RMS for the analytic initialization (default: %(default)s)")
+    conv.add_argument("--input-scale", type=float,
+                      help="with --calib none: typical input RMS for the analytic start (default: each norm's own, "
+                           "measured in one forward pass on random token ids)")
+    conv.add_argument("--no-check", action="store_true",
+                      help="skip the check after converting (original and converted scored on a small slice; a "
+                           "warning when the converted model is far off)")
     conv.add_argument("--fold", action="store_true",
                       help="for inference: fold each norm's weight and bias into the linear layers it feeds "
                            "(q/k/v, gate/up), leaving a bare element-wise function; norms feeding anything else skip")
@@ -52,7 +58,8 @@ def add_parser(commands) -> None:
 def run(args) -> None:
     # every option and destination is checked before any loading or conversion work
     where = placement(args)
-    check_input_scale(args.input_scale, "--input-scale")
+    if args.input_scale is not None:
+        check_input_scale(args.input_scale, "--input-scale")
     check_calibration_args(args)
     check_selection(roles(args.roles), args.include, args.exclude)
     if args.output:
@@ -60,7 +67,7 @@ def run(args) -> None:
     if args.report:
         check_output_file(args.report, "--report")
     for flag, spec in (("--calib", args.calib), ("--eval", args.eval_data)):  # a mistyped data path, an empty file
-        if spec:
+        if spec and not (flag == "--calib" and spec == NONE):
             check_data_files(check_spec(spec), flag)
     check_evaluation_args(args, "eval_")
     if args.push_to_hub:
@@ -78,7 +85,8 @@ def run(args) -> None:
     original = copy.deepcopy(model) if args.eval_data else None  # the reference for --eval
     if budget:
         budget, reasons = sensitivity.select_within_budget(args, model, tokenizer)
-    report = convert(model, to=args.to, calibration=calibration(args, tokenizer),
+    check = None if args.no_check else ConversionCheck(model, tokenizer)  # the original's scores, before
+    report = convert(model, to=args.to, calibration=calibration(args, model, tokenizer),
                      roles=roles(args.roles), include=exact(budget.converted) if budget else args.include,
                      exclude=None if budget else args.exclude, per_channel=args.per_channel,
                      input_scale=args.input_scale)
@@ -93,6 +101,8 @@ def run(args) -> None:
         print(budget)
     if args.fold:
         print(fold(model))
+    if check is not None:
+        check_conversion(check, model)
     if original is not None:
         evaluate_or_keep(args, model, original, tokenizer)
     output.save_and_push(args, model, tokenizer)
@@ -102,6 +112,15 @@ def run(args) -> None:
         except OSError as error:
             saved = f" (the checkpoint is saved in {args.output})" if args.output else ""
             raise ConversionError(f"cannot write --report {args.report}: {error.strerror}{saved}") from None
+
+
+def check_conversion(check, model) -> None:
+    """The check's line, its warning when the conversion failed, and its record in config.json and the card."""
+    result = check.after(model)
+    print(result.line())
+    record = ConversionRecord.of(model)
+    warn(result.warning(record.to_dict() if record is not None else None))
+    ConversionRecord.amend(model, check=result.to_dict())
 
 
 def evaluate_or_keep(args, model, original, tokenizer) -> None:
@@ -119,7 +138,8 @@ def evaluate_or_keep(args, model, original, tokenizer) -> None:
 def evaluate_conversion(args, model, original, tokenizer) -> None:
     """``convert --eval``: the side-by-side table, printed and stored for the model card."""
     texts = evaluation_texts(args.eval_data, original, tokenizer, args.eval_max_tokens)
-    warn(calibration_overlap(args.calib, None, args.eval_data, texts))
+    record = ConversionRecord.of(model)
+    warn(calibration_overlap(None, record.calibration if record is not None else None, args.eval_data, texts))
     evaluation = run_evaluation(args, "eval_", model, tokenizer, original, args.eval_data, texts)
     print(f"\nevaluation on {evaluation.describe()}\n{evaluation.table()}")
     ConversionRecord.amend(model, evaluation=evaluation.card("converted"))

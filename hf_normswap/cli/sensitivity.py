@@ -14,6 +14,7 @@ from ..model_inputs import context_length
 from ..evaluation.texts import evaluation_texts
 from ..modules import METHODS
 from ..validation import check_number, check_output_file
+from ..calibration.defaults import NONE
 from .calibration_flags import calibration, calibration_args, check_calibration_args
 from .common import MODEL_HELP, calibration_overlap, check_context_lengths, placement, placement_args, roles, \
     selection_args, warn
@@ -95,7 +96,7 @@ def select_within_budget(args, model, tokenizer):
         raise ConversionError(f"--budget-{metric.replace('_', '-')} does not apply to {args.model}: use "
                               + ("--budget-cosine for an encoder" if encoder else
                                  "--budget-kl or --budget-ppl-ratio for a model with an output head"))
-    measured = calibration(args, tokenizer)
+    measured = calibration(args, model, tokenizer)
     if measured is not None:  # measured cheaply; the final conversion runs the full calibration
         measured = replace(measured, num_blocks=CALIB_BLOCKS, block_len=CALIB_LEN, tune_steps=0, plots=None,
                            block_weights_lr=_measured_weights_lr(args), progress=False)
@@ -117,7 +118,7 @@ def run(args) -> None:
             check_number(getattr(args, flag), f"--{flag.replace('_', '-')}", minimum=1)
     check_number(args.tune_steps, "--tune-steps", minimum=0)
     for spec in (args.calib, args.data):
-        if spec:
+        if spec and spec != NONE:
             check_spec(spec)
     for flag, path in (("--plot", args.plot), ("--log", args.log)):
         if path:
@@ -130,12 +131,12 @@ def run(args) -> None:
     window_len = args.window_len or min(EVAL_LEN, context_length(model) or EVAL_LEN)
     _, selected, _ = plan(model, roles(args.roles), args.include, args.exclude)
     texts = evaluation_texts(args.data, model, tokenizer, args.windows * window_len)
-    measured = calibration(args, tokenizer)
+    measured = calibration(args, model, tokenizer)
     if measured is not None:
         measured.block_len = args.calib_len or CALIB_LEN
         measured.tune_steps, measured.progress = args.tune_steps, False
         measured.block_weights_lr = _measured_weights_lr(args)
-        warn(calibration_overlap(args.calib, None, args.data, texts))
+        warn(calibration_overlap(measured.data, None, args.data, texts))
     measure = measurer(args, model, tokenizer, texts, measured, windows=args.windows, window_len=window_len,
                        sentences=args.sentences)
     with open(args.log, "a") if args.log else contextlib.nullcontext() as log:

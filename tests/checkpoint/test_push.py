@@ -63,7 +63,7 @@ def test_push_command_creates_repo_and_uploads_the_checkpoint(hub, checkpoint_di
 def test_convert_push_to_hub_without_output(hub, tmp_path, capsys):
     source = tmp_path / "source"
     tiny_model("gpt2").save_pretrained(source)
-    assert cli.main(["convert", str(source), "--to", "dyt", "--push-to-hub", "plain-name"]) == 0
+    assert cli.main(["convert", str(source), "--to", "dyt", "--calib", "none", "--push-to-hub", "plain-name"]) == 0
     assert "pushed to" in capsys.readouterr().out
     assert hub.created[f"{USER}/plain-name"]["organization"] is None
     assert "visibility" not in hub.created[f"{USER}/plain-name"]

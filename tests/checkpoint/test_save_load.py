@@ -299,15 +299,17 @@ def test_cli_convert_saves_and_overwrite_replaces(tmp_path, capsys):
     source = tmp_path / "source"
     tiny_model("gpt_neox").save_pretrained(source)
     out = tmp_path / "nested" / "out"
-    assert cli.main(["convert", str(source), "--to", "dyt", "--output", str(out)]) == 0
+    assert cli.main(["convert", str(source), "--to", "dyt", "--calib", "none", "--output", str(out)]) == 0
     assert json.loads((out / "config.json").read_text())["normswap"]["method"] == "dyt"
     (out / "stale.txt").write_text("old")
-    assert cli.main(["convert", str(source), "--to", "eln", "--output", str(out)]) == 2
+    assert cli.main(["convert", str(source), "--to", "eln", "--calib", "none", "--output", str(out)]) == 2
     assert "not empty" in capsys.readouterr().err
-    assert cli.main(["convert", str(source), "--to", "eln", "--output", str(out), "--overwrite"]) == 2
+    assert cli.main(["convert", str(source), "--to", "eln", "--calib", "none", "--output", str(out),
+                     "--overwrite"]) == 2
     assert "it holds more than a checkpoint (stale.txt)" in capsys.readouterr().err  # overwrite replaces only its own
     (out / "stale.txt").unlink()
-    assert cli.main(["convert", str(source), "--to", "eln", "--output", str(out), "--overwrite"]) == 0
+    assert cli.main(["convert", str(source), "--to", "eln", "--calib", "none", "--output", str(out),
+                     "--overwrite"]) == 0
     assert json.loads((out / "config.json").read_text())["normswap"]["method"] == "eln"
     model, _ = hf_normswap.checkpoint.loading.load_model(str(out), with_tokenizer=False)  # the CLI's loader reads it back
     assert isinstance(model.get_submodule("gpt_neox.final_layer_norm"), hf_normswap.ELN)
@@ -345,7 +347,7 @@ def smollm2(tmp_path_factory):
     if not path.is_file():
         pytest.skip(f"packaged SmolLM2 file missing: {path}")
     model, tokenizer = hf_normswap.checkpoint.loading.load_model("offline:smollm2")
-    hf_normswap.convert(model, to="eln")
+    hf_normswap.convert(model, to="eln", input_scale=1.0)  # the theory's start: what is saved, not its quality
     directory = tmp_path_factory.mktemp("smollm2") / "smollm2-eln"
     hf_normswap.save_pretrained(model, directory, tokenizer=tokenizer, base_model=model_card.hub_id("offline:smollm2"))
     return model, tokenizer, directory

@@ -113,7 +113,7 @@ def test_converted_modules_carry_weights_and_gemma_offset():
     model = tiny_model("gemma")
     source = model.model.layers[0].input_layernorm
     expected = (1 + source.weight.detach()) * source.weight.shape[0] ** 0.5
-    hf_normswap.convert(model, to="dyt")
+    hf_normswap.convert(model, to="dyt", input_scale=1.0)  # the theory's start: the weights carried over as they are
     torch.testing.assert_close(model.model.layers[0].input_layernorm.weight.detach(), expected)
 
 

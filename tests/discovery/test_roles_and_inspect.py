@@ -78,22 +78,23 @@ def test_user_errors_are_one_line_and_nonzero(argv, message, llama_dir, capsys):
     "flags, message",
     [
         (["--calib", "builtin", "--calib-blocks", "0"], "--calib-blocks must be a whole number of at least 1"),
-        (["--strategy", "block"], "--strategy needs --calib"),
-        (["--block-weights-lr", "1e-4"], "--block-weights-lr needs --calib"),
-        (["--block-rows", "2"], "--block-rows needs --calib"),
+        (["--calib", "none", "--strategy", "block"], "--strategy needs calibration: drop --calib none"),
+        (["--calib", "none", "--block-weights-lr", "1e-4"], "--block-weights-lr needs calibration: drop --calib none"),
+        (["--calib", "none", "--block-rows", "2"], "--block-rows needs calibration: drop --calib none"),
         (["--calib", "builtin", "--strategy", "kl", "--block-rows", "2"], "--block-rows needs the block strategy"),
         (["--calib", "builtin", "--strategy", "fast", "--block-weights-lr", "1e-4"], "needs the block strategy"),
         (["--calib", "builtin", "--block-weights-lr", "-1"], "--block-weights-lr must be at least 0"),
         (["--calib", "builtin", "--block-rows", "0"], "--block-rows must be a whole number of at least 1"),
-        (["--block-steps", "240"], "--block-steps needs --calib"),
+        (["--calib", "none", "--block-steps", "240"], "--block-steps needs calibration: drop --calib none"),
         (["--calib", "builtin", "--strategy", "encoder", "--block-steps", "240"],
          "--block-steps needs the block strategy"),
         (["--calib", "builtin", "--block-steps", "-1"], "--block-steps must be at least 0"),
         (["--eval", "builtin", "--eval-max-length", "0"], "--eval-max-length must be at least 1"),
-        (["--calib-device", "cpu"], "--calib-device needs --calib"),
-        (["--calib-cache-mb", "100"], "--calib-cache-mb needs --calib"),
+        (["--calib", "none", "--calib-device", "cpu"], "--calib-device needs calibration: drop --calib none"),
+        (["--calib", "none", "--calib-cache-mb", "100"], "--calib-cache-mb needs calibration: drop --calib none"),
         (["--calib", "builtin", "--calib-cache-mb", "-1"], "--calib-cache-mb must be at least 0"),
         (["--calib", "builtin", "--calib-device", "nonsense"], "--calib-device: calibration device 'nonsense' is not"),
+        (["--input-scale", "2"], "--input-scale sets the analytic start: add --calib none"),
     ],
 )
 def test_flag_mistakes_fail_before_the_model_loads(flags, message, capsys):
@@ -147,10 +148,10 @@ def test_block_tuning_flags_reach_the_calibration_config():
     args = build_parser().parse_args(["convert", "m", "--to", "eln", "--calib", "builtin", "--block-rows", "1",
                                       "--block-steps", "240", "--block-weights-lr", "1e-4", "--calib-device", "cpu",
                                       "--calib-cache-mb", "512"])
-    config = _calibration(args, tokenizer=object())
+    config = _calibration(args, model=None, tokenizer=object())
     assert (config.block_rows, config.block_steps, config.block_weights_lr) == (1, 240, 1e-4)
     assert (config.device, config.cache_memory_mb) == ("cpu", 512)
-    unset = _calibration(build_parser().parse_args(["convert", "m", "--to", "eln", "--calib", "builtin"]),
+    unset = _calibration(build_parser().parse_args(["convert", "m", "--to", "eln", "--calib", "builtin"]), model=None,
                          tokenizer=object())
     # the strategy's values, once resolved
     assert (unset.block_rows, unset.block_steps, unset.block_weights_lr) == (None, None, None)

@@ -13,6 +13,8 @@ from hf_normswap.training.progressive import schedule
 from hf_normswap.evaluation.sensitivity import (CurvePoint, Measurer, Reference, Score, doubling, largest_within, load_order,
                                      measure_map, plot, select_within_budget)
 
+ANALYTIC = ("--calib", "none")  # the analytic start: quick, and enough for what these tests check
+
 TEXT = ["the quick brown fox jumps over the lazy dog and keeps running through the field " * 40]
 
 
@@ -156,8 +158,8 @@ def test_convert_budget_converts_within_it_and_refuses_an_impossible_one(tmp_pat
     monkeypatch.setattr(cli.convert, "load_model", load)
     text, report = tmp_path / "text.txt", tmp_path / "report.json"
     text.write_text(TEXT[0])
-    argv = ["convert", "tiny", "--to", "eln", "--budget-data", str(text), "--report", str(report), "--roles",
-            "attention_input,mlp_input"]
+    argv = ["convert", "tiny", "--to", "eln", *ANALYTIC, "--budget-data", str(text), "--report", str(report),
+            "--roles", "attention_input,mlp_input"]
     assert cli.main(argv + ["--budget-kl", "1e9"]) == 0
     recorded = json.loads(report.read_text())
     assert len(recorded["converted"]) == 4 and recorded["budget"]["kept"] == []

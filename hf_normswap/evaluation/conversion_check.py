@@ -1,0 +1,146 @@
+"""Know when a conversion failed: the original and the converted model scored on one small slice, seconds after
+the conversion, with a warning that names the cause and the fix when the converted model is far off.
+
+A conversion that ends "saved" can hold a model whose perplexity is 1e169: without a score nothing says so. The
+original's score is taken before the conversion (a number, or the slice's embeddings), so no copy of the model is
+kept. Language models are scored by perplexity on 512 tokens of the offline held-out text (``builtin``, the half
+that default calibration never reads); other models by the cosine of their mean-pooled outputs (for a sentence
+encoder, its embeddings) on 32 of its sentences. Without a tokenizer the slice is random token ids.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..calibration.input_scales import probe_ids
+from ..data import DataError, load_texts, token_blocks
+from ..model_inputs import dummy_inputs, first_tensor, forward_without_cache, is_causal_lm, mean_pool, text_config
+from ..placement import model_device
+from .embeddings import sentences
+
+MAX_RATIO = 50.0  # perplexity ratio above which a conversion has failed
+MIN_COSINE = 0.5  # output cosine below which it has
+WINDOWS, WINDOW_LEN, SENTENCES = 4, 128, 32
+DATA = "builtin"
+
+
+@dataclass
+class CheckResult:
+    """One check: the metric, both models' values, the comparison, and whether it failed."""
+
+    metric: str  # "perplexity" or "cosine"
+    data: str  # what was scored
+    original: float | None
+    converted: float
+    value: float  # perplexity ratio, or mean cosine to the original
+    failed: bool
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def line(self) -> str:
+        if self.metric == "perplexity":
+            return (f"check: perplexity {self.original:.4g} -> {self.converted:.4g} ({self.value:.4g}x the "
+                    f"original's) on {self.data}")
+        return f"check: output cosine to the original {self.value:.4g} on {self.data}"
+
+    def warning(self, block: dict | None = None) -> str | None:
+        """None when the check passed; else the warning, with the cause and the fix read from the ``normswap``
+        block of the converted model's config."""
+        if not self.failed:
+            return None
+        what = (f"perplexity is {self.value:.3g}x the original's" if self.metric == "perplexity"
+                else f"outputs have cosine {self.value:.3g} to the original's")
+        cause, fix = advice(block or {})
+        return f"the conversion failed: the converted model's {what} on {self.data}. Cause: {cause}. Fix: {fix}"
+
+
+def advice(block: dict) -> tuple[str, str]:
+    """(cause, fix) for a failed check, from how the model was converted."""
+    calibration = block.get("calibration")
+    settings = block.get("convert") or {}
+    if calibration:
+        data, strategy = calibration.get("data"), calibration.get("strategy")
+        return (f"calibration on {calibration.get('tokens', '?')} tokens of {data} ({strategy}) was too short for "
+                "this model",
+                "calibrate on more text or more steps (--calib-blocks, --calib-len, --block-steps, --calib DATA), "
+                "then recover with recipes/finetune.py")
+    if settings.get("input_scale") is not None:
+        return (f"the analytic start assumes inputs of RMS {settings['input_scale']:g}, not this model's",
+                "leave --input-scale out (each norm's scale is then measured), or better, calibrate (drop "
+                "--calib none, or --calib DATA)")
+    return ("the start without text (measured on random token ids) is too rough for this model",
+            "calibrate: drop --calib none, or --calib DATA")
+
+
+class ConversionCheck:
+    """The original's scores on the check's slice, taken before the conversion; :meth:`after` compares."""
+
+    def __init__(self, model: nn.Module, tokenizer=None):
+        self.perplexity = is_causal_lm(model) and hasattr(model, "get_output_embeddings") and (
+            model.get_output_embeddings() is not None) and not getattr(model.config, "is_encoder_decoder", False)
+        self.batches, self.data = self._slice(model, tokenizer)
+        self.original = self._score(model)
+
+    def _slice(self, model: nn.Module, tokenizer) -> tuple[list[dict], str]:
+        main = getattr(model, "main_input_name", "input_ids")
+        if main != "input_ids":
+            return [dummy_inputs(model, batch=WINDOWS, seed=1)], "random inputs"
+        if tokenizer is None:
+            return [probe_ids(model, WINDOWS, WINDOW_LEN, seed=1)], "random token ids"
+        texts = load_texts(DATA, "evaluation")
+        device = model_device(model)
+        if self.perplexity:
+            length = min(WINDOW_LEN, getattr(text_config(model), "max_position_embeddings", None) or WINDOW_LEN)
+            try:
+                ids = token_blocks(tokenizer, texts, WINDOWS, length)
+            except DataError:  # a tokenizer that makes too few tokens of the text: the check still runs
+                return [probe_ids(model, WINDOWS, WINDOW_LEN, seed=1)], "random token ids"
+            inputs = {"input_ids": ids.to(device), "attention_mask": torch.ones_like(ids).to(device)}
+            return [inputs], f"{ids.numel()} tokens of the offline held-out text"
+        rows = sentences(texts, tokenizer, max_sentences=SENTENCES)
+        length = min(WINDOW_LEN, (getattr(text_config(model), "max_position_embeddings", None) or 256) // 2)
+        groups = [rows] if tokenizer.pad_token is not None else [[row] for row in rows]  # no padding: one by one
+        batches = []
+        for group in groups:
+            encoded = tokenizer(group, truncation=True, max_length=length, padding=len(group) > 1,
+                                return_tensors="pt")
+            inputs = {k: v.to(device) for k, v in encoded.items()}
+            if getattr(model.config, "is_encoder_decoder", False):
+                inputs["decoder_input_ids"] = inputs["input_ids"]
+            batches.append(inputs)
+        return batches, f"{len(rows)} sentences of the offline held-out text"
+
+    @torch.no_grad()
+    def _score(self, model: nn.Module):
+        was_training = model.training
+        model.eval()
+        try:
+            outputs = [first_tensor(forward_without_cache(model, inputs)).float() for inputs in self.batches]
+        finally:
+            model.train(was_training)
+        if self.perplexity:
+            out, ids = outputs[0], self.batches[0]["input_ids"]
+            loss = F.cross_entropy(out[:, :-1].reshape(-1, out.shape[-1]), ids[:, 1:].reshape(-1))
+            return math.exp(min(float(loss), 700.0)) if math.isfinite(float(loss)) else math.inf
+        pooled = []
+        for out, inputs in zip(outputs, self.batches):
+            mask = inputs.get("attention_mask")
+            pooled.append(mean_pool(out, mask if mask is not None and mask.shape == out.shape[:2] else None).cpu())
+        return torch.cat(pooled)
+
+    def after(self, model: nn.Module) -> CheckResult:
+        """Score the converted model on the same slice and compare."""
+        converted = self._score(model)
+        if self.perplexity:
+            ratio = converted / self.original if self.original else math.inf
+            return CheckResult("perplexity", self.data, self.original, converted, ratio,
+                               failed=not math.isfinite(ratio) or ratio > MAX_RATIO)
+        cosine = float(F.cosine_similarity(converted, self.original, dim=-1).mean())
+        return CheckResult("cosine", self.data, None, cosine, cosine,
+                           failed=not math.isfinite(cosine) or cosine < MIN_COSINE)
