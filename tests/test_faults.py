@@ -562,3 +562,15 @@ def test_leftovers_of_dead_saves_go_and_those_of_running_saves_stay(converted, t
     save_load.recover_interrupted(out)
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([f".ckpt.partial-{live_pid}-0a1b2c3d", "ckpt", *users])
     assert file_tree(out) == file_tree(converted)  # the checkpoint an interrupted overwrite had moved aside is back
+
+
+@pytest.mark.parametrize("method, held", [("derf", ("log_alpha",)), ("dyt", ("log_alpha", "shift"))])
+def test_derf_and_dyt_weights_are_told_apart_by_the_shift(method, held):
+    """DyT and Derf both store log_alpha: a block that names one for the other's weights is refused by the shift."""
+    from hf_normswap.checkpoint.config_checks import check_block_against_weights
+
+    block = {"method": method, "converted": {"norm": {"normalized_shape": [4], "bias": False}}}
+    shapes = {"norm.weight": (4,), **{f"norm.{name}": () for name in held}}
+    with pytest.raises(ValidationError, match=rf"normswap\.converted\.norm\.method: {method}, but the weights hold"):
+        check_block_against_weights(block, shapes)
+    check_block_against_weights({**block, "method": "dyt" if method == "derf" else "derf"}, shapes)

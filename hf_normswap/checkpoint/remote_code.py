@@ -121,7 +121,7 @@ def render(architecture: str, config_class: str, model_type: str) -> str:
     check_base({"architecture": architecture, "config_class": config_class, "model_type": model_type})
     config_name, model_name = class_names(architecture)
     header = f'''"""Remote code for a checkpoint converted by hf-normswap {__version__}: {architecture} with its norms replaced by
-element-wise element-wise modules. Generated from the hf-normswap package; imports only torch and transformers.
+element-wise modules. Generated from the hf-normswap package; imports only torch and transformers.
 
 Load with ``AutoModel...from_pretrained(path, trust_remote_code=True)``, or with ``hf_normswap.load(path)``.
 """
