@@ -4,8 +4,8 @@ Every comparison interleaves its candidates (A B C A B C ...) and reports median
 slows all candidates alike and the ratios stay meaningful. Sections:
 
 * module: tokens x C in fp32 / bf16, forward (no grad) and forward+backward: each element-wise method (default fused
-  path and the eager fallback) against a memory copy (``x.clone()``, the physical floor of a forward that reads x and writes
-  y), ``nn.LayerNorm`` and transformers' ``LlamaRMSNorm``;
+  path and the eager fallback) against a memory copy (``x.clone()``, the physical floor of a forward that reads x
+  and writes y), ``nn.LayerNorm`` and transformers' ``LlamaRMSNorm``;
 * model: SmolLM2-135M (packaged GGUF; ``smollm2-random``: its shapes with random weights, where the package is not
   installed) and a small GPT-2, batch x 512 tokens: forward tokens/s and training step (forward + loss + backward,
   no optimizer) time, original versus converted (a calibrated start, so that finite activations are timed), eager
