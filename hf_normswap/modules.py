@@ -269,7 +269,9 @@ class ELN(ElementwiseNorm):
 class Derf(ElementwiseNorm):
     """Dynamic erf (Chen et al. 2025): ``y = weight * erf(alpha * x + shift) + bias``, ``shift`` one scalar per
     module even with ``per_channel``. The shift starts at 0 (a norm's curve is odd) and alpha at DyT's times
-    ``sqrt(pi) / 2``, the slope at zero of the source norm."""
+    ``sqrt(pi) / 2``, the slope at zero of the source norm. The paper, training from scratch, starts every alpha at
+    one constant and gamma at 1; a conversion starts from the norm it replaces, so that the model begins near the
+    original."""
 
     key = "derf"
     title = "Derf (Dynamic erf)"

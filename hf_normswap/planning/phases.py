@@ -68,7 +68,7 @@ def layer_activations(sizes: ModelSizes, tokens: int, bytes_per_value: int) -> i
 
 def trainable_parameters(sizes: ModelSizes, settings: PlanSettings) -> int:
     """Elements that get gradients and AdamW moments: every parameter, the norms' (an element-wise module has as
-    many as the norm it replaces, give or take a scalar), or LoRA's adapters plus the norms."""
+    many as the norm it replaces, give or take a few scalars), or LoRA's adapters plus the norms."""
     if settings.trainable == "all":
         return sizes.parameters
     if settings.trainable == "norms":
