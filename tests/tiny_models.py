@@ -1,5 +1,5 @@
 """Tiny random models from configs, one per architecture family the tool must handle (no Hub access), and random
-DyT / ELN modules."""
+element-wise modules."""
 
 from __future__ import annotations
 
