@@ -1,4 +1,4 @@
-"""The fused path of the element-wise modules (hf_normswap.kernels) against the plain formula: same values, same gradients.
+"""The fused path (hf_normswap.kernels) of every method against the plain formula: same values, same gradients.
 
 The inputs are just above ``kernels.MIN_NUMEL`` so the fused path really runs; each test checks that it did.
 """
