@@ -1,4 +1,4 @@
-"""hf-normswap: replace LayerNorm / RMSNorm in Hugging Face models with DyT or ELN (DyISRU).
+"""hf-normswap: replace LayerNorm / RMSNorm in Hugging Face models with element-wise normalizers (``modules.METHODS``).
 
 The package follows the pipeline; each stage imports only the ones above it:
 
@@ -12,7 +12,7 @@ The package follows the pipeline; each stage imports only the ones above it:
     training/       recovery against the original: distillation losses, progressive swap, the recipe's settings
     cli             the ``normswap`` command
 
-Importing the package changes nothing outside it; ``convert`` and ``load`` install the fused DyT / ELN path
+Importing the package changes nothing outside it; ``convert`` and ``load`` install the fused element-wise path
 (``hf_normswap.kernels``) the first time they run.
 """
 
@@ -23,13 +23,13 @@ from .checkpoint.save_load import CheckpointError, save_pretrained
 from .convert import ConversionError, ConversionReport, ConvertConfig, convert, inspect, plan
 from .discovery.norms import NormInfo, find_norms
 from .evaluation.perplexity import EvaluationError, evaluate
-from .modules import ELN, DyISRU, DyT, ElementwiseNorm
+from .modules import ELN, Derf, DyISRU, DyT, ElementwiseNorm
 from .validation import ValidationError
 
 __all__ = [
     "__version__",
     "convert", "inspect", "plan", "load", "save_pretrained", "evaluate", "find_norms",
     "ConvertConfig", "CalibrationConfig", "ConversionReport", "NormInfo",
-    "DyT", "ELN", "DyISRU", "ElementwiseNorm",
+    "DyT", "ELN", "DyISRU", "Derf", "ElementwiseNorm",
     "ConversionError", "CheckpointError", "EvaluationError", "ValidationError",
 ]

@@ -227,19 +227,19 @@ class ConvertConfig:
 
 
 def check_not_converted(model: nn.Module) -> None:
-    """A model holding DyT / ELN modules already (loaded from a converted checkpoint) records them in one block,
+    """A model holding element-wise modules already (loaded from a converted checkpoint) records them in one block,
     that a second conversion would replace with the newly converted ones alone: refused before any calibration."""
     if any(isinstance(module, ElementwiseNorm) for module in model.modules()):
         record = ConversionRecord.of(model)
         original = record.base_model if record is not None else None
-        raise ConversionError(f"the model is converted already (it holds DyT / ELN modules): convert its original"
+        raise ConversionError(f"the model is converted already (it holds element-wise modules): convert its original"
                               f"{f' ({original})' if original else ''} instead, choosing the norms with --roles / "
                               "--include / --exclude")
 
 
 def convert(model: nn.Module, to: str | ConvertConfig = "eln", calibration="default", *, tokenizer=None,
             **settings) -> ConversionReport:
-    """Replace the selected norms of ``model`` with DyT or ELN modules, in place.
+    """Replace the selected norms of ``model`` with element-wise modules, in place.
 
     ``to`` is a :class:`ConvertConfig`, or the method name with the config's other fields as keyword arguments
     (``convert(model, "eln", calibration=..., roles=..., include=...)``). ``calibration`` is a
@@ -261,7 +261,7 @@ def convert(model: nn.Module, to: str | ConvertConfig = "eln", calibration="defa
             calibration = default_calibration(model, tokenizer)[0] if chosen else None
         config = ConvertConfig(method=to, calibration=calibration, **settings)
     check_not_converted(model)
-    kernels.install()  # the fused DyT / ELN path, for calibration and everything after
+    kernels.install()  # the fused element-wise path, for calibration and everything after
     method, calibration, roles = config.method, config.calibration, config.roles
     include, exclude, per_channel, input_scale = config.include, config.exclude, config.per_channel, config.input_scale
     norms, selected, skipped = plan(model, roles, include, exclude)

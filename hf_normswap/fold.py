@@ -227,10 +227,10 @@ def fold(model: nn.Module, names: list[str] | None = None, inputs: dict | None =
     if names is not None:
         missing = sorted(set(names) - set(norms))
         if missing:
-            raise FoldError(f"not converted DyT / ELN modules: {', '.join(missing)}")
+            raise FoldError(f"not converted element-wise modules: {', '.join(missing)}")
         norms = {n: norms[n] for n in names}
     if not norms:
-        raise FoldError("the model has no DyT / ELN modules: convert it before folding")
+        raise FoldError("the model has no element-wise modules: convert it before folding")
     consumers, problems = find_consumers(model, list(norms), inputs)
     report = FoldReport()
     for name, norm in norms.items():

@@ -1,4 +1,4 @@
-"""Fast path for DyT / ELN: one fused kernel per forward and per backward, compiled on first use.
+"""Fast path for the element-wise norms: one fused kernel per forward and per backward, compiled on first use.
 
 Eager PyTorch runs ``weight * f(x) + bias`` as five or six passes over memory, one per operator, and autograd
 keeps three or four intermediate tensors for the backward. Here the forward is the module's own formula
@@ -18,9 +18,10 @@ When is it used? Only where it is safe and worth it; everything else runs the pl
 * once a kernel fails to compile (no C++ compiler, ...) its key is marked broken and the fallback runs silently.
 
 Values: the forward is the same sequence of fp32 operations, so on the CPU ELN is bit-identical to the fallback;
-DyT may differ in the last bit of ``tanh`` (the compiled kernel uses SLEEF, eager may use MKL), and on CUDA either
-may differ in the last bits (Triton's ``tanh`` / ``rsqrt`` and fused multiply-adds). Gradients agree to fp32
-rounding (different summation order). The fused backward is not differentiable again: for second-order
+DyT and Derf may differ in the last bit of ``tanh`` / ``erf`` (the compiled kernel uses SLEEF, eager may use MKL),
+and on CUDA any may differ in the last bits (Triton's ``tanh`` / ``erf`` / ``rsqrt`` and fused multiply-adds).
+Gradients agree to fp32 rounding (different summation order); a method's scalar extras (Derf's shift) are carried
+and their gradients reduced like the shape parameter's. The fused backward is not differentiable again: for second-order
 gradients use the fallback. ``HF_NORMSWAP_FALLBACK=1`` in the environment, :func:`set_fast_path`
 or the :func:`fallback` context manager force the plain formula, e.g. in tests.
 
@@ -76,9 +77,9 @@ def fallback():
 
 # ---------------------------------------------------------------------------------------------- kernels
 def _make_forward(squash):
-    def forward(x, shape, weight, bias):
+    def forward(x, shape, weight, bias, *extras):
         """The module's formula (``ElementwiseNorm.reference_forward``) on a 2-D ``(tokens, C)`` view."""
-        y = squash(None, x.float(), shape) * weight.float()
+        y = squash(None, x.float(), shape, *(e.float() for e in extras)) * weight.float()
         if bias is not None:
             y = y + bias.float()
         return y.to(x.dtype)
@@ -87,11 +88,12 @@ def _make_forward(squash):
 
 
 def _make_backward(grads):
-    def backward(x, shape, weight, grad_out, has_bias: bool):
-        """(grad x in the input dtype, grad shape, grad weight, grad bias in fp32), reduced over tokens."""
+    def backward(x, shape, weight, grad_out, has_bias: bool, *extras):
+        """(grad x in the input dtype, grad shape, grad weight, grad bias, grads of the scalar extras, in fp32),
+        reduced over tokens."""
         xf = x.float()
         g = grad_out.float()
-        f, dfdx, dfds = grads(xf, shape)
+        f, dfdx, dfds, *dfde = grads(xf, shape, *(e.float() for e in extras))
         gw = g * weight.float()
         grad_x = (gw * dfdx).to(x.dtype)
         grad_shape = (gw * dfds).sum(0)
@@ -99,7 +101,8 @@ def _make_backward(grads):
             grad_shape = grad_shape.sum().reshape(shape.shape)
         grad_weight = (g * f).sum(0)
         grad_bias = g.sum(0) if has_bias else None
-        return grad_x, grad_shape, grad_weight, grad_bias
+        grad_extras = tuple((gw * d).sum().reshape(e.shape) for d, e in zip(dfde, extras))
+        return grad_x, grad_shape, grad_weight, grad_bias, grad_extras
 
     return backward
 
@@ -140,9 +143,9 @@ class _FusedNorm(torch.autograd.Function):
     """Forward: one fused kernel. Saves only the input and parameters; backward recomputes f in one fused kernel."""
 
     @staticmethod
-    def forward(ctx, forward_kernel, backward_kernel, x2d, shape, weight, bias):
-        y = forward_kernel(x2d, shape, weight, bias)
-        ctx.save_for_backward(x2d, shape, weight)
+    def forward(ctx, forward_kernel, backward_kernel, x2d, shape, weight, bias, *extras):
+        y = forward_kernel(x2d, shape, weight, bias, *extras)
+        ctx.save_for_backward(x2d, shape, weight, *extras)
         ctx.backward_kernel, ctx.has_bias = backward_kernel, bias is not None
         ctx.bias_dtype = None if bias is None else bias.dtype
         return y
@@ -150,13 +153,15 @@ class _FusedNorm(torch.autograd.Function):
     @staticmethod
     @once_differentiable  # double backward (gradient penalties): set HF_NORMSWAP_FALLBACK=1
     def backward(ctx, grad_out):
-        x2d, shape, weight = ctx.saved_tensors
-        grad_x, grad_shape, grad_weight, grad_bias = ctx.backward_kernel(
-            x2d, shape, weight, grad_out.contiguous(), ctx.has_bias
+        x2d, shape, weight, *extras = ctx.saved_tensors
+        grad_x, grad_shape, grad_weight, grad_bias, grad_extras = ctx.backward_kernel(
+            x2d, shape, weight, grad_out.contiguous(), ctx.has_bias, *extras
         )
         if grad_bias is not None:
             grad_bias = grad_bias.to(ctx.bias_dtype)
-        return None, None, grad_x, grad_shape.to(shape.dtype), grad_weight.to(weight.dtype), grad_bias
+        grad_extras = (g.to(e.dtype) for g, e in zip(grad_extras, extras))
+        return (None, None, grad_x, grad_shape.to(shape.dtype), grad_weight.to(weight.dtype), grad_bias,
+                *grad_extras)
 
 
 def _on_triton(x: torch.Tensor) -> bool:
@@ -187,7 +192,7 @@ def _usable(x: torch.Tensor, module: ElementwiseNorm, shape: torch.Tensor) -> bo
         return False
     if weight.shape != x.shape[-1:] or type(module).squash not in _GRADS:
         return False
-    return True
+    return all(e.dtype in FAST_DTYPES and e.device == x.device for e in module.extras())
 
 
 _GRADS: dict = {}  # squash function -> its derivatives (the class's ``grads``), for the classes registered
@@ -209,24 +214,26 @@ def fused_forward(module: ElementwiseNorm, x: torch.Tensor, shape: torch.Tensor)
         y = triton_kernels.module_norm(module, x, shape)
         if y is not None:
             return y
-    cls, weight, bias = type(module), module.weight, module.bias
-    key = (cls.squash, x.device, x.shape[-1], x.dtype, weight.dtype, None if bias is None else bias.dtype, shape.dim())
+    cls, weight, bias, extras = type(module), module.weight, module.bias, module.extras()
+    key = (cls.squash, x.device, x.shape[-1], x.dtype, weight.dtype, None if bias is None else bias.dtype, shape.dim(),
+           tuple((e.dtype, e.dim()) for e in extras))
     forward = _kernel(("fwd",) + key, _make_forward, cls.squash)
     x2d = x.reshape(-1, x.shape[-1])
     needs_grad = torch.is_grad_enabled() and (
         x.requires_grad or shape.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
+        or any(e.requires_grad for e in extras)
     )
     if needs_grad:
         backward = _kernel(("bwd",) + key, _make_backward, _GRADS[cls.squash])
-        y = _FusedNorm.apply(forward, backward, x2d, shape, weight, bias)
+        y = _FusedNorm.apply(forward, backward, x2d, shape, weight, bias, *extras)
     else:
-        y = forward(x2d, shape, weight, bias)
+        y = forward(x2d, shape, weight, bias, *extras)
     return y.view(x.shape)
 
 
 def install() -> None:
-    """Route every DyT / ELN forward through :func:`fused_forward`. ``hf_normswap.convert`` and ``hf_normswap.load``
-    call it; importing the package does not. Call it yourself for modules built by hand (``DyT(...)``)."""
+    """Route every element-wise module's forward through :func:`fused_forward`. ``hf_normswap.convert`` and
+    ``hf_normswap.load`` call it; importing the package does not. Call it yourself for modules built by hand."""
     from .modules import METHODS
 
     for cls in set(METHODS.values()):

@@ -1,14 +1,17 @@
-"""Element-wise replacements for LayerNorm / RMSNorm: Dynamic Tanh (DyT) and Elementwise LayerNorm (ELN).
+"""Element-wise replacements for LayerNorm / RMSNorm: Dynamic Tanh (DyT), Elementwise LayerNorm (ELN), Dynamic erf
+(Derf).
 
 Each computes ``y = weight * f(x) + bias`` with ``|f| < 1``, so ``weight`` carries the source norm's learned
 scale times the *amplitude* of the theory (``sqrt(C-1)`` for LayerNorm, ``sqrt(C)`` for RMSNorm; Stollenwerk 2025,
-referenced in README.md). The shape parameter (``alpha`` for DyT, ``beta`` for ELN) is stored as a clamped log so
-that any optimizer step leaves ``alpha`` finite and ``beta`` positive and finite. Arithmetic runs in fp32 and the
+referenced in README.md). The shape parameter (``alpha`` for DyT and Derf, ``beta`` for ELN) is stored as a clamped
+log so that any optimizer step leaves ``alpha`` finite and ``beta`` positive and finite. Arithmetic runs in fp32 and the
 result is cast back to the input dtype: real models carry activations near 1000, and ``x*x`` overflows fp16 above 256.
 
 A method is one class here and nothing elsewhere: its name, formula and citation (for the model card), the
 derivatives of its ``f`` (for the fused backward, ``kernels.py``), its start for the saturating calibration and the
-learning-rate factor of its shape parameter. :data:`METHODS` lists the classes; the rest of the package reads them.
+learning-rate factor of its shape parameter, and any scalar parameter its ``f`` takes besides the shape parameter
+(:attr:`ElementwiseNorm.squash_extras`, Derf's shift). :data:`METHODS` lists the classes; the rest of the package
+reads them.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from torch import nn
 
 LOG_ALPHA_LIMIT = 30.0  # alpha in [1e-13, 1e13]
 LOG_BETA_LIMIT = 80.0  # beta in [1e-35, 5e34]; beta + x*x stays finite in fp32 for |x| < 1e17
+ERF_SLOPE_RATIO = math.sqrt(math.pi) / 2  # tanh'(0) / erf'(0): Derf's alpha for the slope of a DyT with alpha 1
 
 
 def amplitude_for(kind: str, size: int) -> float:
@@ -52,6 +56,9 @@ class ElementwiseNorm(nn.Module):
     log_limit: float = 0.0
     # the shape parameter goes as (input scale) ** scale_power when the curve follows the input's scale
     scale_power: int = 0
+    # scalar parameters ``squash`` takes after the shape parameter, stored as they are and starting at 0: fitted with
+    # the shape parameter, carried and reduced by the fused kernels, trained in the gamma / bias group
+    squash_extras: tuple[str, ...] = ()
 
     def __init__(
         self,
@@ -70,6 +77,8 @@ class ElementwiseNorm(nn.Module):
         log_shape = self.normalized_shape if per_channel else ()
         value = torch.as_tensor(shape_value, dtype=torch.float32)
         self.register_parameter(f"log_{self.shape_name}", nn.Parameter(torch.log(value).expand(log_shape).clone()))
+        for name in self.squash_extras:
+            self.register_parameter(name, nn.Parameter(torch.zeros(())))
 
     @property
     def per_channel(self) -> bool:
@@ -85,7 +94,7 @@ class ElementwiseNorm(nn.Module):
         return abs(self.scale_power) if param_name == f"log_{self.shape_name}" else 1
 
     def shape_parameter(self) -> torch.Tensor:
-        """alpha (DyT) or beta (ELN) as used in the forward pass, in at least fp32."""
+        """alpha (DyT, Derf) or beta (ELN) as used in the forward pass, in at least fp32."""
         log = self._log_param()
         return log.to(torch.promote_types(log.dtype, torch.float32)).clamp(-self.log_limit, self.log_limit).exp()
 
@@ -94,14 +103,18 @@ class ElementwiseNorm(nn.Module):
             log = torch.log(torch.as_tensor(value, dtype=torch.float32)).clamp(-self.log_limit, self.log_limit)
             self._log_param().copy_(log.expand_as(self._log_param()))
 
-    def squash(self, x: torch.Tensor, shape: torch.Tensor) -> torch.Tensor:
+    def extras(self) -> tuple[torch.Tensor, ...]:
+        """The :attr:`squash_extras` parameters, in the order ``squash`` takes them."""
+        return tuple(getattr(self, name) for name in self.squash_extras)
+
+    def squash(self, x: torch.Tensor, shape: torch.Tensor, *extras: torch.Tensor) -> torch.Tensor:
         """The element-wise function f with |f| < 1, on fp32 input."""
         raise NotImplementedError
 
     @staticmethod
-    def grads(x: torch.Tensor, shape: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(f, df/dx, df/dshape)`` on fp32 input: the fused backward (``kernels.py``) recomputes them in one loop.
-        A method without it runs the plain formula, with autograd's backward."""
+    def grads(x: torch.Tensor, shape: torch.Tensor, *extras: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """``(f, df/dx, df/dshape, df/d each extra...)`` on fp32 input: the fused backward (``kernels.py``)
+        recomputes them in one loop. A method without it runs the plain formula, with autograd's backward."""
         raise NotImplementedError
 
     @classmethod
@@ -125,7 +138,8 @@ class ElementwiseNorm(nn.Module):
     def reference_forward(self, x: torch.Tensor, shape: torch.Tensor) -> torch.Tensor:
         """``weight * f(x) + bias`` computed op by op; the fused path computes the same sequence in one loop."""
         compute = torch.promote_types(x.dtype, torch.float32)  # fp32 for half types, float64 stays float64
-        y = self.squash(x.to(compute), shape.to(compute)) * self.weight.to(compute)
+        extras = (p.to(compute) for p in self.extras())
+        y = self.squash(x.to(compute), shape.to(compute), *extras) * self.weight.to(compute)
         if self.bias is not None:
             y = y + self.bias.to(compute)
         return y.to(x.dtype)
@@ -252,6 +266,53 @@ class ELN(ElementwiseNorm):
         return (amplitude_for(kind, size) / slope_at_zero(kind, size, input_scale)) ** 2
 
 
+class Derf(ElementwiseNorm):
+    """Dynamic erf (Chen et al. 2025): ``y = weight * erf(alpha * x + shift) + bias``, ``shift`` one scalar per
+    module even with ``per_channel``. The shift starts at 0 (a norm's curve is odd) and alpha at DyT's times
+    ``sqrt(pi) / 2``, the slope at zero of the source norm. The paper, training from scratch, starts every alpha at
+    one constant and gamma at 1; a conversion starts from the norm it replaces, so that the model begins near the
+    original."""
+
+    key = "derf"
+    title = "Derf (Dynamic erf)"
+    formula = "y = weight * erf(alpha * x + shift) + bias"
+    shape_note = ("`alpha` is one learnable scalar per module (or per channel) and `shift` one learnable scalar per "
+                  "module")
+    citation = """@article{chen2025derf,
+  title   = {Stronger Normalization-Free Transformers},
+  author  = {Chen, Mingzhi and Lu, Taiming and Zhu, Jiachen and Sun, Mingjie and Liu, Zhuang},
+  journal = {arXiv preprint arXiv:2512.10938},
+  year    = {2025}
+}"""
+    builds_on = ("dyt",)  # DyT with erf in place of tanh and a shift: the card cites both
+    shape_name = "alpha"
+    log_limit = LOG_ALPHA_LIMIT
+    scale_power = -1  # erf(alpha x): alpha ~ 1 / scale
+    squash_extras = ("shift",)
+
+    @property
+    def alpha(self) -> torch.Tensor:
+        return self.shape_parameter()
+
+    def squash(self, x: torch.Tensor, alpha: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+        return torch.erf(alpha * x + shift)
+
+    @staticmethod
+    def grads(x: torch.Tensor, alpha: torch.Tensor, shift: torch.Tensor):
+        u = alpha * x + shift
+        d = (2.0 / math.sqrt(math.pi)) * torch.exp(-u * u)
+        return torch.erf(u), alpha * d, x * d, d  # f, df/dx, df/dalpha, df/dshift
+
+    @classmethod
+    def knee_shape(cls, knee_input: torch.Tensor) -> torch.Tensor:
+        return ERF_SLOPE_RATIO / knee_input  # erf'(0) = 2 / sqrt(pi)
+
+    @staticmethod
+    def analytic_shape_value(kind: str, size: int, input_scale: float) -> float:
+        """Match the norm's slope at zero: amplitude * alpha * 2 / sqrt(pi) = slope (DyT's alpha * sqrt(pi) / 2)."""
+        return ERF_SLOPE_RATIO * slope_at_zero(kind, size, input_scale) / amplitude_for(kind, size)
+
+
 DyISRU = ELN
 
 
@@ -264,4 +325,4 @@ def adam_groups(modules: list[ElementwiseNorm], lr: float) -> list[dict]:
     return [{"params": params, "lr": group_lr} for group_lr, params in groups.items()]
 
 
-METHODS: dict[str, type[ElementwiseNorm]] = {cls.key: cls for cls in (ELN, DyT)}  # the first is the default
+METHODS: dict[str, type[ElementwiseNorm]] = {cls.key: cls for cls in (ELN, DyT, Derf)}  # the first is the default

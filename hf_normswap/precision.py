@@ -1,7 +1,7 @@
 """Training precision: fp32, or bf16 autocast, chosen by timing a matmul and the model's own step on this machine.
 
 bf16 autocast runs the matmuls in bf16 and keeps everything else as it was: master weights, gradients and the
-optimizer state stay fp32, and the DyT / ELN modules compute in fp32 whatever their input. Whether it pays depends
+optimizer state stay fp32, and the element-wise modules compute in fp32 whatever their input. Whether it pays depends
 on the CPU: with AMX tiles a SmolLM2 step runs about 2.5x faster, with AVX512-BF16 alone the recipe's step ran
 1.4-1.6x faster (BENCHMARKS.md, "Training throughput"), and a CPU with neither has no bf16 matrix instructions to
 gain from: there a bf16 matmul ran about 45x slower than fp32 (AVX2 alone, BENCHMARKS.md "Training throughput"), and

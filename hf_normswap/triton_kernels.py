@@ -1,4 +1,4 @@
-"""Triton kernels for DyT and ELN on CUDA: one pass over memory forward, one backward, no host-side compile.
+"""Triton kernels for the element-wise norms on CUDA: one pass over memory forward, one backward, no host-side compile.
 
 On a GPU an element-wise norm is bound by memory: it reads and writes each value once, so a call should cost about
 a device memory copy. ``torch.compile``'s kernels reach that on the device, but every call also pays the compiled
@@ -11,9 +11,11 @@ walking rows with a stride, writing ``dx`` and accumulating the parameter gradie
 per-program partial sums are then added across programs in fp32 by torch. Where it differs, and why:
 
 * **one kernel for every method**: the element function ``f`` and its two derivatives are a ``@triton.jit``
-  function chosen by a ``tl.constexpr`` method id (:func:`_element`), so a method adds its formula and nothing else
-  (Derf, ``erf(alpha * x + s)``, adds its id and branch; the kernels already carry an optional per-tensor *shift*
-  ``s``, loaded, differentiated and reduced like the shape parameter);
+  function chosen by a ``tl.constexpr`` method id (:func:`_element`), so a method adds its id and branch and nothing
+  else. Device code cannot live in the torch-only ``modules.py`` (checkpoints copy it), so this is the one place
+  outside it that a method with a Triton kernel touches; a method without one runs the compiled CPU-style path. The
+  kernels carry an optional per-tensor *shift* (Derf's ``erf(alpha * x + shift)``: a module's one scalar extra,
+  ``modules.ElementwiseNorm.squash_extras``), loaded, differentiated and reduced like the shape parameter;
 * **the shape parameter per tensor or per channel**: a constexpr picks a scalar or a column load; its gradient is
   accumulated per column either way and summed over columns by torch when it is one value (Liger: per tensor only);
 * **the shape parameter arrives as its value** (``alpha`` or ``beta``, fp32), not as the clamped log the module
@@ -42,7 +44,9 @@ import triton.language as tl
 
 ELN: tl.constexpr = tl.constexpr(0)
 DYT: tl.constexpr = tl.constexpr(1)
-METHOD_IDS = {"eln": ELN.value, "dyt": DYT.value}  # hf_normswap.modules.METHODS names -> the ids _element branches on
+DERF: tl.constexpr = tl.constexpr(2)
+# hf_normswap.modules.METHODS names -> the ids _element branches on
+METHOD_IDS = {"eln": ELN.value, "dyt": DYT.value, "derf": DERF.value}
 
 MAX_BLOCK = 4096  # columns a program handles; wider rows are split over programs on the second grid axis
 BACKWARD_PROGRAMS_PER_SM = 2  # row-walking backward programs per column block, per multiprocessor
@@ -75,10 +79,14 @@ def _element(x, s, shift, METHOD: tl.constexpr):
         r = tl.math.rsqrt(s + x * x)
         r3 = r * r * r
         return x * r, s * r3, -0.5 * x * r3, 0.0 * x
-    else:  # DYT: tanh(alpha * x)
+    elif METHOD == DYT:  # tanh(alpha * x)
         t = _tanh(s * x)
         d = 1.0 - t * t
         return t, s * d, x * d, 0.0 * x
+    else:  # DERF: erf(alpha * x + shift)
+        u = s * x + shift
+        d = 1.1283791670955126 * tl.exp(-u * u)  # 2 / sqrt(pi)
+        return tl.math.erf(u), s * d, x * d, d
 
 
 @triton.jit
@@ -205,35 +213,37 @@ class TritonNorm(torch.autograd.Function):
     Not differentiable twice (for second-order gradients set ``HF_NORMSWAP_FALLBACK=1``)."""
 
     @staticmethod
-    def forward(ctx, method, x2d, shape, weight, bias):
+    def forward(ctx, method, x2d, shape, weight, bias, shift):
         ctx.method, ctx.has_bias = method, bias is not None
         ctx.bias_dtype = None if bias is None else bias.dtype
-        ctx.save_for_backward(x2d, shape, weight)
-        return forward(method, x2d, shape, weight, bias)
+        ctx.save_for_backward(x2d, shape, weight, shift)
+        return forward(method, x2d, shape, weight, bias, shift)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
-        x2d, shape, weight = ctx.saved_tensors
-        grad_x, grad_shape, grad_weight, grad_bias, _ = backward(ctx.method, x2d, grad_out.contiguous(), shape,
-                                                                 weight, ctx.has_bias)
+        x2d, shape, weight, shift = ctx.saved_tensors
+        grad_x, grad_shape, grad_weight, grad_bias, grad_shift = backward(ctx.method, x2d, grad_out.contiguous(),
+                                                                          shape, weight, ctx.has_bias, shift)
         if grad_bias is not None:
             grad_bias = grad_bias.to(ctx.bias_dtype)
-        return None, grad_x, grad_shape.to(shape.dtype), grad_weight.to(weight.dtype), grad_bias
+        if grad_shift is not None:
+            grad_shift = grad_shift.to(shift.dtype)
+        return None, grad_x, grad_shape.to(shape.dtype), grad_weight.to(weight.dtype), grad_bias, grad_shift
 
 
 def norm(method: str, x: torch.Tensor, shape: torch.Tensor, weight: torch.Tensor,
-         bias: torch.Tensor | None) -> torch.Tensor:
+         bias: torch.Tensor | None, shift: torch.Tensor | None = None) -> torch.Tensor:
     """The module's output for ``x`` of any shape ``(..., C)``: through :class:`TritonNorm` when a gradient is
     needed, the forward kernel alone otherwise (inference pays no autograd bookkeeping)."""
     x2d = x.reshape(-1, x.shape[-1]).contiguous()
     shape = shape.contiguous()
     needs_grad = torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (x, shape, weight, bias))
+        t is not None and t.requires_grad for t in (x, shape, weight, bias, shift))
     if needs_grad:
-        y = TritonNorm.apply(method, x2d, shape, weight, bias)
+        y = TritonNorm.apply(method, x2d, shape, weight, bias, shift)
     else:
-        y = forward(method, x2d, shape, weight, bias)
+        y = forward(method, x2d, shape, weight, bias, shift)
     return y.view(x.shape)
 
 
@@ -245,9 +255,10 @@ def _method_of(squash) -> str | None:
 
 
 def module_norm(module, x: torch.Tensor, shape: torch.Tensor) -> torch.Tensor | None:
-    """:func:`norm` for a DyT / ELN module (``hf_normswap.kernels`` calls it for CUDA tensors), or None for a
-    module whose element function has no kernel here."""
+    """:func:`norm` for an element-wise module (``hf_normswap.kernels`` calls it for CUDA tensors), or None for a
+    module whose element function has no kernel here (or more scalar extras than the one shift slot)."""
     method = _method_of(type(module).squash)
-    if method is None:
+    extras = module.extras()
+    if method is None or len(extras) > 1:
         return None
-    return norm(method, x, shape, module.weight, module.bias)
+    return norm(method, x, shape, module.weight, module.bias, extras[0] if extras else None)

@@ -33,6 +33,7 @@ from hf_normswap import convert
 from hf_normswap.calibration.calibrate import DEFAULT_STRATEGY, STRATEGIES, CalibrationConfig
 from hf_normswap.data import load_texts
 from hf_normswap.checkpoint.loading import load_model
+from hf_normswap.modules import METHODS
 from hf_normswap.precision import PRECISIONS
 
 from _common import machine, peak_rss_mb
@@ -105,7 +106,7 @@ def score(models: dict, original, tokenizer, texts: list[str], args) -> dict[str
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="offline:smollm2")
-    parser.add_argument("--to", default="eln", choices=("eln", "dyt", "none"))
+    parser.add_argument("--to", default="eln", choices=(*METHODS, "none"))
     parser.add_argument("--strategy", default=DEFAULT_STRATEGY, choices=[DEFAULT_STRATEGY, *STRATEGIES])
     parser.add_argument("--tune-steps", type=int, default=None, help="override the strategy's end-to-end steps")
     parser.add_argument("--block-steps", type=int, default=None, help="override the strategy's per-block steps")
@@ -134,7 +135,7 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default="/tmp/calibration_bench.jsonl")
     args = parser.parse_args(argv)
     if args.exact_at and args.to == "none":
-        parser.error("--exact-at compares converted modules with the original norms: give --to eln or --to dyt")
+        parser.error("--exact-at compares converted modules with the original norms: give a method to --to")
     torch.set_num_threads(args.threads)
 
     model, tokenizer = load_model(args.model)
@@ -164,7 +165,7 @@ def main(argv=None) -> int:
 
     texts = load_texts(args.eval, "evaluation")
     models = {"converted": model}
-    for where in args.exact_at:  # --to is eln or dyt here
+    for where in args.exact_at:  # --to names a method here
         models[f"exact_at_{where}"] = spliced = copy.deepcopy(model)
         keep_original_at(spliced, original, [c.name for c in report.converted], POSITIONS[where])
     start = time.perf_counter()

@@ -30,6 +30,7 @@ from _common import commit, machine
 from hf_normswap import convert
 from hf_normswap.calibration.calibrate import CalibrationConfig
 from hf_normswap.fold import fold
+from hf_normswap.modules import METHODS
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 SHAPES = {  # LlamaConfig arguments
@@ -136,7 +137,7 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--models", default="smollm2-random,llama3-8b-random")
-    parser.add_argument("--method", default="eln", choices=["eln", "dyt"])
+    parser.add_argument("--method", default="eln", choices=list(METHODS))
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     parser.add_argument("--layers", type=int, help="random models: fewer layers (a smoke run)")
     parser.add_argument("--batch", type=int, default=8)

@@ -4,7 +4,7 @@ Sections (``--sections``):
 
 * ``device``: one norm layer at ``--tokens`` x each of ``--sizes`` in ``--dtype``, forward and forward+backward
   (gradients of the input and every parameter), against ``x.clone()`` (the memory floor), ``nn.LayerNorm`` and
-  transformers' ``LlamaRMSNorm``. DyT / ELN through the Triton kernels (``-triton``, CUDA; on the CPU only under
+  transformers' ``LlamaRMSNorm``. Each method through the Triton kernels (``-triton``, CUDA; on the CPU only under
   ``TRITON_INTERPRET=1``, a check of the code and no timing), the compiled kernels (``-compiled``) and the plain
   formula (``-eager``). On CUDA each timing is ``--calls`` calls between two CUDA events after ``--warmup`` calls,
   the candidates interleaved, the median of ``--reps`` rounds.
@@ -33,10 +33,9 @@ from torch import nn
 
 from _common import commit, machine
 from hf_normswap import kernels
-from hf_normswap.modules import DyT, ELN
+from hf_normswap.modules import METHODS, ElementwiseNorm
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-METHODS = {"eln": ELN, "dyt": DyT}
 
 
 def log(*args):
@@ -52,7 +51,7 @@ class _NoLaunch:
 
 @contextlib.contextmanager
 def path(name: str, device: str):
-    """Route DyT / ELN calls inside the block: 'triton', 'triton-host' (no launches), 'compiled' or 'eager'."""
+    """Route element-wise calls inside the block: 'triton', 'triton-host' (no launches), 'compiled' or 'eager'."""
     from hf_normswap import triton_kernels
 
     saved = kernels._on_triton, kernels.MIN_NUMEL, triton_kernels._forward_kernel, triton_kernels._backward_kernel
@@ -85,7 +84,7 @@ def candidates(size: int, dtype: torch.dtype, device: str, paths: list[str]) -> 
     for _, module in out.values():
         if module is not None:
             module.to(device, dtype)
-            if isinstance(module, (DyT, ELN)):
+            if isinstance(module, ElementwiseNorm):
                 module._log_param().data = module._log_param().data.float()  # as convert keeps it: fp32
     return out
 
@@ -158,7 +157,7 @@ def parse_args(argv=None):
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--paths", default="triton,compiled,eager",
-                        help="DyT / ELN paths to time (the Triton one where it can run)")
+                        help="element-wise paths to time (the Triton one where it can run)")
     parser.add_argument("--json")
     return parser.parse_args(argv)
 

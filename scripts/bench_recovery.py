@@ -48,6 +48,7 @@ from pathlib import Path
 import yaml
 
 from hf_normswap.data import DataError, check_spec
+from hf_normswap.modules import METHODS as NORMS
 from hf_normswap.training.run_dir import RECORD
 
 from _common import ROOT, commit, machine
@@ -302,11 +303,14 @@ def cpu_hours(rows: list[dict]) -> list[float] | None:
     return hours
 
 
+LINE_STYLES = ("-", "--", ":", "-.")
+
+
 def plot(curve: Path, path: Path, compare: list[Path] = ()) -> Path:
     """Ratio, KL and top-1 agreement (an encoder: cosine, neighbours, rank correlation) against training tokens (log
     x; 0 sits on the linear part of a symlog axis), the first against CPU-hours too, and the ratio on ``--other-data``
-    where points have it; one colour a method and training text, solid ELN, dashed DyT. ``compare``: other curves'
-    JSON lines drawn beside."""
+    where points have it; one colour a method and training text, one line style a norm (solid ELN, dashed DyT, dotted
+    Derf: the order of ``modules.METHODS``). ``compare``: other curves' JSON lines drawn beside."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -324,7 +328,7 @@ def plot(curve: Path, path: Path, compare: list[Path] = ()) -> Path:
     positive = [p["tokens"] for rows in curves.values() for p in rows if p["tokens"] > 0]
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4.5))
     for (norm, label), rows in curves.items():
-        style, colour = "-" if norm == "eln" else "--", colours[label]
+        style, colour = LINE_STYLES[list(NORMS).index(norm) % len(LINE_STYLES)], colours[label]
         for ax, (key, _) in zip(axes, panels):
             if key == "cpu":
                 x, y = cpu_hours(rows), [p[first] for p in rows]
@@ -366,7 +370,7 @@ def unreadable(spec: str | None) -> str | None:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default=str(ROOT / "recipes" / "configs" / "smollm2-eln.yaml"))
-    parser.add_argument("--norms", nargs="+", default=["eln", "dyt"], choices=["eln", "dyt"])
+    parser.add_argument("--norms", nargs="+", default=["eln", "dyt"], choices=list(NORMS))
     parser.add_argument("--methods", nargs="+", default=["logits"], choices=list(METHODS))
     parser.add_argument("--budgets", nargs="+", type=int, default=[0, 50_000, 100_000, 250_000, 500_000],
                         help="training tokens at which to measure (default: the goal's curve)")

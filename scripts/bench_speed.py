@@ -1,11 +1,11 @@
-"""Speed of DyT / ELN against the norms they replace, as side-by-side ratios taken in one run.
+"""Speed of the element-wise norms against the norms they replace, as side-by-side ratios taken in one run.
 
 Every comparison interleaves its candidates (A B C A B C ...) and reports medians, so that a noisy shared machine
 slows all candidates alike and the ratios stay meaningful. Sections:
 
-* module: tokens x C in fp32 / bf16, forward (no grad) and forward+backward: DyT and ELN (default fused path and
-  the eager fallback) against a memory copy (``x.clone()``, the physical floor of a forward that reads x and writes
-  y), ``nn.LayerNorm`` and transformers' ``LlamaRMSNorm``;
+* module: tokens x C in fp32 / bf16, forward (no grad) and forward+backward: each element-wise method (default fused
+  path and the eager fallback) against a memory copy (``x.clone()``, the physical floor of a forward that reads x
+  and writes y), ``nn.LayerNorm`` and transformers' ``LlamaRMSNorm``;
 * model: SmolLM2-135M (packaged GGUF; ``smollm2-random``: its shapes with random weights, where the package is not
   installed) and a small GPT-2, batch x 512 tokens: forward tokens/s and training step (forward + loss + backward,
   no optimizer) time, original versus converted (a calibrated start, so that finite activations are timed), eager
@@ -53,7 +53,7 @@ from torch import nn
 
 from hf_normswap import convert, kernels
 from hf_normswap.discovery.norms import find_norms
-from hf_normswap.modules import DyT, ELN
+from hf_normswap.modules import METHODS
 from hf_normswap.placement import check_device
 from hf_normswap.training.recipe_models import trainable_dense
 
@@ -113,8 +113,8 @@ def module_section(args) -> list[dict]:
             norms = {
                 "layernorm": nn.LayerNorm(size),
                 "rmsnorm": LlamaRMSNorm(size),
-                "eln": ELN(size, float(size), amplitude=size ** 0.5),
-                "dyt": DyT(size, 1.0 / size ** 0.5, amplitude=size ** 0.5),
+                **{key: cls(size, cls.analytic_shape_value("rmsnorm", size, 1.0), amplitude=size ** 0.5)
+                   for key, cls in METHODS.items()},  # ELN beta = C, DyT alpha = 1 / sqrt(C), Derf slope-matched
             }
             norms = {k: v.to(args.device, dtype) for k, v in norms.items()}
             for mode in ("forward", "forward+backward"):
@@ -135,7 +135,7 @@ def module_section(args) -> list[dict]:
                             xg.grad = None
                             n.zero_grad(set_to_none=True)
                     candidates[name] = call
-                    if name in ("eln", "dyt"):
+                    if name in METHODS:
                         candidates[name + "-eager"] = eager(call)
                 grad_context = torch.no_grad() if mode == "forward" else torch.enable_grad()
                 with grad_context:
@@ -683,7 +683,7 @@ def parse_args(argv=None):
     parser.add_argument("--models", default="smollm2,gpt2", help="comma-separated: smollm2, smollm2-random, gpt2")
     parser.add_argument("--model-dtype", choices=sorted(DTYPES), default="fp32", help="model section: weights' dtype")
     parser.add_argument("--layers", type=int, default=30, help="smollm2-random: its layers (30, as SmolLM2-135M)")
-    parser.add_argument("--methods", default="eln", help="comma-separated: eln, dyt")
+    parser.add_argument("--methods", default="eln", help=f"comma-separated: {', '.join(METHODS)}")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--seq", type=int, default=512)
     parser.add_argument("--model-reps", type=int, default=5)

@@ -21,26 +21,9 @@ import torch
 
 from hf_normswap.calibration.fitting import fit_curve
 
+from _common import C, SIGMA, STEP, STEPS, outlier_points, simulate  # the draw, shared with module_fit.py
+
 PAPER = {"alpha": 0.049, "beta": 301.1, "dyt_mean_abs_residual": 0.33, "eln_mean_abs_residual_below": 0.01}
-C, SIGMA, STEP, STEPS = 100, 2.0, 5.0, 9
-
-
-def simulate(seed: int = 0, channels: int = C, sigma: float = SIGMA, step: float = STEP, steps: int = STEPS):
-    """(inputs, outputs) of shape (steps, C): the base draw with its largest value raised by step*S, S = 1..steps,
-    and LayerNorm of each, plus the index of the outlier channel."""
-    generator = torch.Generator().manual_seed(seed)
-    base = torch.randn(channels, generator=generator, dtype=torch.float64) * sigma
-    index = int(base.argmax())
-    x = base.repeat(steps, 1)
-    x[:, index] += step * torch.arange(1, steps + 1, dtype=torch.float64)
-    y = torch.nn.functional.layer_norm(x, (channels,), eps=0.0)
-    return x, y, index
-
-
-def outlier_points(x: torch.Tensor, y: torch.Tensor, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The outliers' points and their mirror images (-x, -y): the data the paper fits."""
-    xo, yo = x[:, index], y[:, index]
-    return torch.cat([xo, -xo]), torch.cat([yo, -yo])
 
 
 def reproduce(seed: int = 0) -> dict:

@@ -18,12 +18,13 @@ import hf_normswap
 from hf_normswap import kernels
 from hf_normswap.calibration.calibrate import CalibrationConfig
 from hf_normswap.cli import main
-from hf_normswap.modules import DyT, ELN
+from hf_normswap.modules import ERF_SLOPE_RATIO, Derf, DyT, ELN
 from tiny_models import full_length_tokenizer, random_elementwise, tiny_model, tiny_tokenizer
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
-METHODS = {"eln": (ELN, 576.0), "dyt": (DyT, 576 ** -0.5)}  # class, shape value for C = 576
+# class, shape value for C = 576
+METHODS = {"eln": (ELN, 576.0), "dyt": (DyT, 576 ** -0.5), "derf": (Derf, ERF_SLOPE_RATIO * 576 ** -0.5)}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # fused against the reference formula, relative to the norm of the result: output and grad x in the input's dtype
 # (one rounding apart), the reduced parameter grads (fp32 sums in another order, then the parameter's dtype)
@@ -82,7 +83,8 @@ def test_fused_path_on_cuda_matches_the_reference_formula(method, dtype, per_cha
     x = _activations(256, 576, DTYPES[dtype], "cuda")  # 147k elements: above kernels.MIN_NUMEL
     grad = torch.randn_like(x)
     fused = _forward_backward(module, x, grad)
-    key = (type(module).squash, x.device, 576, x.dtype, x.dtype, x.dtype, int(per_channel))
+    key = (type(module).squash, x.device, 576, x.dtype, x.dtype, x.dtype, int(per_channel),
+           tuple((e.dtype, e.dim()) for e in module.extras()))  # Derf's shift: fp32, a scalar
     broken = {name: kernel.broken for (name, *rest), kernel in kernels._kernels.items() if tuple(rest) == key}
     assert broken == {"fwd": False, "bwd": False}, "the fused path did not run on CUDA"
     with kernels.fallback():

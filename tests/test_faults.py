@@ -595,3 +595,15 @@ def test_a_prompt_before_other_keys_leaves_them_their_own(tmp_path):
     files = f"{tmp_path / 'a.txt'},{tmp_path / 'b.txt'}"
     settings = generation_settings(f"generated:prompt={files},length=32,batch_size=4")
     assert (settings.prompt, settings.length, settings.batch_size) == (files, 32, 4)
+
+
+@pytest.mark.parametrize("method, held", [("derf", ("log_alpha",)), ("dyt", ("log_alpha", "shift"))])
+def test_derf_and_dyt_weights_are_told_apart_by_the_shift(method, held):
+    """DyT and Derf both store log_alpha: a block that names one for the other's weights is refused by the shift."""
+    from hf_normswap.checkpoint.config_checks import check_block_against_weights
+
+    block = {"method": method, "converted": {"norm": {"normalized_shape": [4], "bias": False}}}
+    shapes = {"norm.weight": (4,), **{f"norm.{name}": () for name in held}}
+    with pytest.raises(ValidationError, match=rf"normswap\.converted\.norm\.method: {method}, but the weights hold"):
+        check_block_against_weights(block, shapes)
+    check_block_against_weights({**block, "method": "dyt" if method == "derf" else "derf"}, shapes)

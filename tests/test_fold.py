@@ -35,7 +35,7 @@ def _assert_fp32_close(got, want):
     assert (got - want).abs().max().item() <= 1e-5 * scale  # fp32 rounding of the refactored products
 
 
-@pytest.mark.parametrize("method", ["eln", "dyt"])
+@pytest.mark.parametrize("method", ["eln", "dyt", "derf"])
 def test_llama_fold_preserves_logits_and_folds_every_norm(method):
     model = _converted("llama", method)
     inputs = dummy_inputs(model, batch=2, seq_len=12, seed=3)

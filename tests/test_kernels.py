@@ -1,4 +1,4 @@
-"""The fused DyT / ELN path (hf_normswap.kernels) against the plain formula: same values, same gradients.
+"""The fused path (hf_normswap.kernels) of every method against the plain formula: same values, same gradients.
 
 The inputs are just above ``kernels.MIN_NUMEL`` so the fused path really runs; each test checks that it did.
 """
@@ -8,7 +8,7 @@ import torch
 from tiny_models import random_elementwise
 
 from hf_normswap import kernels
-from hf_normswap.modules import DyT, ELN
+from hf_normswap.modules import Derf, DyT, ElementwiseNorm, ELN
 
 kernels.install()  # the modules here are built by hand, not by convert / load
 
@@ -17,8 +17,8 @@ TOKENS = kernels.MIN_NUMEL // C + 8  # the smallest size that takes the fused pa
 
 
 def _module(cls, per_channel=False, bias=True, dtype=torch.float32):
-    return random_elementwise(cls, C, shape=0.3 if cls is DyT else 40.0, amplitude=16.0, per_channel=per_channel,
-                              bias=bias, dtype=dtype)
+    return random_elementwise(cls, C, shape=0.3 if cls in (DyT, Derf) else 40.0, amplitude=16.0,
+                              per_channel=per_channel, bias=bias, dtype=dtype)
 
 
 def _input(dtype=torch.float32, shape=(2, TOKENS // 2 + 4, C)):
@@ -52,7 +52,8 @@ def _run(module, x, grad):
     return y.detach(), [x.grad] + [p.grad for p in module.parameters()]
 
 
-@pytest.mark.parametrize("cls,per_channel,bias", [(ELN, False, True), (DyT, True, False)])
+@pytest.mark.parametrize("cls,per_channel,bias", [(ELN, False, True), (DyT, True, False), (Derf, False, True),
+                                                   (Derf, True, False)])
 def test_fused_matches_fallback_fp32_value_and_gradient(cls, per_channel, bias, monkeypatch):
     module, x = _module(cls, per_channel, bias), _input()
     grad = torch.randn_like(x)
@@ -64,7 +65,7 @@ def test_fused_matches_fallback_fp32_value_and_gradient(cls, per_channel, bias, 
     assert y.dtype == x.dtype and y.shape == x.shape
     if cls is ELN:
         assert torch.equal(y, y_ref)  # same fp32 operations in the same order: bit-identical
-    else:  # tanh: SLEEF in the kernel, maybe MKL in eager; at most a couple of ulp apart
+    else:  # tanh / erf: SLEEF in the kernel, maybe MKL in eager; at most a couple of ulp apart
         torch.testing.assert_close(y, y_ref, rtol=1e-6, atol=1e-6 * y_ref.abs().max().item())
     assert len(g) == len(g_ref)
     for got, want in zip(g, g_ref):
@@ -72,7 +73,7 @@ def test_fused_matches_fallback_fp32_value_and_gradient(cls, per_channel, bias, 
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
 
 
-@pytest.mark.parametrize("cls,dtype", [(ELN, torch.bfloat16), (DyT, torch.float16)])
+@pytest.mark.parametrize("cls,dtype", [(ELN, torch.bfloat16), (DyT, torch.float16), (Derf, torch.bfloat16)])
 def test_fused_matches_fallback_half_precision(cls, dtype, monkeypatch):
     module, x = _module(cls, dtype=dtype), _input(dtype)
     grad = torch.randn(x.shape).to(dtype)
@@ -140,3 +141,36 @@ def test_user_compile_sees_the_plain_formula():
         explanation = torch._dynamo.explain(module)(x)
     assert explanation.graph_break_count == 0 and explanation.graph_count == 1
     assert want.shape == x.shape
+
+
+def test_derf_with_one_element_vectors_for_its_scalars(monkeypatch):
+    """FSDP2 makes 0-d parameters 1-element vectors (training.sharding): alpha and the shift still get their
+    gradients, in the vectors' shape."""
+    from hf_normswap.training.sharding import vectors_for_scalars
+
+    module, x = _module(Derf), _input()
+    vectors_for_scalars(module)
+    assert module.shift.shape == (1,) and module.log_alpha.shape == (1,)
+    grad = torch.randn_like(x)
+    with kernels.fallback():
+        y_ref, g_ref = _run(module, x, grad)
+    calls = _count_fused(monkeypatch)
+    y, g = _run(module, x, grad)
+    assert calls == ["fwd", "bwd"]
+    torch.testing.assert_close(y, y_ref, rtol=1e-6, atol=1e-6 * y_ref.abs().max().item())
+    for got, want in zip(g, g_ref):
+        assert got.shape == want.shape
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+
+
+def test_a_method_without_derivatives_runs_the_plain_formula():
+    class Softsign(ElementwiseNorm):
+        shape_name, log_limit, scale_power = "a", 30.0, -1
+
+        def squash(self, x, a):
+            return a * x / (1 + (a * x).abs())
+
+    kernels.register(Softsign)
+    module, x = Softsign(C, 0.5), _input()
+    assert kernels.fused_forward(module, x, module.shape_parameter()) is None
+    assert torch.equal(module(x), module.reference_forward(x, module.shape_parameter()))

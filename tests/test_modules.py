@@ -1,4 +1,4 @@
-"""DyT / ELN modules: gradients, low-precision safety, weight carry-over, parametrization limits."""
+"""DyT / ELN / Derf modules: gradients, low-precision safety, weight carry-over, parametrization limits."""
 
 import math
 
@@ -7,13 +7,14 @@ import torch
 from tiny_models import random_elementwise
 
 from hf_normswap.modules import METHODS as METHODS_BY_KEY
-from hf_normswap.modules import DyISRU, DyT, ElementwiseNorm, ELN, adam_groups
+from hf_normswap.modules import Derf, DyISRU, DyT, ElementwiseNorm, ELN, adam_groups
 
-METHODS = [DyT, ELN]
+METHODS = [DyT, ELN, Derf]
+ALPHA = (DyT, Derf)  # the shape parameter multiplies the input
 
 
 def _module(cls, per_channel, bias=True, size=6):
-    return random_elementwise(cls, size, shape=0.7 if cls is DyT else 3.0, amplitude=2.0, per_channel=per_channel,
+    return random_elementwise(cls, size, shape=0.7 if cls in ALPHA else 3.0, amplitude=2.0, per_channel=per_channel,
                               bias=bias)
 
 
@@ -39,7 +40,7 @@ def test_gradcheck_float64(cls, per_channel):
 def test_low_precision_inputs_up_to_1e4_are_finite_and_match_fp32(cls, dtype):
     module = _module(cls, per_channel=False, size=64)
     with torch.no_grad():
-        module.set_shape_parameter(0.01 if cls is DyT else 1000.0)
+        module.set_shape_parameter(0.01 if cls in ALPHA else 1000.0)
     x = torch.cat([torch.randn(4, 64) * 10, torch.linspace(-1e4, 1e4, 64).unsqueeze(0)])
     reference = module(x)
     low = module.to(dtype)(x.to(dtype))
@@ -118,16 +119,17 @@ def test_adam_groups_move_dyt_and_eln_input_scale_equally_fast():
     """One Adam step moves a log parameter by lr: with adam_groups, the input scale each curve follows (1 / alpha,
     sqrt(beta)) moves by the same factor for DyT and ELN; gamma and bias keep the plain lr."""
     changes = {}
-    for cls in (DyT, ELN):
-        module = cls(8, 0.5 if cls is DyT else 4.0)
-        scale = (lambda: 1 / module.alpha) if cls is DyT else (lambda: module.beta.sqrt())
+    for cls in (DyT, ELN, Derf):
+        module = cls(8, 0.5 if cls in ALPHA else 4.0)
+        scale = (lambda: 1 / module.alpha) if cls in ALPHA else (lambda: module.beta.sqrt())
         before, weight = scale().item(), module.weight.detach().clone()
         optimizer = torch.optim.Adam(adam_groups([module], lr=0.1))
         (scale() + module.weight.sum() + module.bias.sum()).backward()
         optimizer.step()
         changes[cls] = math.log(scale().item() / before)
         assert torch.allclose(weight - module.weight.detach(), torch.full((8,), 0.1), atol=1e-5)
-    assert changes[DyT] == pytest.approx(-0.1, abs=1e-4) and changes[ELN] == pytest.approx(-0.1, abs=1e-4)
+    for cls in (DyT, ELN, Derf):
+        assert changes[cls] == pytest.approx(-0.1, abs=1e-4)
 
 
 class _Softsign(ElementwiseNorm):
@@ -186,3 +188,44 @@ def test_a_method_is_its_class(monkeypatch):
     assert card.index(DyT.citation) < card.index(_Softsign.citation)
     with pytest.raises(ConversionError, match="--to softsign"):
         ConvertConfig(method="none")
+
+
+def test_derf_is_erf_with_a_shift_and_starts_with_dyts_slope():
+    derf = Derf(4, 0.5, bias=False, amplitude=1.0)
+    x = torch.randn(3, 4)
+    torch.testing.assert_close(derf(x), torch.erf(0.5 * x))  # the shift starts at 0
+    with torch.no_grad():
+        derf.shift.fill_(0.25)
+    torch.testing.assert_close(derf(x), torch.erf(0.5 * x + 0.25))
+    # slope-matched to DyT: alpha_derf = alpha_dyt * sqrt(pi) / 2, so both have the same slope at zero
+    for kind in ("layernorm", "rmsnorm"):
+        dyt_alpha = DyT.analytic_shape_value(kind, 64, 2.5)
+        assert Derf.analytic_shape_value(kind, 64, 2.5) == pytest.approx(dyt_alpha * math.sqrt(math.pi) / 2)
+    weight, bias = torch.randn(64), torch.randn(64)
+    dyt, derf = (cls.from_norm(weight, bias, kind="rmsnorm", normalized_shape=(64,), input_scale=2.5)
+                 for cls in (DyT, Derf))
+    tiny = torch.randn(5, 64) * 1e-4
+    torch.testing.assert_close(derf(tiny), dyt(tiny), rtol=1e-5, atol=1e-7)
+    for cls in (DyT, Derf, ELN):  # the saturating start's shape parameter gives slope 1 / scale at zero
+        module = cls(1, 1.0, bias=False, amplitude=1.0)
+        module.set_shape_parameter(module.knee_shape(torch.tensor(4.0)))
+        slope = module(torch.tensor([[1e-4]])).item() / 1e-4
+        assert slope == pytest.approx(0.25, rel=1e-4)
+
+
+def test_derf_shift_is_a_scalar_even_per_channel_and_trains_at_the_plain_rate():
+    module = Derf(8, 0.5, per_channel=True)
+    assert module.shift.shape == () and module.log_alpha.shape == (8,)
+    assert module.lr_factor("shift") == 1 and module.lr_factor("log_alpha") == 1
+
+
+def test_derf_grads_are_its_derivatives_shift_included():
+    """The fused path's derivatives (``Derf.grads``) against autograd on the formula, at a non-zero shift."""
+    x = torch.linspace(-3, 3, 13, dtype=torch.float64, requires_grad=True)
+    alpha = torch.tensor(0.7, dtype=torch.float64, requires_grad=True)
+    shift = torch.tensor(-0.3, dtype=torch.float64, requires_grad=True)
+    y = Derf.squash(None, x, alpha, shift)
+    grad_x, grad_alpha, grad_shift = torch.autograd.grad(y.sum(), (x, alpha, shift))
+    f, dfdx, dfdalpha, dfdshift = Derf.grads(x.detach(), alpha.detach(), shift.detach())
+    assert torch.allclose(f, y.detach()) and torch.allclose(dfdx, grad_x)
+    assert torch.allclose(dfdalpha.sum(), grad_alpha) and torch.allclose(dfdshift.sum(), grad_shift)

@@ -1,5 +1,6 @@
 """The Triton kernels (hf_normswap/triton_kernels.py) against the modules' plain formula: the output and every
-gradient (input, weight, bias, the stored log shape parameter), per tensor and per channel, fp32 / bf16 / fp16.
+gradient (input, weight, bias, the stored log shape parameter, Derf's shift), per tensor and per channel, fp32 /
+bf16 / fp16.
 
 On the CPU Triton's interpreter runs them (``TRITON_INTERPRET=1``, a copy of the module decorated under it, so a
 process that also runs them on a GPU keeps its compiled ones); the ``cuda`` tests run the same checks compiled, on
@@ -21,10 +22,11 @@ pytest.importorskip("triton")
 
 import hf_normswap  # noqa: E402
 from hf_normswap import kernels  # noqa: E402
-from hf_normswap.modules import DyT, ELN  # noqa: E402
+from hf_normswap.modules import ERF_SLOPE_RATIO, Derf, DyT, ELN  # noqa: E402
 from tiny_models import random_elementwise  # noqa: E402
 
-METHODS = {"eln": (ELN, 96.0), "dyt": (DyT, 96 ** -0.5)}  # class, shape value near the analytic one for C = 96
+# class, shape value near the analytic one for C = 96
+METHODS = {"eln": (ELN, 96.0), "dyt": (DyT, 96 ** -0.5), "derf": (Derf, ERF_SLOPE_RATIO * 96 ** -0.5)}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 RTOL = {"fp32": 1e-5, "bf16": 2 ** -7, "fp16": 2 ** -10}
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -90,7 +92,8 @@ def _check(run, method: str, dtype: str, per_channel: bool, device: str, rows: i
     tolerance = RTOL[dtype]
     assert got[0].dtype == reference[0].dtype and _relative(got[0], reference[0]) < tolerance, "output"
     assert got[1].dtype == reference[1].dtype and _relative(got[1], reference[1]) < tolerance, "grad x"
-    assert set(got[2]) == set(reference[2]) == {"weight", f"log_{module.shape_name}"} | ({"bias"} if bias else set())
+    expected = {"weight", f"log_{module.shape_name}", *module.squash_extras} | ({"bias"} if bias else set())
+    assert set(got[2]) == set(reference[2]) == expected
     for name, value in reference[2].items():
         assert got[2][name].dtype == value.dtype and got[2][name].shape == value.shape, name
         assert _relative(got[2][name], value) < tolerance, name
@@ -99,7 +102,8 @@ def _check(run, method: str, dtype: str, per_channel: bool, device: str, rows: i
 
 
 def _through(kernels_module, method: str):
-    return lambda module, x: kernels_module.norm(method, x, module.shape_parameter(), module.weight, module.bias)
+    return lambda module, x: kernels_module.norm(method, x, module.shape_parameter(), module.weight, module.bias,
+                                                 *module.extras())
 
 
 @pytest.mark.parametrize("per_channel", [False, True], ids=["per-tensor", "per-channel"])
@@ -121,6 +125,23 @@ def test_one_row_and_the_backward_partials(interpreted):
     assert interpreted.CPU_BACKWARD_PROGRAMS > 1
     _check(_through(interpreted, "eln"), "eln", "fp32", False, "cpu", rows=1)
     _check(_through(interpreted, "dyt"), "dyt", "fp32", False, "cpu", rows=interpreted.CPU_BACKWARD_PROGRAMS * 4 + 1)
+    _check(_through(interpreted, "derf"), "derf", "fp32", True, "cpu", rows=interpreted.CPU_BACKWARD_PROGRAMS * 4 + 1)
+
+
+def test_derf_shift_gradient_is_the_sum_over_every_element(interpreted):
+    """Derf's shift is one scalar for the whole tensor, even per channel: its gradient is
+    sum(grad_out * weight * erf'(alpha * x + shift)), summed over rows, columns and the backward programs."""
+    module = _module("derf", torch.float32, per_channel=True)
+    with torch.no_grad():
+        module.shift.fill_(0.4)
+    x = _activations(interpreted.CPU_BACKWARD_PROGRAMS * 3 + 2, 96, torch.float32, "cpu")[0]
+    grad = torch.randn(x.shape, generator=torch.Generator().manual_seed(3))
+    alpha = module.shape_parameter().detach()
+    *_, grad_shift = interpreted.backward("derf", x, grad, alpha, module.weight.detach(), True,
+                                          module.shift.detach())
+    u = alpha.double() * x.double() + 0.4
+    want = (grad.double() * module.weight.detach().double() * 2 / torch.pi ** 0.5 * torch.exp(-u * u)).sum()
+    assert grad_shift.shape == () and float(grad_shift) == pytest.approx(float(want), rel=1e-5)
 
 
 def test_tanh_from_exp_is_accurate_in_fp32(interpreted):
@@ -143,13 +164,16 @@ def test_kernels_compile_for_hopper_without_a_gpu(method):
 
     from hf_normswap import triton_kernels
 
-    flags = {"METHOD": triton_kernels.METHOD_IDS[method], "PER_CHANNEL": True, "HAS_SHIFT": False, "HAS_BIAS": True,
-             "BLOCK": triton_kernels.MAX_BLOCK, "SHIFT": None}
-    forward = {"X": "*bf16", "Y": "*bf16", "S": "*fp32", "SHIFT": "constexpr", "W": "*bf16", "B": "*bf16", "N": "i32"}
-    backward = {"X": "*bf16", "DY": "*bf16", "DX": "*bf16", "S": "*fp32", "SHIFT": "constexpr", "W": "*bf16",
-                "DS": "*fp32", "DSHIFT": "constexpr", "DW": "*fp32", "DB": "*fp32", "M": "i32", "N": "i32"}
+    has_shift = bool(METHODS[method][0].squash_extras)  # Derf's shift: a pointer, else an absent constexpr
+    shift = "*fp32" if has_shift else "constexpr"
+    flags = {"METHOD": triton_kernels.METHOD_IDS[method], "PER_CHANNEL": True, "HAS_SHIFT": has_shift,
+             "HAS_BIAS": True, "BLOCK": triton_kernels.MAX_BLOCK, **({} if has_shift else {"SHIFT": None})}
+    forward = {"X": "*bf16", "Y": "*bf16", "S": "*fp32", "SHIFT": shift, "W": "*bf16", "B": "*bf16", "N": "i32"}
+    backward = {"X": "*bf16", "DY": "*bf16", "DX": "*bf16", "S": "*fp32", "SHIFT": shift, "W": "*bf16",
+                "DS": "*fp32", "DSHIFT": shift, "DW": "*fp32", "DB": "*fp32", "M": "i32", "N": "i32"}
     for kernel, signature, constants in ((triton_kernels._forward_kernel, forward, flags),
-                                         (triton_kernels._backward_kernel, backward, dict(flags, DSHIFT=None))):
+                                         (triton_kernels._backward_kernel, backward,
+                                          flags if has_shift else dict(flags, DSHIFT=None))):
         signature = dict(signature, **{name: "constexpr" for name in constants})
         source = ASTSource(fn=kernel, signature=signature, constexprs=constants)
         compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})

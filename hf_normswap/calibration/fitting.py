@@ -1,14 +1,14 @@
-"""Fit an element-wise module (DyT / ELN) to a source norm's input -> output data by weighted least squares.
+"""Fit an element-wise module to a source norm's input -> output data by weighted least squares.
 
 One routine serves both the model calibration (``calibrate.py``) and the paper's simulation
 (``scripts/reproduce_paper.py``): start from the analytic value of the theory, then minimize
 
     sum_{t,i} w_{t,i} * (module(x)_{t,i} - norm(x)_{t,i})^2 / sum w
 
-over the module's own parameters (the shape parameter ``log_alpha`` / ``log_beta``, and optionally ``weight``,
-which carries gamma times the amplitude, and ``bias``) with L-BFGS in float64. The residual lives in output space,
-after the affine map, so every channel counts in proportion to its output weight: a channel the next layer
-multiplies by 3 matters 9 times as much as one it multiplies by 1.
+over the module's own parameters (the shape parameter ``log_alpha`` / ``log_beta`` with the method's scalar extras
+such as Derf's shift, and optionally ``weight``, which carries gamma times the amplitude, and ``bias``) with L-BFGS
+in float64. The residual lives in output space, after the affine map, so every channel counts in proportion to its
+output weight: a channel the next layer multiplies by 3 matters 9 times as much as one it multiplies by 1.
 """
 
 from __future__ import annotations
@@ -85,7 +85,8 @@ def squash_share(module: ElementwiseNorm, x: torch.Tensor) -> torch.Tensor:
     """f(x) with |f| < 1 for each element, in the module's current parameters, computed where ``x`` is (the samples
     stay on the CPU while the module sits on the device that computes its block)."""
     with torch.no_grad():
-        return module.squash(x.float(), module.shape_parameter().float().to(x.device))
+        extras = (e.detach().float().to(x.device) for e in module.extras())
+        return module.squash(x.float(), module.shape_parameter().float().to(x.device), *extras)
 
 
 def _weighted_mse(pred: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
@@ -107,8 +108,9 @@ def fit_module(
     max_iter: int = 200,
     dtype: torch.dtype | None = None,
 ) -> FitStats:
-    """Least-squares fit of ``module``'s ``params`` (subset of ``shape``, ``weight``, ``bias``) so that
-    ``module(x) ~ target``; ``weight`` broadcasts to ``x`` (per row ``(N, 1)`` or per element ``(N, C)``).
+    """Least-squares fit of ``module``'s ``params`` (subset of ``shape``, with its scalar extras, ``weight``,
+    ``bias``) so that ``module(x) ~ target``; ``weight`` broadcasts to ``x`` (per row ``(N, 1)`` or per element
+    ``(N, C)``).
 
     Updates the module in place (its parameters keep their dtype and device) and returns :class:`FitStats`.
     ``dtype``: arithmetic of the fit; float64 for small problems (the paper's), float32 above a million elements.
@@ -124,12 +126,14 @@ def fit_module(
     originals = dict(module.named_parameters(recurse=False))
     work = {n: p.detach().to("cpu", dtype).clone() for n, p in originals.items()}
     trainable = [work[names[p]] for p in params if names[p] in work]
+    if "shape" in params:
+        trainable += [work[name] for name in module.squash_extras]
     for t in trainable:
         t.requires_grad_(True)
 
     def forward() -> torch.Tensor:
         log = work[names["shape"]].clamp(-module.log_limit, module.log_limit)
-        y = module.squash(x, log.exp()) * work["weight"]
+        y = module.squash(x, log.exp(), *(work[name] for name in module.squash_extras)) * work["weight"]
         return y + work["bias"] if "bias" in work else y
 
     with torch.no_grad():
@@ -193,7 +197,7 @@ def fit_curve(
     input_scale: float = 1.0,
     max_iter: int = 500,
 ) -> tuple[float, FitStats]:
-    """Fit a scalar alpha (DyT) or beta (ELN) to points ``(x, y)`` of a norm's curve, amplitude fixed.
+    """Fit a scalar alpha (DyT, Derf) or beta (ELN) to points ``(x, y)`` of a norm's curve, amplitude fixed.
 
     This is the paper's experiment (C channels, amplitude sqrt(C-1) for LayerNorm). Returns (alpha or beta, stats).
     """

@@ -1,6 +1,6 @@
 """Block-wise reconstruction: during sequential calibration, fit a block's own weights beside its new norms.
 
-Block tuning (``block_pass.tune_block``) moves only the DyT / ELN parameters so that the converted block, fed the
+Block tuning (``block_pass.tune_block``) moves only the new modules' parameters so that the converted block, fed the
 converted model's hidden states, reproduces the original block's output on the original's hidden states. An
 element-wise function cannot divide a token by its own scale, so what the norm parameters alone leave is a
 per-token scale error that the block's linear layers can absorb. With ``CalibrationConfig.block_weights_lr > 0``

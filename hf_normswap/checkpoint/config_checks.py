@@ -100,7 +100,11 @@ def check_block_against_weights(block: dict, shapes: dict[str, tuple[int, ...]])
     """Each converted module's weight, bias and shape parameter are in the checkpoint's weights with the recorded
     shapes, and no weight belongs to a converted module the block leaves out: otherwise the load would leave
     parameters uninitialized or weights unused."""
-    shape_params = {f"log_{cls.shape_name}": key for key, cls in METHODS.items()}
+    shape_params: dict[str, str] = {}  # "log_alpha" -> "dyt or derf": methods that share a shape parameter
+    for key, cls in METHODS.items():
+        name = f"log_{cls.shape_name}"
+        shape_params[name] = f"{shape_params[name]} or {key}" if name in shape_params else key
+    extra_params = {p for cls in METHODS.values() for p in cls.squash_extras}  # Derf's shift tells it from DyT
     converted = block["converted"]
     for name, entry in converted.items():
         key = f"config.json normswap.converted.{name}"
@@ -120,6 +124,11 @@ def check_block_against_weights(block: dict, shapes: dict[str, tuple[int, ...]])
         if held != [wanted]:
             raise ValidationError(f"{key}.method: {method}, but the weights hold "
                                   + (f"{name}.{held[0]} ({shape_params[held[0]]})" if held else f"no {name}.{wanted}"))
+        held_extras = sorted(p for p in extra_params if f"{name}.{p}" in shapes)
+        if held_extras != sorted(METHODS[method].squash_extras):
+            raise ValidationError(f"{key}.method: {method}, but the weights hold "
+                                  + (", ".join(f"{name}.{p}" for p in held_extras) if held_extras
+                                     else f"no {name}.{', '.join(METHODS[method].squash_extras)}"))
         per_channel = entry.get("per_channel", block.get("per_channel", False))
         if shapes[f"{name}.{wanted}"] != (shape if per_channel else ()):
             raise ValidationError(f"{key}.per_channel: {str(per_channel).lower()}, but {name}.{wanted} has shape "

@@ -4,7 +4,7 @@ The file carries the package's own element-wise modules (the source of ``modules
 function that puts them back in place (:func:`rebuild_norms`, copied verbatim), plus two small classes written
 for the checkpoint: a config subclass with its own ``model_type`` (so a stock ``from_pretrained`` without
 ``trust_remote_code`` refuses the checkpoint instead of silently loading the unconverted architecture) and a
-subclass of the original architecture class whose ``__init__`` swaps the recorded norms for DyT / ELN modules
+subclass of the original architecture class whose ``__init__`` swaps the recorded norms for element-wise modules
 before the weights load. It imports only torch and transformers: it works where hf_normswap is not installed.
 Because the code is copied from the package when a checkpoint is saved, the two cannot drift apart;
 :func:`check_remote_modules` runs the generated modules against the package's on the same input.
@@ -37,7 +37,7 @@ class RemoteCodeError(RuntimeError):
 
 
 def rebuild_norms(model: nn.Module, normswap: dict) -> nn.Module:
-    """Replace every norm recorded in a config's ``normswap`` block with an empty DyT / ELN module.
+    """Replace every norm recorded in a config's ``normswap`` block with an empty element-wise module.
 
     Shapes, bias, per-channel shape parameter and amplitude come from the block; the values come from the
     checkpoint's weights, which load after this. Used by the remote code and by ``hf_normswap.load``.
@@ -121,7 +121,7 @@ def render(architecture: str, config_class: str, model_type: str) -> str:
     check_base({"architecture": architecture, "config_class": config_class, "model_type": model_type})
     config_name, model_name = class_names(architecture)
     header = f'''"""Remote code for a checkpoint converted by hf-normswap {__version__}: {architecture} with its norms replaced by
-element-wise DyT / ELN modules. Generated from the hf-normswap package; imports only torch and transformers.
+element-wise modules. Generated from the hf-normswap package; imports only torch and transformers.
 
 Load with ``AutoModel...from_pretrained(path, trust_remote_code=True)``, or with ``hf_normswap.load(path)``.
 """
@@ -138,7 +138,7 @@ class {config_name}({config_class}):
 
 
 class {model_name}({architecture}):
-    """{architecture} whose recorded norms are DyT / ELN modules (built in __init__, before weights load)."""
+    """{architecture} whose recorded norms are element-wise modules (built in __init__, before weights load)."""
 
     config_class = {config_name}
 
@@ -153,7 +153,7 @@ class {model_name}({architecture}):
 
 
 def check_remote_modules(text: str, seed: int = 0) -> None:
-    """Run the generated file's DyT / ELN against the package's on random input; raise unless bit-identical."""
+    """Run the generated file's modules against the package's on random input; raise unless bit-identical."""
     namespace: dict = {"__name__": "normswap_remote_check"}
     exec(compile(text, FILE_NAME, "exec"), namespace)
     generator = torch.Generator().manual_seed(seed)

@@ -270,7 +270,8 @@ def _method_of(module: nn.Module) -> str:
     for key, cls in METHODS.items():
         if isinstance(module, cls):
             return key
-    raise CheckpointError(f"{type(module).__name__} is not a DyT or ELN module")
+    raise CheckpointError(f"{type(module).__name__} is not an element-wise norm of hf_normswap.modules.METHODS "
+                          f"({', '.join(METHODS)})")
 
 
 def _saved_record(model: nn.Module, record: ConversionRecord, base: dict, base_model: str | None,

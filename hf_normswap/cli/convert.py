@@ -27,7 +27,7 @@ from .common import MODEL_HELP, calibration_overlap, check_context_lengths, chec
 
 
 def add_parser(commands) -> None:
-    conv = commands.add_parser("convert", help="replace norms with DyT or ELN")
+    conv = commands.add_parser("convert", help=f"replace norms with an element-wise method ({', '.join(METHODS)})")
     conv.add_argument("model", help=MODEL_HELP)
     conv.add_argument("--to", required=True, choices=sorted(METHODS), type=str.lower, help="element-wise method")
     conv.add_argument("--per-channel", action="store_true", help="one alpha/beta per channel instead of per module")

@@ -17,7 +17,7 @@ from .sizes import ModelSizes
 # Resident memory of a process that has imported torch, transformers, accelerate, datasets and the package, before
 # any model: measured (scripts/bench_memory.py, the "runtime" row of BENCHMARKS.md), not derived.
 RUNTIME_BYTES = 540 * 2**20
-# What inductor adds to a process once the fused DyT / ELN kernels (``kernels.py``) compile, on the first
+# What inductor adds to a process once the fused element-wise kernels (``kernels.py``) compile, on the first
 # converted model's forward: measured as RUNTIME_BYTES is.
 COMPILER_BYTES = 120 * 2**20
 # An accelerator's own context (CUDA kernels, cuBLAS workspace), on the device: what torch reports reserved beyond
@@ -67,8 +67,8 @@ def layer_activations(sizes: ModelSizes, tokens: int, bytes_per_value: int) -> i
 
 
 def trainable_parameters(sizes: ModelSizes, settings: PlanSettings) -> int:
-    """Elements that get gradients and AdamW moments: every parameter, the norms' (a DyT / ELN module has as
-    many as the norm it replaces, give or take a scalar), or LoRA's adapters plus the norms."""
+    """Elements that get gradients and AdamW moments: every parameter, the norms' (an element-wise module has as
+    many as the norm it replaces, give or take a few scalars), or LoRA's adapters plus the norms."""
     if settings.trainable == "all":
         return sizes.parameters
     if settings.trainable == "norms":

@@ -101,7 +101,7 @@ class ProgressiveSettings:
 
 @dataclass
 class LoraSettings:
-    """peft LoRA adapters (``trainable: lora``); the DyT / ELN modules train in full."""
+    """peft LoRA adapters (``trainable: lora``); the element-wise modules train in full."""
 
     r: int = 16
     alpha: int = 32

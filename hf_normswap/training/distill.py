@@ -1,6 +1,6 @@
 """Fine-tuning a converted model with the transformers ``Trainer``: distillation loss, parameter groups, what trains.
 
-Calibration fits each DyT / ELN module to its source norm one at a time; what is left is the error the modules
+Calibration fits each element-wise module to its source norm one at a time; what is left is the error the modules
 make together, which only training on the network's output removes. :class:`NormSwapTrainer` keeps the Trainer's
 machinery (DDP / FSDP / DeepSpeed through accelerate, checkpoints, resume, logging) and changes three things:
 
@@ -30,7 +30,7 @@ TRAINABLE = ("norms", "all", "lora")
 
 
 def _norm_parameters(model: nn.Module):
-    """``(name as model.named_parameters() gives it, module, name within the module)`` of every DyT / ELN
+    """``(name as model.named_parameters() gives it, module, name within the module)`` of every element-wise norm
     parameter, so that this works through peft and DDP wrappers."""
     for module_name, module in model.named_modules():
         if isinstance(module, ElementwiseNorm):
@@ -39,7 +39,8 @@ def _norm_parameters(model: nn.Module):
 
 
 def norm_parameter_names(model: nn.Module) -> dict[str, str]:
-    """``{parameter name: "shape" | "gamma" | "bias"}`` for every DyT / ELN parameter in ``model``."""
+    """``{parameter name: "shape" | "gamma" | "bias"}`` for every element-wise norm parameter in ``model``; a scalar
+    extra of the element function (``ElementwiseNorm.squash_extras``, Derf's shift) is an offset, so a "bias"."""
     return {name: "shape" if param_name.startswith("log_") else "gamma" if param_name == "weight" else "bias"
             for name, _, param_name in _norm_parameters(model)}
 
@@ -52,7 +53,7 @@ def shape_lr_factors(model: nn.Module) -> dict[str, float]:
 
 
 def set_trainable(model: nn.Module, which: str) -> int:
-    """``"norms"``: only the DyT / ELN parameters train; ``"all"``: every parameter. Returns the trainable count.
+    """``"norms"``: only the element-wise modules' parameters train; ``"all"``: every parameter. Returns the count.
 
     (``"lora"`` is :func:`apply_lora`, which wraps the model.)
     """
@@ -66,7 +67,7 @@ def set_trainable(model: nn.Module, which: str) -> int:
 
 def apply_lora(model: nn.Module, *, r: int = 16, alpha: int = 32, dropout: float = 0.0,
                target_modules: list[str] | str = "all-linear"):
-    """Wrap ``model`` with peft LoRA adapters; the DyT / ELN modules train in full (peft ``modules_to_save``).
+    """Wrap ``model`` with peft LoRA adapters; the element-wise modules train in full (peft ``modules_to_save``).
 
     The norm modules are small, and they are what changed: adapters alone would leave alpha / beta at their
     calibrated values. ``merge_lora`` undoes the wrapping for saving.
@@ -89,7 +90,7 @@ def merge_lora(model: nn.Module) -> nn.Module:
 
 def parameter_groups(model: nn.Module, *, lr: float, weight_decay: float, shape_lr: float | None = None,
                      gamma_lr: float | None = None, decay_names: set[str] | None = None) -> list[dict]:
-    """Optimizer groups: DyT / ELN shape parameters (at ``shape_lr`` times :func:`shape_lr_factors`), DyT / ELN
+    """Optimizer groups: element-wise shape parameters (at ``shape_lr`` times :func:`shape_lr_factors`), their
     gamma and bias (both without weight decay, each with its own learning rate), then the rest split by
     ``decay_names`` as the Trainer does. Empty groups are dropped."""
     kinds, factors = norm_parameter_names(model), shape_lr_factors(model)
@@ -298,7 +299,7 @@ def _unwrapped(model: nn.Module) -> nn.Module:
 
 
 class NormSwapTrainer(Trainer):
-    """``Trainer`` with cross-entropy + distillation from a frozen ``teacher`` and DyT / ELN parameter groups.
+    """``Trainer`` with cross-entropy + distillation from a frozen ``teacher`` and element-wise norm parameter groups.
 
     ``distill_weight`` w: loss = (1 - w) * CE + w * (KD + h * H + e * E) (w = 0: plain fine-tuning, no teacher
     forward), with ``hidden_weight`` h and H the layer-wise loss (:func:`hf_normswap.layerwise.relative_hidden_error`,

@@ -1,4 +1,4 @@
-"""Progressive conversion: during training, hand each norm over from the original to its DyT / ELN replacement.
+"""Progressive conversion: during training, hand each norm over from the original to its element-wise replacement.
 
 Removing all norms at once moves every layer's input at the same time; removing them one group at a time lets the
 rest of the network adapt to each change (the schedule of the LayerNorm-removal work on GPT-2, Heimersheim 2024).

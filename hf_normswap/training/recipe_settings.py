@@ -9,7 +9,7 @@ import os
 import sys
 from pathlib import Path
 
-DESCRIPTION = "Fine-tune a DyT / ELN model against its original: convert with calibration, train, evaluate, save."
+DESCRIPTION = "Fine-tune a converted model against its original: convert with calibration, train, evaluate, save."
 
 
 def fail(message: str):

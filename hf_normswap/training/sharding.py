@@ -60,7 +60,7 @@ def shard_unit_classes(model: nn.Module) -> set[type]:
 
 
 def vectors_for_scalars(model: nn.Module) -> None:
-    """Make every 0-d parameter (a DyT / ELN module's single alpha / beta) a 1-element vector, in place:
+    """Make every 0-d parameter (an element-wise module's single alpha / beta or shift) a 1-element vector, in place:
     ``fully_shard`` refuses scalars, and the vector broadcasts over the channels as the scalar does.
     :func:`gathered` gives the whole model its scalars back."""
     for module in model.modules():

@@ -22,26 +22,37 @@ from hf_normswap.model_inputs import dummy_inputs, first_tensor
 from matrix import Case, converted
 from tiny_models import ARCHITECTURES, tiny_model
 
-METHOD = {arch: ("dyt" if i % 3 == 1 else "eln") for i, arch in enumerate(ARCHITECTURES)}  # both methods covered
+METHOD = {arch: ("dyt" if i % 3 == 1 else "eln") for i, arch in enumerate(ARCHITECTURES)}  # Derf: saved_derf
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-@pytest.fixture(scope="module")
-def saved(tmp_path_factory):
+def _save_all(root: Path, methods: dict[str, str]) -> dict:
     """arch -> (checkpoint dir, inputs, reference output of the converted model before saving)."""
-    root = tmp_path_factory.mktemp("checkpoints")
     result = {}
     for arch in ARCHITECTURES:
-        model, _ = converted(Case(arch, METHOD[arch], per_channel=arch in ("llama", "bert")))
+        model, _ = converted(Case(arch, methods[arch], per_channel=arch in ("llama", "bert")))
         inputs = dummy_inputs(model)
         with torch.no_grad():
+            derfs = [m for m in model.modules() if isinstance(m, hf_normswap.modules.Derf)]
+            for i, module in enumerate(derfs):  # a shift of its own each, so that a lost one shows
+                module.shift.fill_(0.01 * (i + 1))
             reference = first_tensor(model(**inputs))
         directory = root / arch
         hf_normswap.save_pretrained(model, directory)
         result[arch] = (directory, inputs, reference)
     return result
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    return _save_all(tmp_path_factory.mktemp("checkpoints"), METHOD)
+
+
+@pytest.fixture(scope="module")
+def saved_derf(tmp_path_factory):
+    return _save_all(tmp_path_factory.mktemp("derf"), dict.fromkeys(ARCHITECTURES, "derf"))
 
 
 REMOTE_SCRIPT = textwrap.dedent("""
@@ -69,10 +80,8 @@ REMOTE_SCRIPT = textwrap.dedent("""
 """)
 
 
-@pytest.fixture(scope="module")
-def remote(saved, tmp_path_factory):
+def _load_remote(saved: dict, work: Path):
     """Load every saved checkpoint with trust_remote_code in ONE subprocess that cannot import hf_normswap."""
-    work = tmp_path_factory.mktemp("remote")
     jobs = {}
     for arch, (directory, inputs, _) in saved.items():
         torch.save(inputs, work / f"{arch}.pt")
@@ -85,6 +94,16 @@ def remote(saved, tmp_path_factory):
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stdout, torch.load(work / "outputs.pt")
+
+
+@pytest.fixture(scope="module")
+def remote(saved, tmp_path_factory):
+    return _load_remote(saved, tmp_path_factory.mktemp("remote"))
+
+
+@pytest.fixture(scope="module")
+def remote_derf(saved_derf, tmp_path_factory):
+    return _load_remote(saved_derf, tmp_path_factory.mktemp("remote-derf"))
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
@@ -108,6 +127,21 @@ def test_reload_with_remote_code_without_package_is_bit_exact(saved, remote, arc
     class_name, module, output = remote[1][arch]
     assert class_name.startswith("NormSwap") and "modeling_normswap" in module
     assert torch.equal(output, reference)
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_derf_reloads_bit_exact_with_the_package_and_with_remote_code(saved_derf, remote_derf, arch):
+    """Derf has a parameter the other methods lack (its shift): every architecture, both loaders."""
+    directory, inputs, reference = saved_derf[arch]
+    model = hf_normswap.load(directory)
+    modules = [m for m in model.modules() if isinstance(m, hf_normswap.modules.Derf)]
+    assert modules and all(m.shift.shape == () and m.shift != 0 for m in modules)
+    with torch.no_grad():
+        assert torch.equal(first_tensor(model(**inputs)), reference)
+    class_name, module, output = remote_derf[1][arch]
+    assert class_name.startswith("NormSwap") and "modeling_normswap" in module
+    assert torch.equal(output, reference)
+    assert "IMPORTED" not in remote_derf[0]
 
 
 def test_remote_process_could_not_import_the_package(remote):
@@ -189,6 +223,12 @@ def test_model_card(saved):
     dyt = ModelCard.load(saved["bert"][0] / "README.md")
     assert "tanh(alpha * x)" in dyt.text and "Stollenwerk" not in dyt.text
     assert "AutoModelForMaskedLM.from_pretrained" in dyt.text
+
+
+def test_derf_model_card_gives_its_formula_and_both_citations(saved_derf):
+    text = ModelCard.load(saved_derf["gpt2"][0] / "README.md").text
+    assert "erf(alpha * x + shift)" in text and "Stronger Normalization-Free Transformers" in text
+    assert "arXiv:2512.10938" in text and "Transformers without Normalization" in text and "Stollenwerk" not in text
 
 
 def test_model_card_base_model_evaluation_and_calibration():

@@ -319,6 +319,11 @@ def test_parameter_groups_separate_shape_and_gamma_without_decay():
     assert {g["name"] for g in parameter_groups(model, lr=1e-4, weight_decay=0.1)} == {"shape", "gamma"}
     dyt = parameter_groups(converted_tiny("dyt")[0], lr=1e-4, weight_decay=0.1, shape_lr=1e-2)
     assert [g["lr"] for g in dyt if g["name"] == "shape"] == [1e-2]
+    derf_model = converted_tiny("derf")[0]
+    derf = {g["name"]: g for g in parameter_groups(derf_model, lr=1e-4, weight_decay=0.1, shape_lr=1e-2, gamma_lr=1e-3)}
+    assert derf["shape"]["lr"] == 1e-2 and len(derf["shape"]["params"]) == 5  # log alpha, as DyT's
+    shifts = {id(m.shift) for m in derf_model.modules() if isinstance(m, hf_normswap.modules.Derf)}
+    assert len(shifts) == 5 and shifts <= {id(p) for p in derf["gamma"]["params"]}  # the shift: a bias, no decay
 
 
 def test_each_group_learning_rate_is_logged_and_plotted_under_its_name_over_tokens(tmp_path, monkeypatch):
