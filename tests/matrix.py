@@ -27,7 +27,7 @@ CALIBRATED_ARCHITECTURES = ("llama", "gpt2", "opt", "bert", "t5")  # RMSNorm / L
 class Case:
     arch: str
     method: str
-    strategy: str | None = None  # None: the analytic start, no calibration
+    strategy: str | None = None  # None: the theory's start at RMS 1, no calibration
     per_channel: bool = False
 
     def __str__(self) -> str:
@@ -51,11 +51,12 @@ def calibration_ids(seed: int = 0) -> torch.Tensor:
 @functools.lru_cache(maxsize=None)
 def _converted(case: Case):
     model = tiny_model(case.arch)
-    calibration = None
-    if case.strategy is not None:
-        calibration = CalibrationConfig(data=calibration_ids(), batch_size=4, strategy=case.strategy, progress=False)
-    report = hf_normswap.convert(model, to=case.method, calibration=calibration, roles=ROLES,
-                                 per_channel=case.per_channel)
+    if case.strategy is None:  # the theory's start at inputs of RMS 1, the baseline every strategy must beat
+        settings = dict(calibration=None, input_scale=1.0)
+    else:
+        settings = dict(calibration=CalibrationConfig(data=calibration_ids(), batch_size=4, strategy=case.strategy,
+                                                      progress=False))
+    report = hf_normswap.convert(model, to=case.method, roles=ROLES, per_channel=case.per_channel, **settings)
     return model, report
 
 
