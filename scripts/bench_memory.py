@@ -31,8 +31,7 @@ import threading
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-RECIPE = ROOT / "recipes" / "finetune.py"
+from _common import ROOT, commit, machine
 WIKITEXT = ROOT.parent / "shared" / "data" / "wikitext-2" / "wiki.valid.tokens"
 LAUNCHERS = {"ddp": ["--multi_gpu"],
              "fsdp2": ["--config_file", str(ROOT / "recipes" / "accelerate_configs" / "fsdp2.yaml")]}
@@ -127,9 +126,7 @@ def calibration_worker(case: str, model: str, data: str) -> dict:
 
 
 def recipe_worker(out: Path, recipe_args: list[str]) -> int:
-    import importlib.util
-
-    from hf_normswap.training import distill
+    from hf_normswap.training import distill, recipe
 
     phase, peaks, done = ["load"], {}, threading.Event()
     train = distill.NormSwapTrainer.train
@@ -143,9 +140,6 @@ def recipe_worker(out: Path, recipe_args: list[str]) -> int:
 
     distill.NormSwapTrainer.train = marked_train
     sampler = phase_sampler(phase, peaks, done)
-    spec = importlib.util.spec_from_file_location("finetune", RECIPE)
-    recipe = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(recipe)
     code = recipe.main(recipe_args)
     done.set()
     sampler.join()
@@ -158,16 +152,20 @@ def recipe_worker(out: Path, recipe_args: list[str]) -> int:
 
 
 def run_python(code: str, *args: str) -> dict:
-    result = subprocess.run([sys.executable, "-c", code, *args], cwd=ROOT, env=environment(), capture_output=True,
-                            text=True)
+    """The JSON that ``python -c code args`` prints last, in a fresh process."""
+    return _run_process([sys.executable, "-c", code, *args])
+
+
+def run_worker(function: str, *args: str) -> dict:
+    """The JSON of one of this file's workers, run in a fresh process (``bench_memory.py --call FUNCTION ARGS``)."""
+    return _run_process([sys.executable, str(Path(__file__).resolve()), "--call", function, *args])
+
+
+def _run_process(command: list[str]) -> dict:
+    result = subprocess.run(command, cwd=ROOT, env=environment(), capture_output=True, text=True)
     if result.returncode:
         raise SystemExit(f"case failed:\n{result.stderr[-3000:]}")
     return json.loads(result.stdout.strip().splitlines()[-1])
-
-
-def worker_call(function: str, *args: str) -> str:
-    return (f"import json, sys; sys.path.insert(0, {str(ROOT / 'scripts')!r}); import bench_memory; "
-            f"print(json.dumps(bench_memory.{function}(*sys.argv[1:])))")
 
 
 def random_llama(folder: Path) -> Path:
@@ -231,7 +229,7 @@ def calibration_case(name: str, work: Path) -> dict:
         model, data = "offline:smollm2", str(WIKITEXT)
     else:
         model, data = str(random_llama(work / "llama-1b")), "random"
-    measured = run_python(worker_call("calibration_worker"), name, model, data)
+    measured = run_worker("calibration_worker", name, model, data)
     return {"case": name, "command": f"hf_normswap.convert({model}, 'eln', {CALIBRATION[name]})",
             "phases": {phase: {"measured": [peak]} for phase, peak in measured["phases"].items()},
             "measured": [measured["peak"]],
@@ -274,6 +272,9 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--worker"]:
         return recipe_worker(Path(argv[1]), argv[3:])
+    if argv[:1] == ["--call"]:
+        print(json.dumps({"calibration_worker": calibration_worker, "runtime_worker": runtime_worker}[argv[1]](*argv[2:])))
+        return 0
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="out/bench-memory")
     parser.add_argument("--cases", nargs="+", default=CASES, choices=CASES)
@@ -284,21 +285,16 @@ def main(argv=None) -> int:
         path = Path(args.out) / "results.json"
         path.write_text(json.dumps(replan(json.loads(path.read_text())), indent=1))
         return 0
-    sys.path.insert(0, str(ROOT / "scripts"))
-    from bench_speed import machine
-
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                            text=True).stdout.strip()
-    results = {"machine": machine(), "commit": commit, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    results = {"machine": machine(), "commit": commit(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                "command": " ".join([Path(sys.argv[0]).name, *argv]), "cases": []}
     with tempfile.TemporaryDirectory(prefix="bench-memory-", dir="/tmp") as work:
         for name in args.cases:
             start = time.time()
             if name == "runtime":
                 case = {"case": name, "command": "import the recipe's libraries",
-                        "measured": [run_python(worker_call("runtime_worker"))["peak"]]}
+                        "measured": [run_worker("runtime_worker")["peak"]]}
             elif name.startswith("calibration"):
                 case = calibration_case(name, Path(work))
             else:
