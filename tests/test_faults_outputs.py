@@ -406,8 +406,8 @@ def test_a_report_that_fails_midway_leaves_no_part_of_itself(source, tmp_path, m
         if earlier:
             report.write_text(earlier)
         monkeypatch.setattr(Path, "write_text", full_disk)
-        code, line = _cli(["convert", source / "llama", "--to", "eln", "--output", tmp_path / "out", "--overwrite",
-                           "--report", report], capsys)
+        code, line = _cli(["convert", source / "llama", "--to", "eln", "--calib", "none", "--no-check", "--output",
+                           tmp_path / "out", "--overwrite", "--report", report], capsys)
         monkeypatch.undo()
         assert code == 2 and "cannot write --report" in line and "No space left on device" in line, line
         assert (report.read_text() if earlier else report.exists()) == (earlier or False)
