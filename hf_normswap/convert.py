@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field
 
 from torch import nn
 
-from . import kernels
+from . import kernels, offload
 from .calibration.calibrate import CalibrationConfig, as_config, calibrate_and_replace
 from .calibration.defaults import default_calibration
 from .calibration.input_scales import measured_start
@@ -283,7 +283,8 @@ def convert(model: nn.Module, to: str | ConvertConfig = "eln", calibration="defa
             source = model.get_submodule(info.name)
             replacement = build_replacement(source, info, method, input_scale=input_scale, per_channel=per_channel)
             replace_module(model, info.name, replacement)
-        value = replacement.shape_parameter().detach()
+        with offload.weights_in(replacement):
+            value = replacement.shape_parameter().detach()
         report.converted.append(
             ConvertedNorm(
                 name=info.name,

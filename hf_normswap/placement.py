@@ -6,6 +6,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .offload import first_weight_device
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -36,8 +38,13 @@ def check_device(device: str, what: str = "device", fix: str = "pass --device cp
 
 def model_device(model: nn.Module) -> torch.device:
     """Where the model's inputs go: the device of its input embeddings, else of its first parameter (every part of
-    a model loaded by ``normswap`` sits on one device; a model placed by hand may not)."""
+    a model loaded by ``normswap`` sits on one device; a model placed by hand may not); for weights left on disk
+    (``offload.py``), where they are brought to compute."""
     try:
-        return model.get_input_embeddings().weight.device
+        embeddings = model.get_input_embeddings()
+        device = embeddings.weight.device
     except (AttributeError, NotImplementedError):
-        return next(model.parameters()).device
+        embeddings, device = model, next(model.parameters()).device
+    if device.type == "meta":
+        return first_weight_device(embeddings) or first_weight_device(model) or device
+    return device

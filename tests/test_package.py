@@ -16,6 +16,7 @@ PACKAGE = Path(hf_normswap.__file__).parent
 STAGES = [
     ("version", "modules", "hub_mirror"),
     ("triton_kernels",),
+    ("offload",),
     ("kernels", "placement", "precision", "validation"),
     ("model_inputs",),
     ("settings",),

@@ -33,6 +33,7 @@ from accelerate.utils import send_to_device
 from torch import nn
 from tqdm.auto import tqdm
 
+from .. import offload
 from ..discovery.norms import NormInfo
 from ..discovery.roles import block_of
 from ..model_inputs import StopForward, first_tensor, forward_without_cache
@@ -138,9 +139,14 @@ def _block_inputs(model, stack, batches, cache: ActivationCache) -> tuple[Cached
 
 @contextmanager
 def _on_device(model: nn.Module, name: str, device: torch.device):
-    """The submodule ``name`` on ``device`` for the duration, then back where it was. Looked up again at the end:
-    a converted final norm is a new module at the same name."""
+    """The submodule ``name`` on ``device`` for the duration, then back where it was (weights on disk: back to
+    disk, ``offload.in_memory``). Looked up again at the end: a converted final norm is a new module at the same
+    name."""
     module = model.get_submodule(name)
+    if offload.is_offloaded(module):
+        with offload.in_memory(model, name, device):
+            yield
+        return
     first = next(itertools.chain(module.parameters(), module.buffers()), None)
     home = device if first is None else first.device
     module.to(device)
@@ -179,7 +185,7 @@ def sequential(model, plan: BlockPlan, batches, fit, replace, config) -> tuple[l
     """Convert in forward order; returns the block-tuning record (empty without ``block_steps``) and what the
     activation cache held at its peak. Each block is on the compute device (``config.device``) only for its own
     stage; the hidden states between stages are held by an :class:`ActivationCache`."""
-    home = next(plan.stack.parameters()).device
+    home = offload.first_weight_device(plan.stack)
     device = torch.device(config.device) if config.device else home
     limit = None if config.cache_memory_mb is None else int(config.cache_memory_mb * 2**20)
     total = len(plan.pre) + sum(len(b) for b in plan.blocks) + len(plan.post)

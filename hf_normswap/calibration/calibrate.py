@@ -17,6 +17,7 @@ A strategy is a row of :data:`STRATEGIES`: how each replacement starts (the theo
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import resource
 import time
@@ -27,7 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .. import placement
+from .. import offload, placement
 from ..data import model_batches
 from ..discovery.norms import NormInfo
 from ..model_inputs import ends_in_hidden_states, forward_without_cache
@@ -237,6 +238,7 @@ class _Fitter:
 
     def __call__(self, info: NormInfo, source: nn.Module, sample) -> nn.Module:
         cfg, preset = self.config, self.config.preset
+        offload.materialize(source)  # a norm outside an onloaded block may still have its weights on disk
         x, is_first = sample.data()
         self.capture_bytes = max(self.capture_bytes, sample.nbytes())
         scale = analytic_input_scale(x, info.kind, is_first) if x.shape[0] else 1.0
@@ -280,11 +282,16 @@ def calibrate_and_replace(model: nn.Module, selected: list[NormInfo], config: Ca
     ``build(source, info, input_scale=, per_channel=)`` makes a module and ``replace(model, name, module)`` sets
     it: ``convert`` passes both, so that stages go one way (convert plans and replaces, calibration fits)."""
     config = config.resolved(selected, not ends_in_hidden_states(model))
+    on_disk = offload.is_offloaded(model)
+    if on_disk and config.tune_steps:  # a backward through every block would hold all their weights at once
+        logger.warning("weights on disk: calibrating block by block, without the end-to-end steps")
+        config = dataclasses.replace(config, tune_steps=0)
     torch.manual_seed(config.seed)
     batches, fingerprint = model_batches(model, config.data, config.tokenizer, num_blocks=config.num_blocks,
                                          block_len=config.block_len, batch_size=config.batch_size)
     device, probe_start = placement.model_device(model), time.perf_counter()
-    probe_params = [p for info in selected for p in model.get_submodule(info.name).parameters() if p.requires_grad]
+    probe_params = [] if on_disk else [p for info in selected for p in model.get_submodule(info.name).parameters()
+                                       if p.requires_grad]  # on disk: a forward probe, in one layer's memory
     row = {k: v[:1] for k, v in batches[0].items()}  # one sequence: a probe, not a pass
     precision = choose_precision(config.precision, lambda: forward_backward(lambda: forward_without_cache(model, row),
                                                                             probe_params), device=device,

@@ -24,7 +24,7 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 from transformers import CONFIG_MAPPING, AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer
 
-from .. import kernels
+from .. import kernels, offload
 from ..data import texts as data
 from ..validation import ValidationError, check_path_length, first_line
 from . import config_checks, remote_code
@@ -99,12 +99,16 @@ def _looks_local(spec: str, location: str) -> bool:
     return False
 
 
-def load_model(spec: str, dtype=None, with_tokenizer: bool = True, device=None):
+def load_model(spec: str, dtype=None, with_tokenizer: bool = True, device=None, weights_memory: int | None = None):
     """(model in eval mode, tokenizer or None). Raises ``ModelLoadError`` with a one-line reason.
 
     ``device`` (e.g. ``cuda``) and ``dtype`` go to transformers' own placement (``device_map``, ``dtype``), so the
-    weights load straight onto the device; a GGUF file is dequantized in CPU memory first, then moved."""
+    weights load straight onto the device; a GGUF file is dequantized in CPU memory first, then moved.
+    ``weights_memory``: at most that many bytes of weights in host memory, the rest left on disk (``offload.py``)."""
     location, extra = resolve(spec)
+    if weights_memory is not None and "gguf_file" in extra:
+        raise ModelLoadError(f"{spec}: a GGUF file loads whole (it is dequantized in memory); weights stay on disk "
+                             "only from safetensors: drop --max-host-memory or convert the file to safetensors")
     cache_only = {}
     if _looks_local(spec, location):
         if not Path(location).exists():
@@ -115,6 +119,11 @@ def load_model(spec: str, dtype=None, with_tokenizer: bool = True, device=None):
     if device is not None and "gguf_file" not in extra:
         kwargs["device_map"] = str(device)
     _check_config_file(Path(location) / "config.json", spec)
+    folder = None
+    if weights_memory is not None:
+        folder = offload.new_folder(spec)
+        kwargs.update(device_map="auto", max_memory={"cpu": max(int(weights_memory), 1)},
+                      offload_folder=folder.name)
     try:
         if "gguf_file" in extra:
             model = AutoModelForCausalLM.from_pretrained(location, **kwargs)
@@ -140,6 +149,8 @@ def load_model(spec: str, dtype=None, with_tokenizer: bool = True, device=None):
         if constants.HF_HUB_OFFLINE and not _looks_local(spec, location):
             raise ModelLoadError(f"model not found: {spec} is not in the local cache (HF_HUB_OFFLINE is set)") from None
         raise ModelLoadError(f"model not found or unreadable: {spec} ({first_line(error)})") from None
+    if folder is not None:
+        setattr(model, offload.FOLDER_ATTRIBUTE, folder)  # kept for calibration's blocks, removed with the model
     tokenizer = None
     if with_tokenizer:
         logging.getLogger("transformers").disabled = True

@@ -7,7 +7,7 @@ import copy
 from pathlib import Path
 
 from ..checkpoint.hub import PushError, preflight
-from ..checkpoint.loading import load_model
+from ..checkpoint.loading import load_model, resolve
 from ..checkpoint.record import ConversionRecord
 from ..checkpoint.save_load import check_output_dir
 from ..convert import ConversionError, check_not_converted, check_selection, convert
@@ -21,7 +21,7 @@ from ..fold import fold
 from ..modules import METHODS
 from ..validation import check_data_files, check_input_scale, check_output_file, first_line
 from . import output, sensitivity
-from .calibration_flags import calibration, calibration_args, check_calibration_args
+from .calibration_flags import calibration, calibration_args, calibration_config, check_calibration_args
 from .common import MODEL_HELP, calibration_overlap, check_context_lengths, check_evaluation_args, \
     evaluation_args, placement, placement_args, roles, run_evaluation, selection_args, warn
 
@@ -45,6 +45,10 @@ def add_parser(commands) -> None:
     conv.add_argument("--push-to-hub", metavar="REPO", help="push the checkpoint to this Hub repo (NAME or OWNER/NAME)")
     conv.add_argument("--private", action="store_true", help="with --push-to-hub: create the repo private")
     conv.add_argument("--report", help="write the conversion report as JSON to this file")
+    conv.add_argument("--max-host-memory", metavar="SIZE",
+                      help="host memory the conversion may use, e.g. 16GB: weights beyond what fits stay on disk and "
+                           "calibration brings one block in at a time, without its end-to-end steps (default: the "
+                           "memory this machine has free)")
     placement_args(conv)
     calibration_args(conv)
     selection_args(conv)
@@ -77,7 +81,8 @@ def run(args) -> None:
     budget = sensitivity.budget(args)
     if budget and args.budget_data:
         check_spec(args.budget_data)
-    model, tokenizer = load_model(args.model, **where)
+    on_disk = weights_memory(args, budget)
+    model, tokenizer = load_model(args.model, **where, weights_memory=on_disk)
     check_not_converted(model)
     check_context_lengths(args, model, {"--calib-len": args.calib_len if args.calib else None,
                                         "--eval-max-length": args.eval_max_length if args.eval_data else None},
@@ -112,6 +117,43 @@ def run(args) -> None:
         except OSError as error:
             saved = f" (the checkpoint is saved in {args.output})" if args.output else ""
             raise ConversionError(f"cannot write --report {args.report}: {error.strerror}{saved}") from None
+
+
+def weights_memory(args, budget) -> int | None:
+    """The bytes of weights the conversion keeps in host memory (``--max-host-memory``, else the memory free), the
+    rest left on disk; None: the whole model fits, or there is no calibration to bound. Said in one line."""
+    from ..calibration.defaults import DEFAULTS
+    from ..planning.disk import free_host_memory, weights_in_memory
+    from ..planning.settings import parse_bytes
+    from ..planning.sizes import PlanError
+
+    given = args.max_host_memory is not None
+    try:
+        limit = parse_bytes(args.max_host_memory, "--max-host-memory") if given else free_host_memory()
+    except PlanError as error:
+        raise ConversionError(str(error)) from None
+    if args.calib == NONE or (not given and "gguf_file" in resolve(args.model)[1]):  # a GGUF file loads whole
+        return None
+    config = calibration_config(args)
+    if not args.calib:  # the default's sequences
+        default = DEFAULTS["samples"]
+        config.num_blocks, config.block_len = args.calib_blocks or default.num_blocks, args.calib_len or default.block_len
+    try:
+        weights = weights_in_memory(args.model, config, limit)
+    except (PlanError, OSError, ValueError) as error:
+        if given:
+            raise ConversionError(f"--max-host-memory: {first_line(error)}") from None
+        return None  # a model the plan cannot read loads as always
+    if weights is None:
+        return None
+    for flag, value in (("--fold", args.fold), ("--budget-ppl-ratio", budget)):
+        if value:
+            raise ConversionError(f"{flag} needs the whole model in memory, and {args.model} keeps weights on disk "
+                                  f"within {'--max-host-memory' if given else 'the free memory'}: allow more memory "
+                                  f"or drop {flag}")
+    print(f"weights beyond {weights / 2**30:.1f} GiB stay on disk: calibrating block by block "
+          f"({'--max-host-memory' if given else 'the free memory'}: {limit / 2**30:.1f} GiB)")
+    return weights
 
 
 def check_conversion(check, model) -> None:

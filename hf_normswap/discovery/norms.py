@@ -8,13 +8,14 @@ inputs, and the output is matched against LayerNorm and RMSNorm, with the weight
 
 from __future__ import annotations
 
-import copy
 import re
 from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from .. import offload
 
 NORM_CLASS_NAME = re.compile(r"(layer|rms|ln)_?norm|norm$", re.IGNORECASE)
 NOT_A_TOKEN_NORM = re.compile(r"batch|group|instance|weight_?norm|spectral", re.IGNORECASE)
@@ -100,7 +101,7 @@ def normalized_reference(x: torch.Tensor, kind: str, eps: float) -> torch.Tensor
 
 def probe(candidate: _Candidate) -> tuple[str | None, bool, str | None]:
     """Classify by running a float32 copy with random parameters: (kind, weight_offset, problem)."""
-    module = copy.deepcopy(candidate.module).float().cpu()
+    module = offload.cpu_copy(candidate.module)
     generator = torch.Generator().manual_seed(0)
     shape = candidate.shape
     with torch.no_grad():

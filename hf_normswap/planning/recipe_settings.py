@@ -11,14 +11,7 @@ from .settings import PlanSettings
 def recipe_settings(config, processes: int, sharded: bool, device_memory: int | None = None) -> PlanSettings:
     """:class:`PlanSettings` of ``config`` launched on ``processes`` processes (FSDP2 when ``sharded``).
     ``precision: auto`` is planned as fp32, the larger of its two answers' activations."""
-    calibration, training = config.calibration, config.training
-    block = STRATEGIES["block"]  # the recipe's LLM configs' strategy, for the settings a config leaves to it
-
-    def preset(name):
-        value = getattr(calibration, name, None)
-        return getattr(block, name) if value is None else value
-
-    tune_steps = preset("tune_steps")
+    training = config.training
     return PlanSettings(
         processes=processes, sharding="fsdp2" if sharded else "ddp", device_memory=device_memory,
         trainable=config.trainable, lora_rank=config.lora.r,
@@ -26,12 +19,24 @@ def recipe_settings(config, processes: int, sharded: bool, device_memory: int | 
         gradient_checkpointing=bool(training.get("gradient_checkpointing", False)),
         batch_size=int(training.get("per_device_train_batch_size", 1)), seq_len=config.block_len,
         hidden_distill=bool(config.distill.hidden or config.distill.embedding), head_chunk=config.head_chunk,
-        calibrate=config.original is None, calibration_blocks=calibration.num_blocks,
-        calibration_len=calibration.block_len, calibration_batch=calibration.batch_size,
-        tune_rows=preset("tune_blocks") if tune_steps else 0,
-        block_rows=preset("block_steps") * preset("block_rows"),
-        block_weights=preset("block_weights_lr") > 0, cache_on_disk=calibration.cache_memory_mb == 0,
-        eval_len=config.final_eval.max_length or 512)
+        calibrate=config.original is None, eval_len=config.final_eval.max_length or 512,
+        **calibration_settings(config.calibration))
+
+
+def calibration_settings(calibration) -> dict:
+    """The :class:`PlanSettings` fields of a ``CalibrationConfig``; what it leaves to its strategy is the block
+    strategy's (the language models' default)."""
+    block = STRATEGIES["block"]
+
+    def preset(name):
+        value = getattr(calibration, name, None)
+        return getattr(block, name) if value is None else value
+
+    tune_steps = preset("tune_steps")
+    return dict(calibration_blocks=calibration.num_blocks, calibration_len=calibration.block_len,
+                calibration_batch=calibration.batch_size, tune_rows=preset("tune_blocks") if tune_steps else 0,
+                block_rows=preset("block_steps") * preset("block_rows"), block_weights=preset("block_weights_lr") > 0,
+                cache_on_disk=calibration.cache_memory_mb == 0)
 
 
 def recipe_plan(config, processes: int, sharded: bool, device_memory: int | None = None) -> MemoryPlan:

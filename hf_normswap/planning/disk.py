@@ -1,0 +1,36 @@
+"""How much of a model calibration may keep in host memory within a limit (``--max-host-memory``, or the memory
+this machine has free): the rest of its weights stays on disk and calibration brings one block in at a time
+(``hf_normswap/offload.py``)."""
+
+from __future__ import annotations
+
+from .plan import gb
+from .recipe_memory import conversion_phases
+from .recipe_settings import calibration_settings
+from .settings import PlanSettings
+from .sizes import PlanError, model_sizes
+
+
+def free_host_memory() -> int:
+    """Bytes this machine can give without swapping (``MemAvailable``)."""
+    import psutil
+
+    return psutil.virtual_memory().available
+
+
+def weights_in_memory(model, calibration, limit: int) -> int | None:
+    """Bytes of ``model``'s weights that a conversion calibrated by ``calibration`` (a ``CalibrationConfig``) may
+    hold in host memory within ``limit``, or None when the whole model fits. On disk, calibration skips its
+    end-to-end steps (a backward through every block would hold all their weights), so what it needs beside the
+    weights is the block pass's: the runtime, the hidden states between blocks, the block being fitted. Raises
+    :class:`PlanError` when even that exceeds ``limit``."""
+    sizes = model_sizes(model)
+    settings = PlanSettings(**calibration_settings(calibration))
+    if max(phase.host_main for phase in conversion_phases(sizes, settings)) <= limit:
+        return None
+    beside = max(phase.host_main - phase.main.get("model", 0)
+                 for phase in conversion_phases(sizes, settings.replace(tune_rows=0)))
+    if beside >= limit:
+        raise PlanError(f"a host memory of {gb(limit)} is below what calibration needs beside the weights "
+                        f"({gb(beside)}): allow more, or calibrate on fewer or shorter sequences")
+    return limit - beside
