@@ -27,6 +27,7 @@ import transformers
 from safetensors import SafetensorError
 from torch import nn
 
+from .. import offload
 from ..modules import METHODS, ElementwiseNorm
 from ..validation import ValidationError, check_path_length, first_line
 from ..version import __version__
@@ -341,6 +342,9 @@ def _rewrite_config(directory: Path, base: dict, record: ConversionRecord) -> di
     return config
 
 
+OFFLOADED_SHARD = "1GB"
+
+
 def save_pretrained(
     model: nn.Module,
     save_directory: str | os.PathLike,
@@ -375,6 +379,11 @@ def save_pretrained(
     modeling = remote_code.render(base["architecture"], base["config_class"], base["model_type"])
     remote_code.check_remote_modules(modeling)
     kwargs.pop("push_to_hub", None)
+    if offload.is_offloaded(model):  # weights on disk come back one shard at a time: a shard is what memory holds
+        kwargs.setdefault("max_shard_size", OFFLOADED_SHARD)
+        # transformers finds tied weights by tensor identity, which the offload hooks' placeholders lack
+        tied = getattr(model, "all_tied_weights_keys", None) or {}
+        kwargs.setdefault("state_dict", {k: v for k, v in model.state_dict().items() if k not in tied})
     with atomic_directory(save_directory, overwrite, into_existing) as staging:
         with _dense(model):
             try:

@@ -21,11 +21,22 @@ from tiny_models import tiny_model, tiny_tokenizer
 
 @pytest.fixture(scope="module")
 def sharded(tmp_path_factory):
-    """A tiny Llama saved as several safetensors shards, with its tokenizer."""
+    """A tiny Llama with tied embeddings (as SmolLM2, Llama-3.2) saved as several safetensors shards, with its
+    tokenizer."""
     folder = tmp_path_factory.mktemp("sharded")
-    tiny_model("llama").save_pretrained(folder, max_shard_size="20KB")
+    tiny_model("llama", tie_word_embeddings=True).save_pretrained(folder, max_shard_size="20KB")
     tiny_tokenizer().save_pretrained(folder)
     return folder
+
+
+def saved_names(folder):
+    from safetensors import safe_open
+
+    names = set()
+    for path in folder.glob("*.safetensors"):
+        with safe_open(str(path), "pt") as f:
+            names |= set(f.keys())
+    return names
 
 
 def calibration(**changes):
@@ -43,6 +54,8 @@ def test_calibrating_from_disk_gives_the_in_memory_checkpoint(sharded, tmp_path,
     reports = [hf_normswap.convert(m, method, calibration=calibration()) for m in (in_memory, on_disk)]
     assert all(p.device.type == "meta" for p in on_disk.model.layers.parameters())  # calibrated blocks back on disk
     hf_normswap.save_pretrained(on_disk, tmp_path / "out")
+    hf_normswap.save_pretrained(in_memory, tmp_path / "memory")
+    assert saved_names(tmp_path / "out") == saved_names(tmp_path / "memory")  # the tied head written once
     reloaded = hf_normswap.load(tmp_path / "out")
     expected, saved = in_memory.state_dict(), reloaded.state_dict()
     assert expected.keys() == saved.keys()
