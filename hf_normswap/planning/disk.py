@@ -18,18 +18,23 @@ def free_host_memory() -> int:
     return psutil.virtual_memory().available
 
 
+def beside_the_weights(sizes, settings: PlanSettings) -> int:
+    """Host bytes calibration from disk needs beside the weights it keeps in memory: the block pass's runtime,
+    hidden states between blocks and block being fitted (no end-to-end steps on disk)."""
+    return max(phase.host_main - phase.main.get("model", 0)
+               for phase in conversion_phases(sizes, settings.replace(tune_rows=0)))
+
+
 def weights_in_memory(model, calibration, limit: int) -> int | None:
     """Bytes of ``model``'s weights that a conversion calibrated by ``calibration`` (a ``CalibrationConfig``) may
     hold in host memory within ``limit``, or None when the whole model fits. On disk, calibration skips its
     end-to-end steps (a backward through every block would hold all their weights), so what it needs beside the
-    weights is the block pass's: the runtime, the hidden states between blocks, the block being fitted. Raises
-    :class:`PlanError` when even that exceeds ``limit``."""
+    weights is :func:`beside_the_weights`. Raises :class:`PlanError` when even that exceeds ``limit``."""
     sizes = model_sizes(model)
     settings = PlanSettings(**calibration_settings(calibration))
     if max(phase.host_main for phase in conversion_phases(sizes, settings)) <= limit:
         return None
-    beside = max(phase.host_main - phase.main.get("model", 0)
-                 for phase in conversion_phases(sizes, settings.replace(tune_rows=0)))
+    beside = beside_the_weights(sizes, settings)
     if beside >= limit:
         raise PlanError(f"a host memory of {gb(limit)} is below what calibration needs beside the weights "
                         f"({gb(beside)}): allow more, or calibrate on fewer or shorter sequences")
