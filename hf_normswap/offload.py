@@ -1,8 +1,8 @@
 """Weights on disk, for a model larger than the host memory allowed.
 
-A model loaded with ``max_host_memory`` keeps in memory what fits (accelerate's ``infer_auto_device_map``, a block
-never split) and leaves the rest on disk: accelerate's disk offload, reading the checkpoint's own safetensors shards
-(transformers maps them without a copy). Each forward pass then brings a module's weights in for its own call and
+A model loaded within a limit (``normswap convert --max-host-memory``, ``load_model(weights_memory=)``) keeps in
+memory what fits (accelerate's ``infer_auto_device_map``, a block never split) and leaves the rest on disk:
+accelerate's disk offload, reading the checkpoint's own safetensors shards (transformers maps them without a copy). Each forward pass then brings a module's weights in for its own call and
 drops them after, so any pass over the whole model runs in the memory of one layer.
 
 Calibration changes weights, which the hooks would drop: :func:`in_memory` loads a block for its calibration stage
@@ -31,16 +31,12 @@ def new_folder(model_name: str) -> tempfile.TemporaryDirectory:
     return tempfile.TemporaryDirectory(prefix=f"normswap-offload-{Path(model_name).name[:40]}-")
 
 
-def has_offloaded_weights(module: nn.Module) -> bool:
-    """Whether ``module`` holds weights left on disk (accelerate's offload hook on it)."""
+def is_offloaded(model: nn.Module) -> bool:
+    """Whether any weight of ``model`` is on disk (accelerate's offload hook on a module of it); a model loaded with
+    any ``device_map`` that puts weights on disk counts."""
     from accelerate.utils import has_offloaded_params
 
-    return has_offloaded_params(module)
-
-
-def is_offloaded(model: nn.Module) -> bool:
-    """Whether any weight of ``model`` is on disk."""
-    return any(has_offloaded_weights(m) for m in model.modules())
+    return any(has_offloaded_params(m) for m in model.modules())
 
 
 def execution_device(module: nn.Module) -> torch.device | None:
@@ -54,11 +50,11 @@ def _load(module: nn.Module, device: torch.device) -> bool:
     """The offloaded weights of ``module`` and its submodules into memory on ``device``, their hooks removed;
     whether anything was on disk."""
     from accelerate.hooks import remove_hook_from_module
-    from accelerate.utils import named_module_tensors, set_module_tensor_to_device
+    from accelerate.utils import has_offloaded_params, named_module_tensors, set_module_tensor_to_device
 
     loaded = False
     for sub in list(module.modules()):
-        if not has_offloaded_weights(sub):
+        if not has_offloaded_params(sub):
             continue
         hook = sub._hf_hook
         values = {name: hook.weights_map[name] for name, _ in
@@ -105,6 +101,8 @@ def in_memory(model: nn.Module, name: str, device: torch.device):
     finally:
         if loaded:
             module = model.get_submodule(name)
+            if getattr(model, FOLDER_ATTRIBUTE, None) is None:  # loaded with a device map outside normswap
+                setattr(model, FOLDER_ATTRIBUTE, new_folder(getattr(model, "name_or_path", "") or "model"))
             folder = Path(getattr(model, FOLDER_ATTRIBUTE).name) / "calibrated" / name
             offload_state_dict(folder, {key: value.detach() for key, value in module.named_parameters()})
             attach_align_device_hook(module, execution_device=device, offload=True,
