@@ -14,7 +14,12 @@ Cases:
 - ``calibration-llama1b``: the same on a Llama-3.2-1B-shaped model with random weights, built from its config and
   saved as sharded safetensors in a temporary folder (removed afterwards), on random token ids;
 - ``recipe-{ddp,fsdp2}-{all,norms}``: recipes/finetune.py on 2 processes over gloo (accelerate launch), SmolLM2
-  converted analytically (no calibration in the run), logit KL and the layer-wise term, fp32.
+  converted analytically (no calibration in the run), logit KL and the layer-wise term, fp32;
+- ``recipe-single-all``: the same recipe in one process (``python recipes/finetune.py``), against which each
+  two-process case's memory at start is put: ``start`` is the sum over its processes of each one's peak before
+  training begins (the ``load`` phase: the models loaded, the first evaluation, the training rows), ``start_ratio``
+  that sum over the single process's, ``start_ratio_models`` the same with each process's runtime
+  (``RUNTIME_BYTES``) taken off.
 
 ``OUT/results.json`` holds the machine, the commit, each case's command, predicted and measured peaks per process.
 """
@@ -202,9 +207,12 @@ def prediction(name: str) -> tuple[list[int], dict[str, list[int]]]:
         result = plan(model, **calibration_settings(name))
         return [result.conversion_peak()["host_main"]], {p.name: [p.host_main] for p in result.conversion}
     _, mode, trainable = name.split("-")
-    result = plan("offline:smollm2", processes=2, sharding=mode, trainable=trainable, seq_len=RECIPE_BLOCK,
+    processes, mode = (1, "ddp") if mode == "single" else (2, mode)
+    result = plan("offline:smollm2", processes=processes, sharding=mode, trainable=trainable, seq_len=RECIPE_BLOCK,
                   eval_len=EVAL_LENGTH, calibrate=False)
     peak = result.peak()
+    if processes == 1:
+        return [peak["host_main"]], {p.name: [p.host_main] for p in result.recipe}
     return [peak["host_main"], peak["host_other"]], {p.name: [p.host_main, p.host_other] for p in result.recipe}
 
 
@@ -215,7 +223,26 @@ def replan(results: dict) -> dict:
         for phase, values in phases.items():
             case.setdefault("phases", {}).setdefault(phase, {})["predicted"] = values
         case["ratio"] = [round(p / m, 3) for p, m in zip(case["predicted"], case["measured"])]
+    start_ratios(results)
     return results
+
+
+def start_ratios(results: dict) -> None:
+    """Each two-process recipe case's memory at start (every process's peak before training, summed) over the
+    single process's (``recipe-single-all``), whole and with each process's runtime taken off."""
+    from hf_normswap.planning.phases import RUNTIME_BYTES
+
+    cases = {case["case"]: case for case in results["cases"]}
+    single = cases.get("recipe-single-all", {}).get("phases", {}).get("load", {}).get("measured")
+    for case in results["cases"]:
+        starts = case.get("phases", {}).get("load", {}).get("measured")
+        if not case["case"].startswith("recipe") or not starts or None in starts:
+            continue
+        case["start"] = sum(starts)
+        if single and case["case"] != "recipe-single-all":
+            case["start_ratio"] = round(case["start"] / single[0], 3)
+            case["start_ratio_models"] = round((case["start"] - len(starts) * RUNTIME_BYTES)
+                                               / (single[0] - RUNTIME_BYTES), 3)
 
 
 def calibration_settings(case: str) -> dict:
@@ -247,9 +274,10 @@ def recipe_case(name: str, work: Path, out: Path) -> dict:
                    f"training.max_steps={RECIPE_STEPS}", "training.per_device_train_batch_size=1",
                    "training.logging_steps=1", "training.save_strategy=no", "training.report_to=none",
                    "training.disable_tqdm=true"]
-    command = [sys.executable, "-m", "accelerate.commands.launch", *LAUNCHERS[mode], "--num_processes", "2",
-               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port",
-               "0", str(Path(__file__).resolve()), "--worker", str(run_dir / "memory"), "--", *recipe_args]
+    worker = [str(Path(__file__).resolve()), "--worker", str(run_dir / "memory"), "--", *recipe_args]
+    command = [sys.executable, *worker] if mode == "single" else [
+        sys.executable, "-m", "accelerate.commands.launch", *LAUNCHERS[mode], "--num_processes", "2",
+        "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "0", *worker]
     result = subprocess.run(command, cwd=ROOT, env=environment(), capture_output=True, text=True)
     (out / f"{name}.log").write_text(result.stdout + result.stderr)
     if result.returncode:
@@ -259,13 +287,13 @@ def recipe_case(name: str, work: Path, out: Path) -> dict:
         raise SystemExit(f"{name}: the log {'has' if sharded else 'lacks'} the shard units: not {mode}")
     ranks = [json.loads(p.read_text()) for p in sorted((run_dir / "memory").glob("rank*.json"))]
     phases = sorted({phase for r in ranks for phase in r.get("phases", {})})
-    return {"case": name, "command": "accelerate launch " + " ".join(LAUNCHERS[mode]) + " --num_processes 2 "
-            "recipes/finetune.py " + " ".join(recipe_args[3:]), "measured": [r["peak"] for r in ranks],
+    launcher = "python" if mode == "single" else "accelerate launch " + " ".join(LAUNCHERS[mode]) + " --num_processes 2"
+    return {"case": name, "command": f"{launcher} recipes/finetune.py " + " ".join(recipe_args[3:]), "measured": [r["peak"] for r in ranks],
             "phases": {phase: {"measured": [r.get("phases", {}).get(phase) for r in ranks]} for phase in phases}}
 
 
-CASES = ["runtime", "calibration-smollm2", "calibration-llama1b", "recipe-ddp-all", "recipe-ddp-norms",
-         "recipe-fsdp2-all", "recipe-fsdp2-norms"]
+CASES = ["runtime", "calibration-smollm2", "calibration-llama1b", "recipe-single-all", "recipe-ddp-all",
+         "recipe-ddp-norms", "recipe-fsdp2-all", "recipe-fsdp2-norms"]
 
 
 def main(argv=None) -> int:

@@ -109,6 +109,8 @@ def main(argv: list[str] | None = None) -> int:
 def evaluate_calibrated(config, student, original, tokenizer, summary: dict, state, log):
     """The calibrated model against the original, once (a resumed run keeps the first measurement), on the main
     process; returns the evaluation texts, which the final evaluation reads again (every process under FSDP2)."""
+    from accelerate.utils import broadcast_object_list
+
     from ..data import DataError
     from ..evaluation.texts import evaluation_texts
     from .run_dir import write_json
@@ -128,9 +130,9 @@ def evaluate_calibrated(config, student, original, tokenizer, summary: dict, sta
         write_json(Path(config.output_dir) / "summary.json", summary)
         log(f"after calibration ({time.time() - start:.0f}s):\n{before.table()}")
     state.wait_for_everyone()
-    if fsdp2_requested() and not state.is_main_process:  # under FSDP2 every process takes part in the final one
-        eval_texts = texts()
-    return eval_texts
+    if fsdp2_requested() and state.num_processes > 1:  # under FSDP2 every process takes part in the final one,
+        eval_texts = broadcast_object_list([eval_texts])[0]  # on the main process's texts (the others may hold no
+    return eval_texts  # weights to sample the original's from)
 
 
 def train(config, student, original, tokenizer, state, log) -> TrainingRun:
@@ -152,7 +154,7 @@ def train(config, student, original, tokenizer, state, log) -> TrainingRun:
     train_set, eval_set = recipe_datasets(config, tokenizer, original, state, encoder)
     if config.train_tokens is not None:  # takes precedence over max_steps
         config.training["max_steps"] = steps_for(config, train_set, state.num_processes)
-    swap = progressive_swap(config, student, original, log)
+    swap = progressive_swap(config, student, original, state, log)
     student = choose_trainable(config, student, train_set, encoder, log)
     precision = training_precision(config, student, original, train_set, tokenizer, state)
     config.training["bf16"] = precision.bf16
@@ -183,10 +185,14 @@ def train(config, student, original, tokenizer, state, log) -> TrainingRun:
                        eval_set=eval_set, encoder=encoder, wall=time.time() - start, last=last, resumed=resumed)
 
 
-def progressive_swap(config, student, original, log):
+def progressive_swap(config, student, original, state, log):
     """The :class:`ProgressiveSwap` of ``progressive.enabled`` (None when off): the converted norms swapped in a few
-    at a time, the original's norms standing in for the others."""
+    at a time, the original's norms standing in for the others (the main process's, where the others hold the
+    original on the meta device)."""
+    from accelerate.utils import broadcast_object_list
+
     from .progressive import ProgressiveSwap, schedule
+    from .recipe_models import original_read_once
 
     progressive = config.progressive
     if not progressive.enabled:
@@ -196,6 +202,11 @@ def progressive_swap(config, student, original, log):
                       every=progressive.every, ramp=progressive.ramp, order=progressive.order,
                       role_order=progressive.role_order, group=progressive.group)
     swap = ProgressiveSwap(student, {n: original.get_submodule(n) for n in converted}, stages)
+    if original_read_once(config, state):
+        norms = broadcast_object_list([{n: m.state_dict() for n, m in swap.originals.items()}
+                                       if state.is_main_process else None])[0]
+        for name, module in swap.originals.items():
+            module.load_state_dict(norms[name], assign=True)
     log(f"progressive: {len(stages)} stages by {progressive.order}, every {progressive.every} steps")
     return swap
 
