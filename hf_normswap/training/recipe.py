@@ -25,6 +25,7 @@ read as YAML), checked before anything loads (``recipe_settings``, ``recipe_data
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import time
 from pathlib import Path
@@ -201,12 +202,14 @@ def progressive_swap(config, student, original, state, log):
     stages = schedule({name: entry["role"] for name, entry in converted.items()}, start=progressive.start,
                       every=progressive.every, ramp=progressive.ramp, order=progressive.order,
                       role_order=progressive.role_order, group=progressive.group)
-    swap = ProgressiveSwap(student, {n: original.get_submodule(n) for n in converted}, stages)
+    norms = {n: original.get_submodule(n) for n in converted}
     if original_read_once(config, state):
-        norms = broadcast_object_list([{n: m.state_dict() for n, m in swap.originals.items()}
-                                       if state.is_main_process else None])[0]
-        for name, module in swap.originals.items():
-            module.load_state_dict(norms[name], assign=True)
+        weights = broadcast_object_list([{n: m.state_dict() for n, m in norms.items()}
+                                         if state.is_main_process else None])[0]
+        for name, module in norms.items():  # a copy: the original is sharded on the meta device
+            norms[name] = copy.deepcopy(module)
+            norms[name].load_state_dict(weights[name], assign=True)
+    swap = ProgressiveSwap(student, norms, stages)
     log(f"progressive: {len(stages)} stages by {progressive.order}, every {progressive.every} steps")
     return swap
 
