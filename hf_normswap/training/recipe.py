@@ -60,11 +60,12 @@ def log_memory_plan(config, state, log) -> None:
     if not state.is_main_process:
         return
     from ..planning import PlanError, recipe_plan
-    from .sharding import fsdp2_requested
+    from .sharding import fsdp2_requested, loads_once
 
     device_memory = torch.cuda.get_device_properties(state.device).total_memory if state.device.type == "cuda" else None
     try:
-        memory = recipe_plan(config, processes=state.num_processes, sharded=fsdp2_requested(), device_memory=device_memory)
+        memory = recipe_plan(config, processes=state.num_processes, sharded=fsdp2_requested(), device_memory=device_memory,
+                             load_once=loads_once())
     except (PlanError, OSError, ValueError) as error:
         log(f"memory plan: not available ({error})")
         return
