@@ -24,7 +24,8 @@ def recipe_settings(config, processes: int, sharded: bool, device_memory: int | 
     return PlanSettings(
         processes=processes, sharding="fsdp2" if sharded else "ddp", device_memory=device_memory,
         trainable=config.trainable, lora_rank=config.lora.r,
-        precision="bf16" if config.precision == "bf16" else "fp32", shard_teacher=config.shard_teacher, load_once=load_once,
+        precision="bf16" if config.precision == "bf16" else "fp32", shard_teacher=config.shard_teacher,
+        load_once=load_once,
         gradient_checkpointing=bool(training.get("gradient_checkpointing", False)),
         batch_size=int(training.get("per_device_train_batch_size", 1)), seq_len=config.block_len,
         hidden_distill=bool(config.distill.hidden or config.distill.embedding), head_chunk=config.head_chunk,

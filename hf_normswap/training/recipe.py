@@ -64,8 +64,8 @@ def log_memory_plan(config, state, log) -> None:
 
     device_memory = torch.cuda.get_device_properties(state.device).total_memory if state.device.type == "cuda" else None
     try:
-        memory = recipe_plan(config, processes=state.num_processes, sharded=fsdp2_requested(), device_memory=device_memory,
-                             load_once=loads_once())
+        memory = recipe_plan(config, processes=state.num_processes, sharded=fsdp2_requested(),
+                             device_memory=device_memory, load_once=loads_once())
     except (PlanError, OSError, ValueError) as error:
         log(f"memory plan: not available ({error})")
         return
