@@ -241,6 +241,10 @@ def start_ratios(results: dict) -> None:
 
     single = next((case.get("start_sum") for case in results["cases"] if case["case"] == "recipe-single-all"), None)
     for case in results["cases"]:
+        if case.get("start_sum") is not None:  # the plan's load phase on every process (one main, the others alike)
+            load = case["phases"]["load"]["predicted"]
+            case["start_predicted"] = load[0] + (len(case["measured"]) - 1) * load[-1]
+            case["start_ratio_predicted"] = round(case["start_predicted"] / case["start_sum"], 3)
         if case.get("start_sum") is None or not single or case["case"] == "recipe-single-all":
             continue
         processes = len(case["measured"])
