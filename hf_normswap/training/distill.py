@@ -352,7 +352,7 @@ class NormSwapTrainer(Trainer):
         if self.fsdp2:
             sharding.vectors_for_scalars(self.model)  # before the optimizer is made on its parameters
             if from_main:
-                sharding.shard_from_main(self.teacher, self.accelerator.is_main_process)
+                sharding.shard_from_main(self.teacher, self.accelerator.is_main_process, self.args.device)
             elif self.teacher_sharded:
                 sharding.shard(self.teacher)
             self.add_callback(sharding.ShardingLog(self.teacher if distilled else None))

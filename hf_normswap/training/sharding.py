@@ -98,11 +98,13 @@ def shard(model: nn.Module) -> nn.Module:
     return model
 
 
-def shard_from_main(model: nn.Module, main: bool) -> nn.Module:
+def shard_from_main(model: nn.Module, main: bool, device: torch.device | str) -> nn.Module:
     """:func:`shard` a model whose weights only the main process holds (the others built it on the meta device),
     then give every process its shards from the main process's full state dict with torch's own
     ``set_model_state_dict(..., broadcast_from_rank0=True)``. Non-persistent buffers (rotary ``inv_freq``) are in no
-    state dict: each process keeps its own, as accelerate's ``fsdp2_prepare_model`` does. Every process must call it."""
+    state dict: each process keeps its own, as accelerate's ``fsdp2_prepare_model`` does. The shards and buffers end
+    on ``device`` (torch places what it receives on its process group's default device). Every process must call
+    it."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
     full = model.state_dict() if main else {}
@@ -116,7 +118,7 @@ def shard_from_main(model: nn.Module, main: bool) -> nn.Module:
     for name, buffer in buffers.items():
         parent, _, local = name.rpartition(".")
         (model.get_submodule(parent) if parent else model).register_buffer(local, buffer, persistent=False)
-    return retie(model)
+    return retie(model.to(device))
 
 
 def storage_for_optimizer(model: nn.Module) -> nn.Module:
