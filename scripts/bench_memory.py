@@ -14,7 +14,12 @@ Cases:
 - ``calibration-llama1b``: the same on a Llama-3.2-1B-shaped model with random weights, built from its config and
   saved as sharded safetensors in a temporary folder (removed afterwards), on random token ids;
 - ``recipe-{ddp,fsdp2}-{all,norms}``: recipes/finetune.py on 2 processes over gloo (accelerate launch), SmolLM2
-  converted analytically (no calibration in the run), logit KL and the layer-wise term, fp32.
+  converted analytically (no calibration in the run), logit KL and the layer-wise term, fp32;
+- ``recipe-single-all``: the same recipe in one process (``python recipes/finetune.py``), against which each
+  two-process case's memory at start is put: ``start_sum`` is the largest total resident set of all its processes
+  at once before training begins (the ``load`` phase: the models loaded, the first evaluation, the training rows,
+  the teacher sharded), ``start_ratio`` that total over the single process's, ``start_ratio_models`` the same with
+  each process's runtime (``RUNTIME_BYTES``) taken off.
 
 ``OUT/results.json`` holds the machine, the commit, each case's command, predicted and measured peaks per process.
 """
@@ -76,11 +81,16 @@ def resident() -> int:
     return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def phase_sampler(phase: list[str], peaks: dict[str, int], done: threading.Event) -> threading.Thread:
-    """A thread that keeps the largest resident set seen under each name ``phase[0]`` takes, every 20 ms."""
+def phase_sampler(phase: list[str], peaks: dict[str, int], done: threading.Event,
+                  timeline: list | None = None) -> threading.Thread:
+    """A thread that keeps the largest resident set seen under each name ``phase[0]`` takes, every 20 ms, and in
+    ``timeline`` each sample of the ``load`` phase as (wall-clock time, bytes)."""
     def sample():
         while not done.is_set():
-            peaks[phase[0]] = max(peaks.get(phase[0], 0), resident())
+            rss = resident()
+            peaks[phase[0]] = max(peaks.get(phase[0], 0), rss)
+            if timeline is not None and phase[0] == "load":
+                timeline.append((time.time(), rss))
             time.sleep(0.02)
     thread = threading.Thread(target=sample, daemon=True)
     thread.start()
@@ -139,12 +149,14 @@ def recipe_worker(out: Path, recipe_args: list[str]) -> int:
             phase[0] = "final evaluation and save"
 
     distill.NormSwapTrainer.train = marked_train
-    sampler = phase_sampler(phase, peaks, done)
+    timeline = []
+    sampler = phase_sampler(phase, peaks, done, timeline)
     code = recipe.main(recipe_args)
     done.set()
     sampler.join()
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"rank{os.environ.get('RANK', 0)}.json").write_text(json.dumps({"peak": peak_rss(), "phases": peaks}))
+    (out / f"rank{os.environ.get('RANK', 0)}.json").write_text(json.dumps({"peak": peak_rss(), "phases": peaks,
+                                                                          "load_timeline": timeline}))
     return code
 
 
@@ -202,9 +214,12 @@ def prediction(name: str) -> tuple[list[int], dict[str, list[int]]]:
         result = plan(model, **calibration_settings(name))
         return [result.conversion_peak()["host_main"]], {p.name: [p.host_main] for p in result.conversion}
     _, mode, trainable = name.split("-")
-    result = plan("offline:smollm2", processes=2, sharding=mode, trainable=trainable, seq_len=RECIPE_BLOCK,
+    processes, mode = (1, "ddp") if mode == "single" else (2, mode)
+    result = plan("offline:smollm2", processes=processes, sharding=mode, trainable=trainable, seq_len=RECIPE_BLOCK,
                   eval_len=EVAL_LENGTH, calibrate=False)
     peak = result.peak()
+    if processes == 1:
+        return [peak["host_main"]], {p.name: [p.host_main] for p in result.recipe}
     return [peak["host_main"], peak["host_other"]], {p.name: [p.host_main, p.host_other] for p in result.recipe}
 
 
@@ -215,7 +230,26 @@ def replan(results: dict) -> dict:
         for phase, values in phases.items():
             case.setdefault("phases", {}).setdefault(phase, {})["predicted"] = values
         case["ratio"] = [round(p / m, 3) for p, m in zip(case["predicted"], case["measured"])]
+    start_ratios(results)
     return results
+
+
+def start_ratios(results: dict) -> None:
+    """Each two-process recipe case's memory at start (every process's peak before training, summed) over the
+    single process's (``recipe-single-all``), whole and with each process's runtime taken off."""
+    from hf_normswap.planning.phases import RUNTIME_BYTES
+
+    single = next((case.get("start_sum") for case in results["cases"] if case["case"] == "recipe-single-all"), None)
+    for case in results["cases"]:
+        if case.get("start_sum") is not None:  # the plan's load phase on every process (one main, the others alike)
+            load = case["phases"]["load"]["predicted"]
+            case["start_predicted"] = load[0] + (len(case["measured"]) - 1) * load[-1]
+            case["start_ratio_predicted"] = round(case["start_predicted"] / case["start_sum"], 3)
+        if case.get("start_sum") is None or not single or case["case"] == "recipe-single-all":
+            continue
+        processes = len(case["measured"])
+        case["start_ratio"] = round(case["start_sum"] / single, 3)
+        case["start_ratio_models"] = round((case["start_sum"] - processes * RUNTIME_BYTES) / (single - RUNTIME_BYTES), 3)
 
 
 def calibration_settings(case: str) -> dict:
@@ -247,9 +281,10 @@ def recipe_case(name: str, work: Path, out: Path) -> dict:
                    f"training.max_steps={RECIPE_STEPS}", "training.per_device_train_batch_size=1",
                    "training.logging_steps=1", "training.save_strategy=no", "training.report_to=none",
                    "training.disable_tqdm=true"]
-    command = [sys.executable, "-m", "accelerate.commands.launch", *LAUNCHERS[mode], "--num_processes", "2",
-               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port",
-               "0", str(Path(__file__).resolve()), "--worker", str(run_dir / "memory"), "--", *recipe_args]
+    worker = [str(Path(__file__).resolve()), "--worker", str(run_dir / "memory"), "--", *recipe_args]
+    command = [sys.executable, *worker] if mode == "single" else [
+        sys.executable, "-m", "accelerate.commands.launch", *LAUNCHERS[mode], "--num_processes", "2",
+        "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "0", *worker]
     result = subprocess.run(command, cwd=ROOT, env=environment(), capture_output=True, text=True)
     (out / f"{name}.log").write_text(result.stdout + result.stderr)
     if result.returncode:
@@ -259,13 +294,28 @@ def recipe_case(name: str, work: Path, out: Path) -> dict:
         raise SystemExit(f"{name}: the log {'has' if sharded else 'lacks'} the shard units: not {mode}")
     ranks = [json.loads(p.read_text()) for p in sorted((run_dir / "memory").glob("rank*.json"))]
     phases = sorted({phase for r in ranks for phase in r.get("phases", {})})
-    return {"case": name, "command": "accelerate launch " + " ".join(LAUNCHERS[mode]) + " --num_processes 2 "
-            "recipes/finetune.py " + " ".join(recipe_args[3:]), "measured": [r["peak"] for r in ranks],
-            "phases": {phase: {"measured": [r.get("phases", {}).get(phase) for r in ranks]} for phase in phases}}
+    start_sum = peak_of_sum([r["load_timeline"] for r in ranks])
+    launcher = "python" if mode == "single" else "accelerate launch " + " ".join(LAUNCHERS[mode]) + " --num_processes 2"
+    return {"case": name, "command": f"{launcher} recipes/finetune.py " + " ".join(recipe_args[3:]), "measured": [r["peak"] for r in ranks],
+            "phases": {phase: {"measured": [r.get("phases", {}).get(phase) for r in ranks]} for phase in phases},
+            "start_sum": start_sum}
 
 
-CASES = ["runtime", "calibration-smollm2", "calibration-llama1b", "recipe-ddp-all", "recipe-ddp-norms",
-         "recipe-fsdp2-all", "recipe-fsdp2-norms"]
+def peak_of_sum(timelines: list[list[tuple[float, int]]]) -> int:
+    """The largest total resident set of all processes at once while any is still before training: at each sample
+    of any process, the sum of every process's latest sample (a process not yet sampled, or already training,
+    counts its first or last sample of the phase)."""
+    events = sorted((t, rank, rss) for rank, timeline in enumerate(timelines) for t, rss in timeline)
+    latest = [timeline[0][1] if timeline else 0 for timeline in timelines]
+    peak = sum(latest)
+    for _, rank, rss in events:
+        latest[rank] = rss
+        peak = max(peak, sum(latest))
+    return peak
+
+
+CASES = ["runtime", "calibration-smollm2", "calibration-llama1b", "recipe-single-all", "recipe-ddp-all",
+         "recipe-ddp-norms", "recipe-fsdp2-all", "recipe-fsdp2-norms"]
 
 
 def main(argv=None) -> int:

@@ -99,11 +99,14 @@ def _looks_local(spec: str, location: str) -> bool:
     return False
 
 
-def load_model(spec: str, dtype=None, with_tokenizer: bool = True, device=None, weights_memory: int | None = None):
+def load_model(spec: str, dtype=None, with_tokenizer: bool = True, device=None, empty: bool = False,
+               weights_memory: int | None = None):
     """(model in eval mode, tokenizer or None). Raises ``ModelLoadError`` with a one-line reason.
 
     ``device`` (e.g. ``cuda``) and ``dtype`` go to transformers' own placement (``device_map``, ``dtype``), so the
-    weights load straight onto the device; a GGUF file is dequantized in CPU memory first, then moved.
+    weights load straight onto the device; a GGUF file is dequantized in CPU memory first, then moved. ``empty``:
+    the model built from its config alone, parameters on the meta device and no weight read (buffers real, e.g.
+    rotary ``inv_freq``, computed as at load), for a sharded run's processes that receive their shards.
     ``weights_memory``: at most that many bytes of weights in host memory, the rest left on disk (``offload.py``)."""
     location, extra = resolve(spec)
     if weights_memory is not None and "gguf_file" in extra:
@@ -125,7 +128,9 @@ def load_model(spec: str, dtype=None, with_tokenizer: bool = True, device=None, 
         kwargs.update(device_map="auto", max_memory={"cpu": max(int(weights_memory), 1)},
                       offload_folder=folder.name)
     try:
-        if "gguf_file" in extra:
+        if empty:
+            model = _empty_model(location, extra, cache_only, dtype)
+        elif "gguf_file" in extra:
             model = AutoModelForCausalLM.from_pretrained(location, **kwargs)
             if device is not None:  # after dequantizing: the GGUF loader's own placement is not relied on
                 model.to(device)
@@ -163,6 +168,24 @@ def load_model(spec: str, dtype=None, with_tokenizer: bool = True, device=None, 
         finally:
             logging.getLogger("transformers").disabled = False
     return model.eval(), tokenizer
+
+
+def _empty_model(location: str, extra: dict, cache_only: dict, dtype) -> nn.Module:
+    """:func:`load_model`'s model on the meta device: the class it would load, built from the config alone."""
+    from accelerate import init_empty_weights
+
+    if read_config(location) is not None:
+        config = base_config(location)
+        build = normswap_class(config.normswap["base"]["architecture"])._from_config
+        kernels.install()  # as load() does: the element-wise modules compute as the main process's
+    else:
+        config = AutoConfig.from_pretrained(location, **extra, **cache_only, trust_remote_code=False)
+        model_class = AutoModelForCausalLM if "gguf_file" in extra else _model_class(config)
+        build = getattr(model_class, "_from_config", None) or model_class.from_config
+    with init_empty_weights(include_buffers=False):
+        model = build(config, **({"dtype": dtype} if dtype is not None else {}))
+    model.tie_weights()  # from_pretrained ties them once the weights are in; a model built from a config is not tied
+    return model
 
 
 # ------------------------------------------------------------------------------------- converted checkpoints

@@ -24,6 +24,8 @@ def add_parser(commands) -> None:
     parser.add_argument("--lora-rank", type=int, default=16)
     parser.add_argument("--precision", choices=PRECISIONS, default="fp32", help="bf16: autocast over fp32 weights")
     parser.add_argument("--teacher", choices=("sharded", "whole"), default="sharded", help="under fsdp2")
+    parser.add_argument("--load-on-every-process", action="store_true",
+                        help="under fsdp2: every process reads the weights (fsdp_cpu_ram_efficient_loading: false)")
     parser.add_argument("--gradient-checkpointing", action="store_true")
     parser.add_argument("--batch-size", type=int, default=1, help="rows per process and step (default 1)")
     parser.add_argument("--seq-len", type=int, default=512, help="tokens a row (default 512)")
@@ -41,6 +43,7 @@ def run(args: argparse.Namespace) -> int:
         settings = PlanSettings(processes=args.processes, node_processes=args.node_processes, sharding=args.sharding, device_memory=args.device_memory,
                                 host_memory=args.host_memory, trainable=args.trainable, lora_rank=args.lora_rank,
                                 precision=args.precision, shard_teacher=args.teacher == "sharded",
+                                load_once=not args.load_on_every_process,
                                 gradient_checkpointing=args.gradient_checkpointing, batch_size=args.batch_size,
                                 seq_len=args.seq_len, optimizer_offload=args.optimizer_offload,
                                 calibrate=not args.no_calibration)

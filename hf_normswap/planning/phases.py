@@ -92,6 +92,15 @@ def training_activations(sizes: ModelSizes, settings: PlanSettings) -> dict[str,
     return {"activations": student + block, "teacher outputs": teacher, "head loss": head}
 
 
+def others_models(weights: int, settings: PlanSettings) -> dict[str, int]:
+    """The whole models each process but the main one holds before sharding: both (each process loads them), none
+    under FSDP2 loading once a node (``load_once``: they receive their shards), or the original alone when the
+    teacher is not sharded (every process holds it whole, so it reads it)."""
+    if not (settings.sharded and settings.load_once and settings.processes > 1):
+        return {"original": weights, "student": weights}
+    return {} if settings.shard_teacher else {"original": weights}
+
+
 def evaluation_activations(sizes: ModelSizes, settings: PlanSettings) -> int:
     """A perplexity window through both models, without gradients: one block's values and the logits."""
     return (layer_activations(sizes, settings.eval_len, 4)

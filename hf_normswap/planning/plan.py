@@ -98,7 +98,8 @@ class MemoryPlan:
                  f"{where}, {s.sharding if s.processes > 1 else 'one process'}, trainable {s.trainable}, {s.precision}"
                  f", teacher {'sharded' if s.sharded and s.shard_teacher else 'whole'}, gradient checkpointing "
                  f"{'on' if s.gradient_checkpointing else 'off'}, {s.batch_size} x {s.seq_len} tokens a process"
-                 + (", optimizer offload" if s.optimizer_offload else ""),
+                 + (", optimizer offload" if s.optimizer_offload else "")
+                 + (", weights read by every process" if s.sharded and not s.load_once else ""),
                  "", self.table(), ""]
         problems = self.problems()
         if s.host_memory is None and s.device_memory is None:

@@ -9,7 +9,7 @@ the block pass computes one block at a time on the device (``recipes/finetune.py
 from __future__ import annotations
 
 from .phases import (COMPILER_BYTES, DEVICE_CONTEXT_BYTES, RUNTIME_BYTES, Phase, calibration_terms, evaluation_activations,
-                     trainable_parameters, training_activations)
+                     others_models, trainable_parameters, training_activations)
 from .settings import PlanSettings
 from .sizes import ModelSizes
 
@@ -54,14 +54,24 @@ def recipe_phases(sizes: ModelSizes, settings: PlanSettings) -> list[Phase]:
     phases = []
 
     # 1. load: the original on every process, the calibrated student (the main one's copy, the others' reload of
-    # its cache); under DDP on accelerators each goes to the device as it loads. The main process evaluates the
-    # calibrated model against the original before training.
+    # its cache), or under FSDP2 loading once a node on the main process alone (others_models); under DDP on
+    # accelerators each goes to the device as it loads. The main process evaluates the calibrated model against the
+    # original before training.
     evaluation = {"evaluation window": evaluation_activations(sizes, settings)}
+    others = others_models(weights, settings)
     load = Phase("load", main=dict(compiled), other=dict(runtime), device=dict(context))
-    _place(load, ddp_gpu, {"original": weights, "student": weights}, other=True)
+    _place(load, ddp_gpu, {"original": weights, "student": weights})
+    _place(load, ddp_gpu, others, main=False, other=True)
     _place(load, gpu, evaluation)
     if ddp_gpu:
         load.main["model being loaded"] = load.other["model being loaded"] = weights
+    if settings.sharded and settings.shard_teacher and n > 1:
+        # the teacher is sharded as the trainer is made, before training: each process's shard beside the whole
+        # models (the main process frees its whole copy once sent); loading once a node, the others receive each
+        # tensor whole before they keep their part
+        _place(load, gpu, {"teacher's shard": weights // n}, other=True)
+        if not others:
+            _place(load, gpu, {"tensor being received": sizes.vocab * sizes.hidden * 4}, main=False, other=True)
     phases.append(load)
 
     # 2. calibration on the main process, the others holding the original meanwhile
@@ -69,7 +79,7 @@ def recipe_phases(sizes: ModelSizes, settings: PlanSettings) -> list[Phase]:
         for stage, terms in calibration_terms(sizes, settings).items():
             phase = Phase(f"calibration: {stage}", main=dict(compiled), other=dict(runtime), device=dict(context))
             _place(phase, ddp_gpu, {"original": weights, "student": weights})
-            _place(phase, ddp_gpu, {"original": weights}, main=False, other=True)
+            _place(phase, ddp_gpu, {k: v for k, v in others.items() if k == "original"}, main=False, other=True)
             phase.main.update(terms["host"])
             if ddp_gpu:  # the logits are kept where the model computes them
                 logits = {k: phase.main.pop(k) for k in list(phase.main) if k.startswith("original's logits")}

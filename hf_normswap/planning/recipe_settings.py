@@ -8,14 +8,17 @@ from .plan import MemoryPlan, plan
 from .settings import PlanSettings
 
 
-def recipe_settings(config, processes: int, sharded: bool, device_memory: int | None = None) -> PlanSettings:
-    """:class:`PlanSettings` of ``config`` launched on ``processes`` processes (FSDP2 when ``sharded``).
+def recipe_settings(config, processes: int, sharded: bool, device_memory: int | None = None,
+                    load_once: bool = True) -> PlanSettings:
+    """:class:`PlanSettings` of ``config`` launched on ``processes`` processes (FSDP2 when ``sharded``, the weights
+    read by the main process alone when ``load_once``).
     ``precision: auto`` is planned as fp32, the larger of its two answers' activations."""
     training = config.training
     return PlanSettings(
         processes=processes, sharding="fsdp2" if sharded else "ddp", device_memory=device_memory,
         trainable=config.trainable, lora_rank=config.lora.r,
         precision="bf16" if config.precision == "bf16" else "fp32", shard_teacher=config.shard_teacher,
+        load_once=load_once,
         gradient_checkpointing=bool(training.get("gradient_checkpointing", False)),
         batch_size=int(training.get("per_device_train_batch_size", 1)), seq_len=config.block_len,
         hidden_distill=bool(config.distill.hidden or config.distill.embedding), head_chunk=config.head_chunk,
@@ -39,6 +42,7 @@ def calibration_settings(calibration) -> dict:
                 cache_on_disk=calibration.cache_memory_mb == 0)
 
 
-def recipe_plan(config, processes: int, sharded: bool, device_memory: int | None = None) -> MemoryPlan:
+def recipe_plan(config, processes: int, sharded: bool, device_memory: int | None = None,
+                load_once: bool = True) -> MemoryPlan:
     """The memory plan of a recipe run: its original model (``original``, else ``model``) under its settings."""
-    return plan(config.original or config.model, recipe_settings(config, processes, sharded, device_memory))
+    return plan(config.original or config.model, recipe_settings(config, processes, sharded, device_memory, load_once))

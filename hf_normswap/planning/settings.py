@@ -46,6 +46,7 @@ class PlanSettings:
     lora_rank: int = 16  # (lora.r)
     precision: str = "fp32"  # (precision): bf16 is autocast over fp32 weights
     shard_teacher: bool = True  # (shard_teacher), under fsdp2
+    load_once: bool = True  # under fsdp2 (fsdp_cpu_ram_efficient_loading): only the main process reads the weights
     gradient_checkpointing: bool = False  # (training.gradient_checkpointing)
     batch_size: int = 1  # rows per process and step (training.per_device_train_batch_size)
     seq_len: int = 512  # tokens a row (block_len)

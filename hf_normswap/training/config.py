@@ -157,7 +157,7 @@ class RecipeConfig:
     precision: str = "auto"  # auto | fp32 | bf16 (autocast, fp32 master weights); auto times both here
     head_chunk: int = 256  # tokens per chunk through the output head in the distillation loss (0: all at once)
     freeze_embeddings: bool = False
-    shard_teacher: bool = True  # under FSDP2, shard the frozen original too (false: each process holds it whole)
+    shard_teacher: bool = True  # under FSDP2, shard the frozen original too (false: each process reads it, whole)
     lr: LearningRates = field(default_factory=LearningRates)
     progressive: ProgressiveSettings = field(default_factory=ProgressiveSettings)
     max_minutes: float | None = None  # wall-clock budget of this launch; stops with a checkpoint

@@ -331,17 +331,29 @@ class NormSwapTrainer(Trainer):
         if not self.logits and not hidden_terms:
             raise ValueError("distillation without logits needs hidden_weight or embedding_weight > 0")
         self.shape_lr, self.gamma_lr = shape_lr, gamma_lr
-        if self.teacher is not None and self.distill_weight > 0:
-            self.teacher.to(self.args.device).eval().requires_grad_(False)
-            self.loss_is_scaled_for_ga = False  # compute_loss returns a per-batch mean: let the Trainer divide
-        # decided here, before accelerate wraps the forward in autocast: the check compares fp32 logits exactly
         distilled = teacher is not None and self.distill_weight > 0
-        self.head_chunk = head_chunk_for(self.model, teacher, int(head_chunk or 0)) if distilled else 0
-        self._component_sums = dict.fromkeys(self.COMPONENTS, 0.0) | {"count": 0}
         self.teacher_sharded = self.fsdp2 and distilled and shard_teacher
+        # loaded once a node, the teacher is on the meta device outside the main process until it is sharded
+        from_main = self.teacher_sharded and sharding.loads_once()
+        if distilled:
+            (self.teacher if from_main else self.teacher.to(self.args.device)).eval().requires_grad_(False)
+            self.loss_is_scaled_for_ga = False  # compute_loss returns a per-batch mean: let the Trainer divide
+        # decided here, before accelerate wraps the forward in autocast: the check compares fp32 logits exactly; by
+        # the main process's forward where the others hold models on the meta device
+        from_main_forward = distilled and sharding.loads_once() and self.accelerator.num_processes > 1
+        measured = distilled and (self.accelerator.is_main_process or not from_main_forward)
+        chunk = [head_chunk_for(self.model, teacher, int(head_chunk or 0)) if measured else 0]
+        if from_main_forward:
+            from accelerate.utils import broadcast_object_list
+
+            chunk = broadcast_object_list(chunk)
+        self.head_chunk = chunk[0]
+        self._component_sums = dict.fromkeys(self.COMPONENTS, 0.0) | {"count": 0}
         if self.fsdp2:
             sharding.vectors_for_scalars(self.model)  # before the optimizer is made on its parameters
-            if self.teacher_sharded:
+            if from_main:
+                sharding.shard_from_main(self.teacher, self.accelerator.is_main_process, self.args.device)
+            elif self.teacher_sharded:
                 sharding.shard(self.teacher)
             self.add_callback(sharding.ShardingLog(self.teacher if distilled else None))
 

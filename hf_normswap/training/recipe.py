@@ -25,6 +25,7 @@ read as YAML), checked before anything loads (``recipe_settings``, ``recipe_data
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import time
 from pathlib import Path
@@ -59,11 +60,12 @@ def log_memory_plan(config, state, log) -> None:
     if not state.is_main_process:
         return
     from ..planning import PlanError, recipe_plan
-    from .sharding import fsdp2_requested
+    from .sharding import fsdp2_requested, loads_once
 
     device_memory = torch.cuda.get_device_properties(state.device).total_memory if state.device.type == "cuda" else None
     try:
-        memory = recipe_plan(config, processes=state.num_processes, sharded=fsdp2_requested(), device_memory=device_memory)
+        memory = recipe_plan(config, processes=state.num_processes, sharded=fsdp2_requested(),
+                             device_memory=device_memory, load_once=loads_once())
     except (PlanError, OSError, ValueError) as error:
         log(f"memory plan: not available ({error})")
         return
@@ -109,6 +111,8 @@ def main(argv: list[str] | None = None) -> int:
 def evaluate_calibrated(config, student, original, tokenizer, summary: dict, state, log):
     """The calibrated model against the original, once (a resumed run keeps the first measurement), on the main
     process; returns the evaluation texts, which the final evaluation reads again (every process under FSDP2)."""
+    from accelerate.utils import broadcast_object_list
+
     from ..data import DataError
     from ..evaluation.texts import evaluation_texts
     from .run_dir import write_json
@@ -128,9 +132,9 @@ def evaluate_calibrated(config, student, original, tokenizer, summary: dict, sta
         write_json(Path(config.output_dir) / "summary.json", summary)
         log(f"after calibration ({time.time() - start:.0f}s):\n{before.table()}")
     state.wait_for_everyone()
-    if fsdp2_requested() and not state.is_main_process:  # under FSDP2 every process takes part in the final one
-        eval_texts = texts()
-    return eval_texts
+    if fsdp2_requested() and state.num_processes > 1:  # under FSDP2 every process takes part in the final one,
+        eval_texts = broadcast_object_list([eval_texts])[0]  # on the main process's texts (the others may hold no
+    return eval_texts  # weights to sample the original's from)
 
 
 def train(config, student, original, tokenizer, state, log) -> TrainingRun:
@@ -152,7 +156,7 @@ def train(config, student, original, tokenizer, state, log) -> TrainingRun:
     train_set, eval_set = recipe_datasets(config, tokenizer, original, state, encoder)
     if config.train_tokens is not None:  # takes precedence over max_steps
         config.training["max_steps"] = steps_for(config, train_set, state.num_processes)
-    swap = progressive_swap(config, student, original, log)
+    swap = progressive_swap(config, student, original, state, log)
     student = choose_trainable(config, student, train_set, encoder, log)
     precision = training_precision(config, student, original, train_set, tokenizer, state)
     config.training["bf16"] = precision.bf16
@@ -183,10 +187,14 @@ def train(config, student, original, tokenizer, state, log) -> TrainingRun:
                        eval_set=eval_set, encoder=encoder, wall=time.time() - start, last=last, resumed=resumed)
 
 
-def progressive_swap(config, student, original, log):
+def progressive_swap(config, student, original, state, log):
     """The :class:`ProgressiveSwap` of ``progressive.enabled`` (None when off): the converted norms swapped in a few
-    at a time, the original's norms standing in for the others."""
+    at a time, the original's norms standing in for the others (the main process's, where the others hold the
+    original on the meta device)."""
+    from accelerate.utils import broadcast_object_list
+
     from .progressive import ProgressiveSwap, schedule
+    from .recipe_models import original_read_once
 
     progressive = config.progressive
     if not progressive.enabled:
@@ -195,7 +203,14 @@ def progressive_swap(config, student, original, log):
     stages = schedule({name: entry["role"] for name, entry in converted.items()}, start=progressive.start,
                       every=progressive.every, ramp=progressive.ramp, order=progressive.order,
                       role_order=progressive.role_order, group=progressive.group)
-    swap = ProgressiveSwap(student, {n: original.get_submodule(n) for n in converted}, stages)
+    norms = {n: original.get_submodule(n) for n in converted}
+    if original_read_once(config, state):
+        weights = broadcast_object_list([{n: m.state_dict() for n, m in norms.items()}
+                                         if state.is_main_process else None])[0]
+        for name, module in norms.items():  # a copy: the original is sharded on the meta device
+            norms[name] = copy.deepcopy(module)
+            norms[name].load_state_dict(weights[name], assign=True)
+    swap = ProgressiveSwap(student, norms, stages)
     log(f"progressive: {len(stages)} stages by {progressive.order}, every {progressive.every} steps")
     return swap
 

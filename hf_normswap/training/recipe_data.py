@@ -41,18 +41,26 @@ def check_data(config) -> None:
 
 
 def block_dataset(tokenizer, spec: str, split: str, block_len: int, max_tokens: int | None = None,
-                  max_blocks: int | None = None, *, original=None, state=None):
+                  max_blocks: int | None = None, *, original=None, state=None, from_main: bool = False):
     """Packed causal-LM blocks (``input_ids`` = ``labels``) of a text spec, as a ``datasets.Dataset``. The original's
-    samples (``generated``) are drawn up to the budget, each process its share (``state``)."""
+    samples (``generated``) are drawn up to the budget, each process its share (``state``), or the main process all
+    of them when the others hold the original on the meta device (``from_main``, ``recipe_models.original_read_once``),
+    which then receive its texts."""
     import datasets
+    from accelerate.utils import broadcast_object_list
 
-    from ..data import DataError, load_texts, token_blocks
+    from ..data import DataError, is_generated, load_texts, token_blocks
 
     limits = [n for n in (max_blocks, None if max_tokens is None else max_tokens // block_len) if n is not None]
     share = {"rank": state.process_index, "world_size": state.num_processes} if state is not None else {}
+    from_main = from_main and is_generated(spec)
     try:
-        texts = load_texts(spec, split, model=original, tokenizer=tokenizer,
-                           max_tokens=min(limits) * block_len if limits else None, **share)
+        texts = None
+        if not from_main or state.is_main_process:
+            texts = load_texts(spec, split, model=original, tokenizer=tokenizer,
+                               max_tokens=min(limits) * block_len if limits else None, **({} if from_main else share))
+        if from_main:
+            texts = broadcast_object_list([texts])[0]
         blocks = token_blocks(tokenizer, texts, min(limits) if limits else None, block_len).tolist()
     except DataError as error:
         raise SystemExit(f"finetune: {spec}: {error}") from None
@@ -69,8 +77,11 @@ def mixed(parts: list):
 
 def training_blocks(config, tokenizer, original, state):
     """``train_data`` packed into blocks, each source of a mix up to its share (``training_budget``)."""
+    from .recipe_models import original_read_once
+
     return mixed([block_dataset(tokenizer, spec, "calibration", config.block_len,
-                                training_budget(config, spec, state.num_processes), original=original, state=state)
+                                training_budget(config, spec, state.num_processes), original=original, state=state,
+                                from_main=original_read_once(config, state))
                   for spec in config.train_sources])
 
 
@@ -128,7 +139,6 @@ def tokens_per_row(dataset) -> float:
     return sum(map(len, rows)) / len(rows)
 
 
-
 def recipe_datasets(config, tokenizer, original, state, encoder: bool):
     """(training rows, eval blocks): a sentence encoder's sentences and no eval blocks (it is evaluated by embedding
     cosine after training), else packed or streamed blocks of ``train_data`` and the eval blocks of ``eval_data``."""
@@ -136,10 +146,13 @@ def recipe_datasets(config, tokenizer, original, state, encoder: bool):
         return mixed([sentence_dataset(tokenizer, spec, config.block_len,
                                        training_budget(config, spec, state.num_processes))
                       for spec in config.train_sources]), None
+    from .recipe_models import original_read_once
+
     train_set = (streamed_dataset(config, tokenizer) if config.streaming
                  else training_blocks(config, tokenizer, original, state))
     return train_set, block_dataset(tokenizer, config.eval_data, "evaluation", config.block_len,
-                                    max_blocks=config.eval_blocks, original=original, state=state)
+                                    max_blocks=config.eval_blocks, original=original, state=state,
+                                    from_main=original_read_once(config, state))
 
 
 def steps_for(config, train_set, world_size: int) -> int:

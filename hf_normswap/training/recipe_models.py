@@ -91,26 +91,35 @@ def check_lora_targets(config, model) -> None:
 
 def load_models(config, state):
     """(student, original, tokenizer), on the training device (:func:`place_for_training`). The main process
-    calibrates and caches; the others load its result."""
+    calibrates and caches; the others load its result, or, loading once a node (:func:`loaded_by_main`), build it
+    on the meta device and receive their shards when it is sharded."""
     import hf_normswap
     from ..checkpoint.record import read_config
     from ..checkpoint.loading import load_model
     from ..data import DataError
+    from .sharding import storage_for_optimizer
 
     cache = Path(config.output_dir) / "calibrated"
+    empty = loaded_by_main(state)
+    empty_original = empty and teacher_sharded(config)  # else every process holds the original whole
     if converted_checkpoint(config) is not None:
-        student, tokenizer = load_model(config.model)
-        original, _ = load_model(original_spec(config), with_tokenizer=False)
+        student, tokenizer = load_model(config.model, empty=empty)
+        original, _ = load_model(original_spec(config), with_tokenizer=False, empty=empty_original)
         check_context_settings(config, {config.model: student, original_spec(config): original})
+        match_main({"student": student, "original": original}, state)
+        if empty:
+            storage_for_optimizer(student)
         return place_for_training(student, config, state), place_for_training(original, config, state), tokenizer
-    original, tokenizer = load_model(config.model)
+    original, tokenizer = load_model(config.model, empty=empty_original)
     check_context_settings(config, {config.model: original})  # before calibration, the first slow step
     original = place_for_training(original, config, state)
     with state.main_process_first():
         # the main process reuses the cache on a resume (check_calibration_cache: it matches the config); the others
-        # come after it and load what it has just written
+        # come after it and load what it has just written (its config alone when the main process loads once)
         if read_config(cache) is not None and (config.resume or not state.is_main_process):
-            student = place_for_training(hf_normswap.load(cache), config, state)
+            student = (load_model(str(cache), with_tokenizer=False, empty=True)[0] if empty
+                       else hf_normswap.load(cache))
+            student = place_for_training(student, config, state)
             print(f"[finetune] calibrated model from {cache}", flush=True)
         else:
             student = copy.deepcopy(original)
@@ -124,7 +133,58 @@ def load_models(config, state):
                   f"calibration in {time.time() - start:.0f}s", flush=True)
             if state.is_main_process:
                 hf_normswap.save_pretrained(student, cache, tokenizer=tokenizer, overwrite=True)
+    match_main({"student": student, "original": original}, state)
+    if empty:
+        storage_for_optimizer(student)
     return trainable_dense(student), original, tokenizer
+
+
+def loaded_by_main(state) -> bool:
+    """Whether this process reads no weights: under FSDP2 with ``fsdp_cpu_ram_efficient_loading``
+    (:func:`~hf_normswap.training.sharding.loads_once`), every process but the main one builds its models on the
+    meta device, and the shards reach it when they are sharded (accelerate's loading for the student,
+    ``sharding.shard_from_main`` for the teacher)."""
+    from .sharding import loads_once
+
+    return loads_once() and state.num_processes > 1 and not state.is_main_process
+
+
+def original_read_once(config, state) -> bool:
+    """Whether the processes but the main one hold the original on the meta device until it is sharded: what is
+    drawn from it before then (its samples, the progressive swap's norms) comes from the main process."""
+    from .sharding import loads_once
+
+    return loads_once() and state.num_processes > 1 and teacher_sharded(config)
+
+
+def teacher_sharded(config) -> bool:
+    """Whether the original is sharded as the teacher (distilled from, ``shard_teacher``); else each process holds
+    it whole, so each reads it, loading once a node or not."""
+    return bool(config.shard_teacher) and config.distill.weight > 0
+
+
+def match_main(models: dict, state) -> None:
+    """Loading once a node, the models built on the meta device take the main process's dtypes (a GGUF file is
+    dequantized, a checkpoint loads in its own dtype: what accelerate's and torch's broadcasts send), and a model
+    whose tensors differ from the main process's is one error here rather than a broadcast that never matches."""
+    from accelerate.utils import broadcast_object_list
+
+    from .sharding import loads_once
+
+    if not (loads_once() and state.num_processes > 1):
+        return
+    layout = [{name: {key: (tuple(t.shape), t.dtype) for key, t in model.state_dict().items()}
+               for name, model in models.items()}] if state.is_main_process else [None]
+    layout = broadcast_object_list(layout)[0]
+    for name, model in models.items():
+        if not any(p.is_meta for p in model.parameters()):
+            continue
+        for key, param in model.named_parameters():
+            shape, dtype = layout[name].get(key, (None, None))
+            if shape != tuple(param.shape):
+                fail(f"the {name} built on the meta device does not match the main process's: {key} is "
+                     f"{tuple(param.shape)} here, {shape} there")
+            param.data = param.data.to(dtype)
 
 
 def ensure_pad_token(tokenizer) -> None:

@@ -10,6 +10,11 @@ it), so ``accelerate launch`` with an FSDP config on CPU silently trains with DD
 the state the plugin it dropped, so the CPU run takes the same path as a GPU run: accelerate's ``fsdp2_prepare_model``
 (``fully_shard`` over gloo), its optimizer swap, its sharded checkpoints. Nothing after the sharding knows the device.
 
+With ``fsdp_cpu_ram_efficient_loading: true`` (recipes/accelerate_configs/fsdp2.yaml) only the main process reads
+weights; the others build both models on the meta device (``recipe_models``). The student's shards reach them
+through accelerate's own loading (``fsdp2_prepare_model`` broadcasts the main process's state dict), the teacher's
+through torch's (:func:`shard_from_main`: ``set_model_state_dict`` with ``broadcast_from_rank0``).
+
 The final evaluation runs on the sharded models, every process alike. The save needs the whole student on one
 process: :func:`gathered` fills a parameterless copy made before sharding (:func:`empty_copy`) with the full state
 dict of ``torch.distributed.checkpoint.state_dict.get_model_state_dict`` on the main process.
@@ -31,9 +36,16 @@ def fsdp2_requested() -> bool:
     return os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true" and os.environ.get("FSDP_VERSION") == "2"
 
 
+def loads_once() -> bool:
+    """Whether only the main process reads the weights (FSDP2 with ``fsdp_cpu_ram_efficient_loading``, which
+    ``accelerate launch`` passes on as ``FSDP_CPU_RAM_EFFICIENT_LOADING``)."""
+    return fsdp2_requested() and os.environ.get("FSDP_CPU_RAM_EFFICIENT_LOADING", "false").lower() in ("true", "1")
+
+
 def adopt_fsdp2_on_cpu(accelerator) -> bool:
     """Make accelerate's state FSDP2 where it has fallen back to MULTI_CPU (DDP) although FSDP2 was asked for:
-    the plugin is built from the launch's variables as accelerate builds it. Returns whether it changed anything."""
+    the plugin is built from the launch's variables as accelerate builds it (``cpu_ram_efficient_loading`` too).
+    Returns whether it changed anything."""
     from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 
     state = accelerator.state
@@ -83,6 +95,50 @@ def shard(model: nn.Module) -> nn.Module:
     for module in [m for m in model.modules() if type(m) in units][::-1]:  # inner before outer
         fully_shard(module, reshard_after_forward=True)
     fully_shard(model, reshard_after_forward=False)
+    return model
+
+
+def shard_from_main(model: nn.Module, main: bool, device: torch.device | str) -> nn.Module:
+    """:func:`shard` a model whose weights only the main process holds (the others built it on the meta device),
+    then give every process its shards from the main process's full state dict with torch's own
+    ``set_model_state_dict(..., broadcast_from_rank0=True)``. Non-persistent buffers (rotary ``inv_freq``) are in no
+    state dict: each process keeps its own, as accelerate's ``fsdp2_prepare_model`` does. The shards and buffers end
+    on ``device`` (torch places what it receives on its process group's default device). Every process must call
+    it."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    full = model.state_dict() if main else {}
+    persistent = set(model.state_dict())
+    buffers = {name: buffer for name, buffer in model.named_buffers() if name not in persistent}
+    model.to("meta")  # the main process's weights stay alive in ``full`` until they are sent
+    retie(model)  # moved to meta, tied parameters become one each: every process must shard the same units
+    shard(model)
+    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    del full
+    for name, buffer in buffers.items():
+        parent, _, local = name.rpartition(".")
+        (model.get_submodule(parent) if parent else model).register_buffer(local, buffer, persistent=False)
+    return retie(model.to(device))
+
+
+def storage_for_optimizer(model: nn.Module) -> nn.Module:
+    """The meta parameters of a student that only the main process loaded given uninitialized CPU storage
+    (``to_empty``; buffers kept). Under FSDP2 the Trainer makes the optimizer before accelerate shards, and
+    accelerate finds each optimizer parameter's shard by its storage address (``data_ptr``), which every meta tensor
+    shares. Nothing is written into that storage, so its pages are not resident, and accelerate moves the model to
+    the meta device again before it shards and broadcasts (``cpu_ram_efficient_loading``)."""
+    buffers = [(module, name, buffer) for module in model.modules()
+               for name, buffer in module._buffers.items() if buffer is not None]
+    model.to_empty(device="cpu")
+    for module, name, buffer in buffers:
+        module._buffers[name] = buffer
+    return retie(model)
+
+
+def retie(model: nn.Module) -> nn.Module:
+    """Tie the model's tied parameters again (transformers' ``tie_weights``), as accelerate does around its load."""
+    if hasattr(model, "tie_weights"):
+        model.tie_weights()
     return model
 
 

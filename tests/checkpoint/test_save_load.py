@@ -420,3 +420,29 @@ def test_smollm2_eln_saves_reloads_bit_exact_and_generates(smollm2, capsys):
     assert config["normswap"]["base_model"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
     assert len(config["normswap"]["converted"]) == 61 == sum(isinstance(m, hf_normswap.ELN) for m in reloaded.modules())
     assert ModelCard.load(directory / "README.md").data.base_model == "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gpt2"])
+def test_an_empty_load_is_the_loaded_model_on_the_meta_device_with_its_buffers(model_type, tmp_path, monkeypatch):
+    """``load_model(empty=True)`` (a sharded run's processes that receive their shards): the class, parameters
+    (names, shapes, dtypes, ties) and buffers of the loaded model, no weight read, for an original and for a
+    converted checkpoint."""
+    original = tiny_model(model_type, tie_word_embeddings=True)
+    original.save_pretrained(tmp_path / "original")
+    model = tiny_model(model_type, tie_word_embeddings=True)
+    hf_normswap.convert(model, to="eln")
+    hf_normswap.save_pretrained(model, tmp_path / "converted")
+    for directory in ("original", "converted"):
+        loaded, _ = loading.load_model(str(tmp_path / directory), with_tokenizer=False)
+        monkeypatch.setattr(transformers.PreTrainedModel, "_load_pretrained_model", None)  # any read would fail
+        empty, _ = loading.load_model(str(tmp_path / directory), with_tokenizer=False, empty=True)
+        monkeypatch.undo()
+        assert type(empty) is type(loaded)
+        params = {n: (p.shape, p.dtype) for n, p in loaded.named_parameters()}
+        assert {n: (p.shape, p.dtype) for n, p in empty.named_parameters()} == params
+        assert all(p.is_meta for p in empty.parameters())
+        assert empty.get_output_embeddings().weight is empty.get_input_embeddings().weight
+        buffers = dict(loaded.named_buffers())
+        assert buffers.keys() == dict(empty.named_buffers()).keys()
+        for name, buffer in empty.named_buffers():
+            assert not buffer.is_meta and torch.equal(buffer, buffers[name]), name

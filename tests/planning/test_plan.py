@@ -39,6 +39,18 @@ def test_a_models_weights_are_its_parameter_bytes_in_every_phase_that_holds_it()
     step = next(p for p in sharded if p.name == "training step")
     assert step.main["student"] == weights // 2 and step.main["teacher"] == weights // 2
     assert step.main["AdamW moments"] == 2 * step.main["gradients"]
+    # under FSDP2 the main process alone reads the weights (the others receive their shards), unless every process
+    # reads them or the teacher, held whole everywhere, is not sharded
+    # (the teacher is sharded as the trainer is made, before training)
+    shard = {"teacher's shard": weights // 2}
+    config = tiny_config("llama")
+    assert sharded[0].main == dict(load.main, **shard)
+    assert sharded[0].other == {"runtime": RUNTIME_BYTES, **shard,
+                                "tensor being received": config.vocab_size * config.hidden_size * 4}
+    every = plan(config, processes=2, sharding="fsdp2", load_once=False).recipe[0]
+    assert every.other == dict(load.other, **shard)
+    whole = plan(config, processes=2, sharding="fsdp2", shard_teacher=False).recipe[0]
+    assert whole.other == {"runtime": RUNTIME_BYTES, "original": weights}
 
 
 def test_phases_are_ordered_and_the_peak_is_their_largest():

@@ -32,16 +32,17 @@ ENV = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_H
 TOLERANCE = 1e-6
 
 
-def run(command: list[str]) -> str:
-    result = subprocess.run(command, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+def run(command: list[str], **env: str) -> str:
+    result = subprocess.run(command, cwd=ROOT, env=dict(ENV, **env), capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, f"failed:\n{result.stdout[-4000:]}\n{result.stderr[-6000:]}"
     return result.stdout
 
 
-def sharded_launch(config: Path, *overrides: str) -> str:
-    out = run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(FSDP2), "--num_processes",
-               "2", "--mixed_precision", "no", "--main_process_port", "0", str(RECIPE), "--config", str(config),
-               *overrides])
+def sharded_launch(config: Path, *overrides: str, accelerate_config: Path = FSDP2, script: list[str] = (str(RECIPE),),
+                   **env: str) -> str:
+    out = run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(accelerate_config),
+               "--num_processes", "2", "--mixed_precision", "no", "--main_process_port", "0", *script, "--config",
+               str(config), *overrides], **env)
     assert "[sharding] FSDP2: student 4 units over 2 processes: 2 x LlamaDecoderLayer" in out, out[-3000:]
     return out
 
@@ -151,3 +152,62 @@ def test_a_sharded_lora_run_gathers_and_merges_its_adapters(setup):
     trained, start = weights(root / "lora" / "final"), weights(root / "converted")
     changed = {name for name, value in trained.items() if not torch.equal(value, start[name])}
     assert any("q_proj" in name for name in changed) and not any("k_proj" in name for name in changed)
+
+
+# recipes/finetune.py with every weight read counted (transformers' _load_pretrained_model, which every load of a
+# model's weights goes through), written to READS_DIR/reads-RANK.json when the recipe ends
+COUNTED_READS = """
+import json, os, sys
+from pathlib import Path
+
+import transformers
+from hf_normswap.training import recipe
+
+read = transformers.PreTrainedModel._load_pretrained_model
+reads = []
+
+def counted(*args, **kwargs):
+    reads.append(1)
+    return read(*args, **kwargs)
+
+transformers.PreTrainedModel._load_pretrained_model = staticmethod(counted)
+code = recipe.main(sys.argv[2:])
+(Path(sys.argv[1]) / f"reads-{os.environ['RANK']}.json").write_text(json.dumps(len(reads)))
+sys.exit(code)
+"""
+
+
+def test_only_the_main_process_reads_weights_and_training_ends_where_whole_loads_do(setup, tmp_path):
+    """fsdp2.yaml loads once a node (``fsdp_cpu_ram_efficient_loading``): the second process reads no weights, builds
+    both models on the meta device and receives the student's shards from accelerate, the teacher's from torch; the
+    original's samples (training text) and the progressive swap's norms come from the main process. The losses and
+    the trained weights are those of a launch in which every process loads both models whole."""
+    root, _, _ = setup
+    script = tmp_path / "counted_reads.py"
+    script.write_text(COUNTED_READS)
+    whole = tmp_path / "fsdp2-whole.yaml"
+    whole.write_text(FSDP2.read_text().replace("fsdp_cpu_ram_efficient_loading: true",
+                                               "fsdp_cpu_ram_efficient_loading: false"))
+    assert whole.read_text() != FSDP2.read_text()
+    settings = dict(original=str(root / "tiny-llama"), trainable="all", precision="fp32",
+                    progressive={"enabled": True, "order": "depth", "every": 1, "ramp": 1},
+                    train_data="generated:length=32,batch_size=2,temperature=1.0",
+                    distill={"weight": 0.5, "temperature": 2.0, "hidden": 1.0})
+    cache = dict(HF_NORMSWAP_CACHE=str(tmp_path / "samples"))
+    runs = {}
+    for name, accelerate_config in (("once", FSDP2), ("whole", whole)):
+        reads = tmp_path / f"reads-{name}"
+        reads.mkdir()
+        config = write_config(root, root / "converted", tmp_path / name, **settings)
+        log = sharded_launch(config, "training.save_strategy=no", accelerate_config=accelerate_config,
+                             script=[str(script), str(reads)], **cache)
+        assert "teacher 3 units over 2 processes" in log
+        runs[name] = {rank: json.loads((reads / f"reads-{rank}.json").read_text()) for rank in (0, 1)}
+    assert runs["whole"][1] == 2  # the count sees every process's loads: the student and the original
+    assert runs["once"][0] == runs["whole"][0] >= 2 and runs["once"][1] == 0
+    losses = {name: [row["loss"] for row in json.loads((tmp_path / name / "summary.json").read_text())["history"]
+                     if "loss" in row] for name in runs}
+    assert len(losses["once"]) == 4 and losses["once"] == pytest.approx(losses["whole"], rel=1e-6)
+    once, whole_weights = weights(tmp_path / "once" / "final"), weights(tmp_path / "whole" / "final")
+    for name, value in whole_weights.items():
+        torch.testing.assert_close(once[name], value, rtol=0, atol=TOLERANCE, msg=name)
