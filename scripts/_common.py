@@ -10,6 +10,8 @@ import os
 import platform
 import resource
 import subprocess
+import threading
+import time
 from pathlib import Path
 
 import torch
@@ -53,6 +55,54 @@ def commit() -> str:
 def peak_rss_mb() -> float:
     """This process's lifetime peak resident memory in MiB (``ru_maxrss`` is in kB on Linux)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def resident() -> int:
+    """This process's resident set now, bytes."""
+    return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def phase_sampler(phase: list[str], peaks: dict[str, int], done: threading.Event,
+                  timeline: list | None = None) -> threading.Thread:
+    """A thread that keeps the largest resident set seen under each name ``phase[0]`` takes, every 20 ms, and in
+    ``timeline`` each sample of the ``load`` phase as (wall-clock time, bytes)."""
+    def sample():
+        while not done.is_set():
+            rss = resident()
+            peaks[phase[0]] = max(peaks.get(phase[0], 0), rss)
+            if timeline is not None and phase[0] == "load":
+                timeline.append((time.time(), rss))
+            time.sleep(0.02)
+    thread = threading.Thread(target=sample, daemon=True)
+    thread.start()
+    return thread
+
+
+def recipe_by_phase(recipe_args: list[str], during: str, after: str,
+                    timeline: list | None = None) -> tuple[int, dict[str, int]]:
+    """``recipe.main(recipe_args)`` and this process's largest resident set in each phase: ``load`` until training
+    starts, ``during`` while ``NormSwapTrainer.train`` runs, ``after`` once it returns (:func:`phase_sampler`)."""
+    from hf_normswap.training import distill, recipe
+
+    phase, peaks, done = ["load"], {}, threading.Event()
+    train = distill.NormSwapTrainer.train
+
+    def marked_train(self, *args, **kwargs):
+        phase[0] = during
+        try:
+            return train(self, *args, **kwargs)
+        finally:
+            phase[0] = after
+
+    distill.NormSwapTrainer.train = marked_train
+    sampler = phase_sampler(phase, peaks, done, timeline)
+    try:
+        code = recipe.main(recipe_args)
+    finally:
+        done.set()
+        sampler.join()
+        distill.NormSwapTrainer.train = train
+    return code, peaks
 
 
 # The paper's simulation: C values from N(0, SIGMA^2), the largest raised by STEP * S for S = 1..STEPS

@@ -36,7 +36,7 @@ import threading
 import time
 from pathlib import Path
 
-from _common import ROOT, commit, machine
+from _common import ROOT, commit, machine, phase_sampler, recipe_by_phase
 WIKITEXT = ROOT.parent / "shared" / "data" / "wikitext-2" / "wiki.valid.tokens"
 LAUNCHERS = {"ddp": ["--multi_gpu"],
              "fsdp2": ["--config_file", str(ROOT / "recipes" / "accelerate_configs" / "fsdp2.yaml")]}
@@ -75,26 +75,6 @@ def runtime_worker() -> dict:
     import hf_normswap.calibration.calibrate  # noqa: F401
     import hf_normswap.training.distill  # noqa: F401
     return {"peak": peak_rss()}
-
-
-def resident() -> int:
-    return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def phase_sampler(phase: list[str], peaks: dict[str, int], done: threading.Event,
-                  timeline: list | None = None) -> threading.Thread:
-    """A thread that keeps the largest resident set seen under each name ``phase[0]`` takes, every 20 ms, and in
-    ``timeline`` each sample of the ``load`` phase as (wall-clock time, bytes)."""
-    def sample():
-        while not done.is_set():
-            rss = resident()
-            peaks[phase[0]] = max(peaks.get(phase[0], 0), rss)
-            if timeline is not None and phase[0] == "load":
-                timeline.append((time.time(), rss))
-            time.sleep(0.02)
-    thread = threading.Thread(target=sample, daemon=True)
-    thread.start()
-    return thread
 
 
 def marked(owner, name: str, phase: list[str], label: str) -> None:
@@ -136,24 +116,8 @@ def calibration_worker(case: str, model: str, data: str) -> dict:
 
 
 def recipe_worker(out: Path, recipe_args: list[str]) -> int:
-    from hf_normswap.training import distill, recipe
-
-    phase, peaks, done = ["load"], {}, threading.Event()
-    train = distill.NormSwapTrainer.train
-
-    def marked_train(self, *args, **kwargs):
-        phase[0] = "training step"
-        try:
-            return train(self, *args, **kwargs)
-        finally:
-            phase[0] = "final evaluation and save"
-
-    distill.NormSwapTrainer.train = marked_train
     timeline = []
-    sampler = phase_sampler(phase, peaks, done, timeline)
-    code = recipe.main(recipe_args)
-    done.set()
-    sampler.join()
+    code, peaks = recipe_by_phase(recipe_args, "training step", "final evaluation and save", timeline)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"rank{os.environ.get('RANK', 0)}.json").write_text(json.dumps({"peak": peak_rss(), "phases": peaks,
                                                                           "load_timeline": timeline}))

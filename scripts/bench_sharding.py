@@ -8,8 +8,8 @@ calibration, so that both modes start from the same weights):
     python scripts/bench_sharding.py --out out/bench-sharding --steps 4
 
 Modes: ``ddp`` (``--multi_gpu``), ``fsdp2`` (``recipes/accelerate_configs/fsdp2.yaml``, the teacher sharded too) and
-``fsdp2-whole-teacher`` (``shard_teacher=false``). Each process of a run samples its resident memory (psutil, every
-20 ms) by phase (loading, training, after training: gathering, final evaluation, save, reload check) and records
+``fsdp2-whole-teacher`` (``shard_teacher=false``). Each process of a run samples its resident memory (/proc, every
+20 ms) by phase (load, training, after training: gathering, final evaluation, save, reload check) and records
 its lifetime peak (``ru_maxrss``); each run's log must show the shard units (``[sharding] FSDP2: ...``) or, for
 DDP, must not, so that no DDP run is counted as sharded. ``OUT/results.json`` holds the machine, the peaks per
 process and phase, the training loss of every step of each mode and its largest difference to DDP's.
@@ -22,11 +22,10 @@ import json
 import os
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
-from _common import ROOT, machine, peak_rss_mb
+from _common import ROOT, machine, peak_rss_mb, recipe_by_phase
 
 MODES = {"ddp": (["--multi_gpu"], []),
          "fsdp2": (["--config_file", str(ROOT / "recipes" / "accelerate_configs" / "fsdp2.yaml")], []),
@@ -36,38 +35,10 @@ MODES = {"ddp": (["--multi_gpu"], []),
 
 def worker(out: Path, recipe_args: list[str]) -> int:
     """One process of a launch: the recipe's main with a resident-memory sampler, peaks written per rank."""
-    import psutil
-
     import hf_normswap
-    from hf_normswap.training import distill, recipe
 
     rank = int(os.environ.get("RANK", 0))
-    phase = ["loading"]
-    peaks: dict[str, int] = {}
-    done = threading.Event()
-
-    def sample():
-        process = psutil.Process()
-        while not done.is_set():
-            rss = process.memory_info().rss
-            peaks[phase[0]] = max(peaks.get(phase[0], 0), rss)
-            time.sleep(0.02)
-
-    train = distill.NormSwapTrainer.train
-
-    def marked_train(self, *args, **kwargs):
-        phase[0] = "training"
-        try:
-            return train(self, *args, **kwargs)
-        finally:
-            phase[0] = "after training"
-
-    distill.NormSwapTrainer.train = marked_train
-    thread = threading.Thread(target=sample, daemon=True)
-    thread.start()
-    code = recipe.main(recipe_args)
-    done.set()
-    thread.join()
+    code, peaks = recipe_by_phase(recipe_args, "training", "after training")
     out.mkdir(parents=True, exist_ok=True)
     (out / f"rank{rank}.json").write_text(json.dumps({
         "rank": rank, "package": hf_normswap.__file__,
