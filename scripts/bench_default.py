@@ -4,12 +4,16 @@ original with ``normswap eval``.
 
     python scripts/bench_default.py --out out/bench-default                    # SmolLM2 and MiniLM, ELN and DyT
     python scripts/bench_default.py --out out/bench-default --models smollm2 --methods eln --starts default
+    python scripts/bench_default.py --out out/sweep --sweep '{"tune_steps": 60}' '{"data": "generated:...,seed=1"}'
 
 Each conversion runs in its own process, timed as ``/usr/bin/time`` does (wall, user + system CPU of the process
 and its children, their peak RSS), with the machine's thread count unless ``--threads``. The samples the default
 draws are cached in ``OUT/sample-cache`` (``HF_NORMSWAP_CACHE``), removed first, so every default run samples as a
 new user's first run does. Scores: a language model's perplexity ratio, KL and top-1 agreement on
 ``builtin:evaluation`` (``--max-tokens``, 512-token windows); an encoder's mean embedding cosine on ``builtin``.
+``--sweep``: what the default's budget buys on SmolLM2, in one process: each JSON object sets ``CalibrationConfig``
+fields over the default's (``data`` among them), the conversion scored as above; calibration CPU seconds (one thread
+unless ``--threads``; sampling included when the samples are not yet cached).
 ``OUT/results.json`` holds the machine, the commit, each row's commands and numbers, written after every row.
 """
 
@@ -55,6 +59,37 @@ def score(model: str, original: str, tokens: int, env: dict, log: Path) -> dict:
     return dict(json.loads(text[text.index("{"):]), command=" ".join(command))
 
 
+def sweep(variants: list[dict], method: str, tokens: int, out: Path, results: dict) -> None:
+    """The default calibration of SmolLM2 with each variant's fields over it, scored against the original."""
+    import copy
+
+    import hf_normswap
+    from hf_normswap.calibration.defaults import default_calibration
+    from hf_normswap.checkpoint.loading import load_model
+    from hf_normswap.evaluation.perplexity import evaluate
+    from hf_normswap.evaluation.texts import evaluation_texts
+
+    original, tokenizer = load_model(MODELS["smollm2"])
+    texts = evaluation_texts("builtin:evaluation", original, tokenizer, tokens)
+    for variant in variants:
+        model = copy.deepcopy(original)
+        sizes = {key: variant[key] for key in ("num_blocks", "block_len") if key in variant}
+        config, _ = default_calibration(model, tokenizer, **sizes)
+        for key, value in variant.items():
+            setattr(config, key, value)
+        config.progress = False
+        start = time.process_time()
+        hf_normswap.convert(model, method, calibration=config)
+        cpu = time.process_time() - start
+        scored = evaluate(model, tokenizer, texts, against=original, max_length=512, max_tokens=tokens, progress=False)
+        row = dict(method=method, variant=variant, ratio=round(scored.ratio("converted"), 2),
+                   kl=round(scored.kl["converted"], 3), calibration_cpu_s=round(cpu))
+        results["rows"].append(row)
+        (out / "results.json").write_text(json.dumps(results, indent=1))
+        print(json.dumps(row), flush=True)
+        del model
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="out/bench-default")
@@ -63,9 +98,20 @@ def main() -> None:
     parser.add_argument("--starts", nargs="+", default=list(STARTS), choices=list(STARTS))
     parser.add_argument("--threads", type=int, default=None, help="OMP_NUM_THREADS (default: every core)")
     parser.add_argument("--max-tokens", type=int, default=2048, help="tokens scored (MiniLM: twice as many)")
+    parser.add_argument("--sweep", nargs="+", type=json.loads, metavar="JSON",
+                        help="SmolLM2 with these CalibrationConfig fields over the default, in this process")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.sweep:
+        import torch
+
+        torch.set_num_threads(args.threads or 1)
+        os.environ.setdefault("HF_NORMSWAP_CACHE", str(out / "sample-cache"))
+        results = dict(machine=machine(), commit=commit(), rows=[])
+        for method in args.methods:
+            sweep([{}, *args.sweep], method, args.max_tokens, out, results)
+        return
     cache = out / "sample-cache"
     env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", HF_NORMSWAP_CACHE=str(cache))
     if args.threads:
