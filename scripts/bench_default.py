@@ -35,11 +35,13 @@ STARTS = {"default": [], "none": ["--calib", "none"]}
 
 
 def run(command: list[str], env: dict, log: Path) -> dict:
-    """Runs ``command``, its output into ``log``; returns its wall and CPU seconds and peak RSS, as ``/usr/bin/time``
-    (``os.wait4``: this process's own usage). Fails loudly on a non-zero exit."""
+    """Runs ``normswap ARGS`` (``command``) with this Python, its output into ``log``; returns its wall and CPU
+    seconds and peak RSS, as ``/usr/bin/time`` (``os.wait4``: this process's own usage). Fails loudly on a non-zero
+    exit."""
     start = time.perf_counter()
     with log.open("w") as stream:
-        process = subprocess.Popen(command, stdout=stream, stderr=subprocess.STDOUT, env=env)
+        process = subprocess.Popen([sys.executable, "-m", "hf_normswap.cli", *command[1:]], stdout=stream,
+                                   stderr=subprocess.STDOUT, env=env)
         _, status, usage = os.wait4(process.pid, 0)
         process.returncode = os.waitstatus_to_exitcode(status)
     wall = time.perf_counter() - start
