@@ -6,7 +6,8 @@
 - ``recipe_memory.py``: the phases of ``normswap convert`` and of the recipe, under DDP or FSDP2.
 - ``plan.py``: :func:`plan`, the peak, whether it fits, the smallest change that does.
 - ``recipe_settings.py``: the plan of a recipe run from its own config (what the recipe logs at start).
-- ``command.py``: ``normswap plan MODEL``.
+- ``disk.py``: how much of a model calibration keeps in memory within a limit; the rest stays on disk.
+- ``normswap plan MODEL`` is ``hf_normswap/cli/plan.py``.
 """
 
 from .plan import MemoryPlan, plan
