@@ -2,8 +2,9 @@
 
 A model loaded within a limit (``normswap convert --max-host-memory``, ``load_model(weights_memory=)``) keeps in
 memory what fits (accelerate's ``infer_auto_device_map``, a block never split) and leaves the rest on disk:
-accelerate's disk offload, reading the checkpoint's own safetensors shards (transformers maps them without a copy). Each forward pass then brings a module's weights in for its own call and
-drops them after, so any pass over the whole model runs in the memory of one layer.
+accelerate's disk offload, reading the checkpoint's own safetensors shards (transformers maps them without a copy).
+Each forward pass then brings a module's weights in for its own call and drops them after, so any pass over the
+whole model runs in the memory of one layer.
 
 Calibration changes weights, which the hooks would drop: :func:`in_memory` loads a block for its calibration stage
 (its hooks removed) and afterwards writes its new state to the model's own offload folder and hooks it again, reading
@@ -95,6 +96,7 @@ def in_memory(model: nn.Module, name: str, device: torch.device):
     from accelerate.hooks import attach_align_device_hook
     from accelerate.utils import OffloadedWeightsLoader, offload_state_dict
 
+    home = first_weight_device(model.get_submodule(name))  # where its hooks computed: the rest of the model's device
     loaded = _load(model.get_submodule(name), device)
     try:
         yield
@@ -105,7 +107,7 @@ def in_memory(model: nn.Module, name: str, device: torch.device):
                 setattr(model, FOLDER_ATTRIBUTE, new_folder(getattr(model, "name_or_path", "") or "model"))
             folder = Path(getattr(model, FOLDER_ATTRIBUTE).name) / "calibrated" / name
             offload_state_dict(folder, {key: value.detach() for key, value in module.named_parameters()})
-            attach_align_device_hook(module, execution_device=device, offload=True,
+            attach_align_device_hook(module, execution_device=home or device, offload=True,
                                      weights_map=OffloadedWeightsLoader(save_folder=str(folder)))
 
 

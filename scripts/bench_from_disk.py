@@ -184,7 +184,8 @@ def llama3b_case(work: Path, limit: str) -> dict:
     beside = beside_the_weights(model_sizes(str(source)), PlanSettings(**calibration_settings(config)))
     predicted = beside + run["kept_in_memory"]  # the plan, for the weights accelerate's device map kept
     return {"case": "llama3b", "weights_bytes": written["bytes"], "limit": limit, "calibration": CALIBRATION, **run,
-            "predicted_mb": round(predicted / 2**20), "predicted_over_measured": round(predicted / 2**20 / run["peak_mb"], 3),
+            "predicted_mb": round(predicted / 2**20),
+            "predicted_over_measured": round(predicted / 2**20 / run["peak_mb"], 3),
             "peak_over_limit": round(run["peak_mb"] * 2**20 / parse_bytes(limit), 3)}
 
 

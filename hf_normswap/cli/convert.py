@@ -137,7 +137,8 @@ def weights_memory(args, budget) -> int | None:
     config = calibration_config(args)
     if not args.calib:  # the default's sequences
         default = DEFAULTS["samples"]
-        config.num_blocks, config.block_len = args.calib_blocks or default.num_blocks, args.calib_len or default.block_len
+        config.num_blocks = args.calib_blocks or default.num_blocks
+        config.block_len = args.calib_len or default.block_len
     try:
         weights = weights_in_memory(args.model, config, limit)
     except (PlanError, OSError, ValueError) as error:

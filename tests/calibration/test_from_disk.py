@@ -115,7 +115,8 @@ def test_the_command_line_keeps_weights_on_disk_within_the_limit(sharded, tmp_pa
     assert cli.main([str(a) for a in ["convert", sharded, *flags, "--max-host-memory", "1.01MiB", "--output",
                                       tmp_path / "disk"]]) in (0, None)
     assert "stay on disk: calibrating block by block (--max-host-memory: 0.0 GiB)" in capsys.readouterr().out
-    in_memory, on_disk = (hf_normswap.load(tmp_path / name).config.normswap["calibration"] for name in ("memory", "disk"))
+    in_memory, on_disk = (hf_normswap.load(tmp_path / name).config.normswap["calibration"]
+                          for name in ("memory", "disk"))
     assert (in_memory["tune_steps"], on_disk["tune_steps"]) == (30, 0)  # the block strategy's end-to-end steps
     assert run_cli(["convert", sharded, *flags, "--max-host-memory", "1MiB", "--output", tmp_path / "x"],
                    capsys)[1].endswith("allow more, or calibrate on fewer or shorter sequences")
