@@ -31,6 +31,9 @@ def add_parser(commands) -> None:
     parser.add_argument("--seq-len", type=int, default=512, help="tokens a row (default 512)")
     parser.add_argument("--optimizer-offload", action="store_true", help="FSDP2's CPU offload (fsdp_offload_params)")
     parser.add_argument("--no-calibration", action="store_true", help="the recipe starts from a converted model")
+    parser.add_argument("--weights-on-disk", action="store_true",
+                        help="convert as `normswap convert --max-host-memory` does below the model's size: weights in "
+                             "their shards, one block in memory, no end-to-end steps")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -46,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
                                 load_once=not args.load_on_every_process,
                                 gradient_checkpointing=args.gradient_checkpointing, batch_size=args.batch_size,
                                 seq_len=args.seq_len, optimizer_offload=args.optimizer_offload,
-                                calibrate=not args.no_calibration)
+                                calibrate=not args.no_calibration, weights_on_disk=args.weights_on_disk)
         result = plan(args.model, settings)
     except PlanError as error:
         print(f"normswap: error: {error}", file=sys.stderr)

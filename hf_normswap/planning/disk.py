@@ -21,8 +21,7 @@ def free_host_memory() -> int:
 def beside_the_weights(sizes, settings: PlanSettings) -> int:
     """Host bytes calibration from disk needs beside the weights it keeps in memory: the block pass's runtime,
     hidden states between blocks and block being fitted (no end-to-end steps on disk)."""
-    return max(phase.host_main - phase.main.get("model", 0)
-               for phase in conversion_phases(sizes, settings.replace(tune_rows=0)))
+    return max(phase.host_main for phase in conversion_phases(sizes, settings.replace(weights_on_disk=True)))
 
 
 def weights_in_memory(model, calibration, limit: int) -> int | None:

@@ -99,6 +99,7 @@ class MemoryPlan:
                  f", teacher {'sharded' if s.sharded and s.shard_teacher else 'whole'}, gradient checkpointing "
                  f"{'on' if s.gradient_checkpointing else 'off'}, {s.batch_size} x {s.seq_len} tokens a process"
                  + (", optimizer offload" if s.optimizer_offload else "")
+                 + (", convert with the weights on disk" if s.weights_on_disk else "")
                  + (", weights read by every process" if s.sharded and not s.load_once else ""),
                  "", self.table(), ""]
         problems = self.problems()
@@ -128,6 +129,8 @@ CHANGES = [
     ("FSDP2", lambda s: {"sharding": "fsdp2", "shard_teacher": True} if s.processes > 1 and not s.sharded
      else {}),
     ("hidden states between blocks on disk", lambda s: {} if s.cache_on_disk else {"cache_on_disk": True}),
+    ("convert with the weights on disk (--max-host-memory)",
+     lambda s: {} if s.weights_on_disk or s.device_memory else {"weights_on_disk": True}),
     ("half the batch", _halve("batch_size")),
     ("half the end-to-end rows", _halve("tune_rows", least=0)),
     ("optimizer offload", lambda s: {"optimizer_offload": True} if s.sharded and s.device_memory

@@ -28,8 +28,11 @@ def _place(phase: Phase, on_device: bool, terms: dict[str, int], *, main: bool =
 
 def conversion_phases(sizes: ModelSizes, settings: PlanSettings) -> list[Phase]:
     """``normswap convert`` (``hf_normswap.convert`` with calibration): one model in host memory, its blocks
-    computed on the device when there is one."""
-    weights = sizes.parameter_bytes(4)
+    computed on the device when there is one; with ``weights_on_disk``, no weight held but the block being fitted,
+    and no end-to-end steps."""
+    if settings.weights_on_disk:
+        settings = settings.replace(tune_rows=0)
+    weights = 0 if settings.weights_on_disk else sizes.parameter_bytes(4)
     gpu = settings.device_memory is not None
     phases = [Phase("load", main={"runtime": RUNTIME_BYTES, "model": weights})]
     for stage, terms in calibration_terms(sizes, settings).items():

@@ -61,6 +61,7 @@ class PlanSettings:
     block_rows: int = 60  # block_steps x block_rows: the sequences block tuning reads
     block_weights: bool = True  # calibration.block_weights_lr > 0: each block's weights tuned with Adam
     cache_on_disk: bool = False  # calibration.cache_memory_mb=0: the hidden states between blocks in files
+    weights_on_disk: bool = False  # convert --max-host-memory: weights in their shards, one block in memory
     eval_len: int = 512  # (final_eval.max_length)
 
     def __post_init__(self):

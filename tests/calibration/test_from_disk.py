@@ -94,8 +94,9 @@ def test_the_budget_leaves_room_for_the_block_pass(sharded):
     config = calibration(tune_steps=30, tune_blocks=8)
     sizes, settings = model_sizes(str(sharded)), PlanSettings(**calibration_settings(config))
     whole = max(phase.host_main for phase in conversion_phases(sizes, settings))
-    block_pass = max(phase.host_main - phase.main["model"]
-                     for phase in conversion_phases(sizes, settings.replace(tune_rows=0)))
+    on_disk = conversion_phases(sizes, settings.replace(weights_on_disk=True))
+    assert all(phase.main["model"] == 0 for phase in on_disk)
+    block_pass = max(phase.host_main for phase in on_disk)
     assert block_pass < whole - sizes.parameter_bytes()  # the end-to-end steps' logits are left out
     assert disk.weights_in_memory(str(sharded), config, whole) is None
     assert disk.weights_in_memory(str(sharded), config, whole - 1) == whole - 1 - block_pass
@@ -110,8 +111,8 @@ def test_the_command_line_keeps_weights_on_disk_within_the_limit(sharded, tmp_pa
     flags = ["--to", "eln", "--calib", text, "--calib-blocks", "8", "--calib-len", "32", "--block-steps", "3",
              "--no-check"]
     assert run_cli(["convert", sharded, *flags, "--output", tmp_path / "memory"], capsys)[0] == 0
-    monkeypatch.setattr(disk, "conversion_phases", lambda sizes, settings: [
-        Phase("calibration", main={"model": 2**20, "runtime": 2**20})])  # a model of 1 MiB beside 1 MiB
+    monkeypatch.setattr(disk, "conversion_phases", lambda sizes, settings: [  # a model of 1 MiB beside 1 MiB
+        Phase("calibration", main={"model": 0 if settings.weights_on_disk else 2**20, "runtime": 2**20})])
     assert cli.main([str(a) for a in ["convert", sharded, *flags, "--max-host-memory", "1.01MiB", "--output",
                                       tmp_path / "disk"]]) in (0, None)
     assert "stay on disk: calibrating block by block (--max-host-memory: 0.0 GiB)" in capsys.readouterr().out

@@ -9,6 +9,7 @@ import pytest
 
 from hf_normswap import cli
 from hf_normswap.planning import PlanError, PlanSettings, model_sizes, plan
+from hf_normswap.planning.plan import replan
 from hf_normswap.planning.phases import COMPILER_BYTES, RUNTIME_BYTES
 from tiny_models import tiny_config, tiny_model
 
@@ -86,6 +87,24 @@ def test_it_fits_or_names_the_smallest_change():
     assert "smallest change that fits" in ddp.describe()
     hopeless = plan(config, processes=1, device_memory=1000, seq_len=64)
     assert hopeless.smallest_change() is None
+
+
+def test_a_conversion_with_its_weights_on_disk_holds_the_block_pass_alone():
+    """``convert --max-host-memory`` below the model: no weight but the block being fitted, no end-to-end steps; the
+    smallest change of a CPU conversion that does not fit the host."""
+    config = tiny_config("llama", num_hidden_layers=8, hidden_size=256, intermediate_size=1024, vocab_size=512)
+    whole = plan(config, seq_len=64, calibrate=False)
+    on_disk = plan(config, whole.settings.replace(weights_on_disk=True))
+    assert [p.name for p in on_disk.conversion] == ["load", "calibration: block pass"]
+    assert all(p.main["model"] == 0 for p in on_disk.conversion)
+    no_steps = plan(config, whole.settings.replace(tune_rows=0))  # the original's logits go with the steps
+    block_pass = {p.name: p for p in no_steps.conversion}["calibration: block pass"]
+    assert on_disk.conversion[1].host_main == block_pass.host_main - block_pass.main["model"]
+    limit = max(p.host_main for p in on_disk.conversion)
+    tight = plan(config, whole.settings.replace(host_memory=limit))
+    assert any(problem.startswith("convert,") for problem in tight.problems())
+    assert not any(problem.startswith("convert,") for problem in replan(tight, weights_on_disk=True).problems())
+    assert "convert with the weights on disk" in plan(config, on_disk.settings).describe()
 
 
 @pytest.mark.parametrize("settings, message", [
