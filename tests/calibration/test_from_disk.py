@@ -10,8 +10,7 @@ import hf_normswap
 from hf_normswap import cli, offload
 from hf_normswap.calibration.calibrate import CalibrationConfig
 from hf_normswap.checkpoint.loading import ModelLoadError, load_model
-from hf_normswap.planning import disk
-from hf_normswap.planning import PlanSettings, model_sizes
+from hf_normswap.planning import PlanSettings, disk, model_sizes
 from hf_normswap.planning.phases import Phase
 from hf_normswap.planning.recipe_memory import conversion_phases
 from hf_normswap.planning.recipe_settings import calibration_settings
@@ -105,7 +104,8 @@ def test_the_budget_leaves_room_for_the_block_pass(sharded):
 
 
 def test_the_command_line_keeps_weights_on_disk_within_the_limit(sharded, tmp_path, monkeypatch, capsys):
-    """A limit below the whole model's needs: the line says so, and the checkpoint is the in-memory one."""
+    """A limit below the whole conversion's needs: the line says so and calibration runs from disk (no end-to-end
+    steps); a limit below the block pass's needs, or no size at all, is one line and writes nothing."""
     text = tmp_path / "calib.txt"
     text.write_text("the model of the norm and the data in the text " * 200)
     flags = ["--to", "eln", "--calib", text, "--calib-blocks", "8", "--calib-len", "32", "--block-steps", "3",
