@@ -117,9 +117,8 @@ def calibrate(model_dir: str, out: str, limit: str, data: str) -> dict:
 
     torch.set_num_threads(1)
     config = CalibrationConfig(data=None, progress=False, **CALIBRATION)
-    weights = {"none": None, "all-on-disk": 1}.get(limit)
-    if limit not in ("none", "all-on-disk"):
-        weights = weights_in_memory(model_dir, config, parse_bytes(limit))
+    fixed = {"none": None, "all-on-disk": 1}
+    weights = fixed[limit] if limit in fixed else weights_in_memory(model_dir, config, parse_bytes(limit))
     start = time.time()
     model, tokenizer = load_model(model_dir, weights_memory=weights)
     loaded = time.time()
