@@ -57,6 +57,14 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def memory_environment() -> dict:
+    """The environment of a memory measurement's process: one thread, offline, and glibc returning freed tensors to
+    the OS (``MALLOC_MMAP_THRESHOLD_``), this checkout first on the path."""
+    path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+    return dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1",
+                MALLOC_MMAP_THRESHOLD_="65536", PYTHONPATH=path)
+
+
 def resident() -> int:
     """This process's resident set now, bytes."""
     return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")

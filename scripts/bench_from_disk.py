@@ -19,14 +19,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from _common import ROOT, commit, machine, peak_rss_mb
+from _common import ROOT, commit, machine, memory_environment, peak_rss_mb
 
 # Llama-3.2-3B's published shape (tied embeddings)
 LLAMA_3B = dict(hidden_size=3072, intermediate_size=8192, num_hidden_layers=28, num_attention_heads=24,
@@ -38,15 +37,10 @@ CALIBRATION = dict(num_blocks=4, block_len=64, batch_size=2, strategy="block", b
 SHARD_BYTES = 2**30
 
 
-def environment() -> dict:
-    return dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1",
-                MALLOC_MMAP_THRESHOLD_="65536")
-
-
 def call(function: str, *args: str) -> dict:
     """One of this file's workers in a fresh process; the JSON it prints last."""
     result = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--call", function, *args], cwd=ROOT,
-                            env=environment(), capture_output=True, text=True)
+                            env=memory_environment(), capture_output=True, text=True)
     if result.returncode:
         raise SystemExit(f"{function} failed:\n{result.stderr[-3000:]}")
     return json.loads(result.stdout.strip().splitlines()[-1])

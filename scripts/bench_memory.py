@@ -36,7 +36,7 @@ import threading
 import time
 from pathlib import Path
 
-from _common import ROOT, commit, machine, phase_sampler, recipe_by_phase
+from _common import ROOT, commit, machine, memory_environment, phase_sampler, recipe_by_phase
 WIKITEXT = ROOT.parent / "shared" / "data" / "wikitext-2" / "wiki.valid.tokens"
 LAUNCHERS = {"ddp": ["--multi_gpu"],
              "fsdp2": ["--config_file", str(ROOT / "recipes" / "accelerate_configs" / "fsdp2.yaml")]}
@@ -58,11 +58,6 @@ def peak_rss() -> int:
         if line.startswith("VmHWM:"):
             return int(line.split()[1]) * 1024
     raise RuntimeError("no VmHWM in /proc/self/status")
-
-
-def environment() -> dict:
-    return dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1",
-                MALLOC_MMAP_THRESHOLD_="65536", PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
 
 
 # ------------------------------------------------------------------------------------------- inside the processes
@@ -138,7 +133,7 @@ def run_worker(function: str, *args: str) -> dict:
 
 
 def _run_process(command: list[str]) -> dict:
-    result = subprocess.run(command, cwd=ROOT, env=environment(), capture_output=True, text=True)
+    result = subprocess.run(command, cwd=ROOT, env=memory_environment(), capture_output=True, text=True)
     if result.returncode:
         raise SystemExit(f"case failed:\n{result.stderr[-3000:]}")
     return json.loads(result.stdout.strip().splitlines()[-1])
@@ -150,7 +145,7 @@ def random_llama(folder: Path) -> Path:
             f"config = transformers.LlamaConfig(**{LLAMA_1B!r})\n"
             "model = transformers.LlamaForCausalLM(config)\n"
             "model.save_pretrained(sys.argv[1], max_shard_size='1GB')\n")
-    subprocess.run([sys.executable, "-c", code, str(folder)], check=True, cwd=ROOT, env=environment())
+    subprocess.run([sys.executable, "-c", code, str(folder)], check=True, cwd=ROOT, env=memory_environment())
     return folder
 
 
@@ -160,7 +155,7 @@ def converted_smollm2(folder: Path) -> Path:
         code = ("import sys, hf_normswap\nfrom hf_normswap.checkpoint.loading import load_model\n"
                 "model, tokenizer = load_model('offline:smollm2')\nhf_normswap.convert(model, to='eln')\n"
                 "hf_normswap.save_pretrained(model, sys.argv[1], tokenizer=tokenizer, overwrite=True)\n")
-        subprocess.run([sys.executable, "-c", code, str(folder)], check=True, cwd=ROOT, env=environment())
+        subprocess.run([sys.executable, "-c", code, str(folder)], check=True, cwd=ROOT, env=memory_environment())
     return folder
 
 
@@ -249,7 +244,7 @@ def recipe_case(name: str, work: Path, out: Path) -> dict:
     command = [sys.executable, *worker] if mode == "single" else [
         sys.executable, "-m", "accelerate.commands.launch", *LAUNCHERS[mode], "--num_processes", "2",
         "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "0", *worker]
-    result = subprocess.run(command, cwd=ROOT, env=environment(), capture_output=True, text=True)
+    result = subprocess.run(command, cwd=ROOT, env=memory_environment(), capture_output=True, text=True)
     (out / f"{name}.log").write_text(result.stdout + result.stderr)
     if result.returncode:
         raise SystemExit(f"{name} failed (see {out / f'{name}.log'}):\n{result.stderr[-3000:]}")
