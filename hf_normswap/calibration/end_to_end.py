@@ -17,7 +17,9 @@ from ..modules import adam_groups
 
 @contextmanager
 def training_only(model: nn.Module, params: list[nn.Parameter]):
-    """Gradients for ``params`` alone (here and in ``block_pass.tune_block``), restoring every parameter's requires_grad afterwards."""
+    """Gradients for ``params`` alone (here and in ``block_pass.tune_block``), restoring every parameter's
+    requires_grad afterwards and dropping the gradients the last step left: kept, they would hold a second copy of
+    every tuned weight until the conversion ends (one block's weights a block, in the block pass)."""
     chosen = {id(p) for p in params}
     saved = {n: p.requires_grad for n, p in model.named_parameters()}
     for p in model.parameters():
@@ -28,6 +30,8 @@ def training_only(model: nn.Module, params: list[nn.Parameter]):
     finally:
         for n, p in model.named_parameters():
             p.requires_grad_(saved[n])
+        for p in params:
+            p.grad = None
 
 
 def tuning_rows(batches, count: int) -> list[dict]:
