@@ -107,11 +107,12 @@ def evaluation_activations(sizes: ModelSizes, settings: PlanSettings) -> int:
             + EVAL_LOGIT_COPIES * settings.eval_len * sizes.vocab * 4)
 
 
-def calibration_terms(sizes: ModelSizes, settings: PlanSettings) -> dict[str, dict[str, int]]:
+def calibration_terms(sizes: ModelSizes, settings: PlanSettings, block_brought: bool) -> dict[str, dict[str, int]]:
     """Beside the model itself, what each stage of calibration holds: ``block pass`` and ``end-to-end steps``,
     each as ``{"host": ..., "compute": ...}`` (compute: where the block or the model is computed).
 
-    The block pass holds one block on the compute device with, when its weights are tuned, their copy at the
+    The block pass holds one block on the compute device (a copy of its weights when they are ``block_brought``
+    there: from host memory to an accelerator, or from disk) with, when its weights are tuned, their copy at the
     start, gradient and AdamW moments; the hidden states between blocks (peak ``2 (N + R) L d`` fp32 values,
     ``block_pass.py``) stay in host memory or in files. The original's logits on the tuning rows are kept from the
     start to the end-to-end steps, each of which backpropagates one row through the whole model."""
@@ -122,7 +123,8 @@ def calibration_terms(sizes: ModelSizes, settings: PlanSettings) -> dict[str, di
     rows = min(settings.tune_rows, n)
     logits = {"original's logits (tuning rows)": rows * length * sizes.vocab * 4} if rows else {}
     unit = sizes.largest_unit * 4
-    block = unit + (3 * unit if settings.block_weights else 0) + layer_activations(sizes, length, 4)
+    tuned_copies = 4 * unit if settings.block_weights else 0
+    block = (unit if block_brought else 0) + tuned_copies + layer_activations(sizes, length, 4)
     stages = {"block pass": {"host": {"hidden states between blocks": cache, **logits},
                              "compute": {"block being fitted": block}}}
     if rows:

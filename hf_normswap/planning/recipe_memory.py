@@ -35,7 +35,7 @@ def conversion_phases(sizes: ModelSizes, settings: PlanSettings) -> list[Phase]:
     weights = 0 if settings.weights_on_disk else sizes.parameter_bytes(4)
     gpu = settings.device_memory is not None
     phases = [Phase("load", main={"runtime": RUNTIME_BYTES, "model": weights})]
-    for stage, terms in calibration_terms(sizes, settings).items():
+    for stage, terms in calibration_terms(sizes, settings, block_brought=gpu or settings.weights_on_disk).items():
         phase = Phase(f"calibration: {stage}", main={"runtime": RUNTIME_BYTES, "compiled kernels": COMPILER_BYTES,
                                                       "model": weights, **terms["host"]})
         _place(phase, gpu and stage == "block pass", terms["compute"])
@@ -79,7 +79,7 @@ def recipe_phases(sizes: ModelSizes, settings: PlanSettings) -> list[Phase]:
 
     # 2. calibration on the main process, the others holding the original meanwhile
     if settings.calibrate:
-        for stage, terms in calibration_terms(sizes, settings).items():
+        for stage, terms in calibration_terms(sizes, settings, block_brought=gpu and not ddp_gpu).items():
             phase = Phase(f"calibration: {stage}", main=dict(compiled), other=dict(runtime), device=dict(context))
             _place(phase, ddp_gpu, {"original": weights, "student": weights})
             _place(phase, ddp_gpu, {k: v for k, v in others.items() if k == "original"}, main=False, other=True)
