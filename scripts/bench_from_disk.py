@@ -3,6 +3,7 @@ than the limit, and the same checkpoint as calibrating in memory.
 
     python scripts/bench_from_disk.py --out out/bench-from-disk                       # both cases
     python scripts/bench_from_disk.py --out out/bench-from-disk --cases llama3b --max-host-memory 4GB
+    python scripts/bench_from_disk.py --out out/bench-from-disk --replan   # the 3B prediction made again
 
 Cases, each conversion in a fresh process (one thread, glibc returning freed memory to the OS):
 - ``equal``: SmolLM2-135M (``offline:smollm2``, real weights) saved as safetensors, calibrated (ELN, ``block``, no
@@ -162,24 +163,37 @@ def equal_case(work: Path, data: str) -> dict:
             "on_disk": runs["all-on-disk"], **call("compare", str(work / "none"), str(work / "all-on-disk"))}
 
 
-def llama3b_case(work: Path, limit: str) -> dict:
+def predicted_mb(kept_in_memory: int) -> int:
+    """The plan's peak for the 3B case: what calibration from disk needs beside the weights (``disk.py``), plus the
+    weights accelerate's device map kept in memory."""
+    import transformers
+
     from hf_normswap.calibration.calibrate import CalibrationConfig
     from hf_normswap.planning import PlanSettings, model_sizes
     from hf_normswap.planning.disk import beside_the_weights
     from hf_normswap.planning.recipe_settings import calibration_settings
+
+    config = CalibrationConfig(data=None, **CALIBRATION)
+    sizes = model_sizes(transformers.LlamaConfig(**LLAMA_3B))
+    return round((beside_the_weights(sizes, PlanSettings(**calibration_settings(config))) + kept_in_memory) / 2**20)
+
+
+def with_prediction(case: dict) -> dict:
+    """The 3B case with the plan's prediction (made again by ``--replan``; the measurement kept)."""
+    predicted = predicted_mb(case["kept_in_memory"])
+    return {**case, "predicted_mb": predicted, "predicted_over_measured": round(predicted / case["peak_mb"], 3)}
+
+
+def llama3b_case(work: Path, limit: str) -> dict:
     from hf_normswap.planning.settings import parse_bytes
 
     source = work / "llama3b"
     source.mkdir()
     written = call("write_random_llama", str(source))
     run = call("calibrate", str(source), str(work / "llama3b-eln"), limit, "random")
-    config = CalibrationConfig(data=None, **CALIBRATION)
-    beside = beside_the_weights(model_sizes(str(source)), PlanSettings(**calibration_settings(config)))
-    predicted = beside + run["kept_in_memory"]  # the plan, for the weights accelerate's device map kept
-    return {"case": "llama3b", "weights_bytes": written["bytes"], "limit": limit, "calibration": CALIBRATION, **run,
-            "predicted_mb": round(predicted / 2**20),
-            "predicted_over_measured": round(predicted / 2**20 / run["peak_mb"], 3),
-            "peak_over_limit": round(run["peak_mb"] * 2**20 / parse_bytes(limit), 3)}
+    return with_prediction({"case": "llama3b", "weights_bytes": written["bytes"], "limit": limit,
+                            "calibration": CALIBRATION, **run,
+                            "peak_over_limit": round(run["peak_mb"] * 2**20 / parse_bytes(limit), 3)})
 
 
 def main(argv=None) -> int:
@@ -193,8 +207,19 @@ def main(argv=None) -> int:
     parser.add_argument("--max-host-memory", default="4GB", help="the 3B case's limit")
     parser.add_argument("--data", default="builtin", help="the equal case's calibration text")
     parser.add_argument("--work", default=None, help="folder for the temporary models (default: the system's)")
+    parser.add_argument("--replan", action="store_true",
+                        help="make the 3B case's prediction in OUT/results.json again, at this commit, running nothing")
     args = parser.parse_args(argv)
     out = Path(args.out)
+    if args.replan:
+        if not (out / "results.json").is_file():
+            parser.error(f"--replan: no {out / 'results.json'}; run the benchmark into {out} first")
+        results = json.loads((out / "results.json").read_text())
+        results["cases"] = [with_prediction(c) if c["case"] == "llama3b" else c for c in results["cases"]]
+        results["predicted_at"] = commit()
+        (out / "results.json").write_text(json.dumps(results, indent=1))
+        print(json.dumps([c for c in results["cases"] if c["case"] == "llama3b"]))
+        return 0
     out.mkdir(parents=True, exist_ok=True)
     results = {"machine": machine(), "commit": commit(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                "command": " ".join([Path(sys.argv[0]).name, *argv]), "cases": []}

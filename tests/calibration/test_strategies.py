@@ -33,7 +33,6 @@ def test_each_strategy_beats_the_analytic_start(case):
     assert error < 0.6 * _relative_error(analytic, original, ids), error  # measured: at most 0.55x of it
 
 
-
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_calibration_leaves_no_gradients(strategy):
     """Gradients left on tuned weights would hold a second copy of them until the conversion ends (the matrix's
