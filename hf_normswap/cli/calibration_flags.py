@@ -5,6 +5,7 @@ given are read into one by the settings reader (``hf_normswap.settings``) and ch
 from __future__ import annotations
 
 import argparse
+import sys
 
 from ..calibration.calibrate import DEFAULT_STRATEGY, STRATEGIES, CalibrationConfig, strategy_help
 from ..calibration.defaults import NONE, default_calibration
@@ -109,7 +110,7 @@ def calibration(args, model, tokenizer) -> CalibrationConfig | None:
         given = _given(args)
         config, line = default_calibration(model, tokenizer, **given)
         print(line or "no tokenizer: the start measured on random token ids, uncalibrated; --calib DATA with a "
-                      "tokenizer calibrates")
+                      "tokenizer calibrates", file=sys.stderr)  # stdout is the result's (--json)
         return config
     if tokenizer is None:
         raise ConversionError("--calib needs a model with a tokenizer")

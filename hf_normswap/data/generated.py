@@ -349,7 +349,7 @@ def sample_texts(model: nn.Module, tokenizer, settings: SamplingSettings, max_to
         read, count = count, count + batches_for(max_tokens - have, settings)
     if drawn and progress:
         print(f"[generated] {drawn * settings.batch_size * settings.length:,} tokens sampled in "
-              f"{time.time() - start:.0f} s into {cache.directory}", flush=True)
+              f"{time.time() - start:.0f} s into {cache.directory}", file=sys.stderr, flush=True)
     return [tokenizer.decode(ids, skip_special_tokens=True) for ids in rows]
 
 

@@ -192,3 +192,19 @@ def test_sensitivity_leaves_the_blocks_weights_alone_unless_asked(tmp_path, monk
         with pytest.raises(Measured):
             cli.main(["sensitivity", "tiny", "--to", "eln", "--calib", str(text), "--data", str(text), *extra])
     assert seen == [0.0, 1e-4]
+
+
+def test_sensitivity_json_is_the_whole_of_stdout_with_the_default_calibration(tmp_path, capsys):
+    """Without --calib the map calibrates on the original's samples and says so; --json's stdout stays one JSON
+    document (the notices go to stderr)."""
+    import hf_normswap.cli as cli
+
+    folder = tmp_path / "llama"
+    tiny_model("llama", max_position_embeddings=128).save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    text = tmp_path / "text.txt"
+    text.write_text(TEXT[0])
+    assert cli.main(["sensitivity", str(folder), "--to", "eln", "--data", str(text), "--windows", "1",
+                     "--window-len", "32", "--json"]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out)["norms"] and "calibrating on" in err
