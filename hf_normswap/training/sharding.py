@@ -101,24 +101,39 @@ def shard(model: nn.Module) -> nn.Module:
 def shard_from_main(model: nn.Module, main: bool, device: torch.device | str) -> nn.Module:
     """:func:`shard` a model whose weights only the main process holds (the others built it on the meta device),
     then give every process its shards from the main process's full state dict with torch's own
-    ``set_model_state_dict(..., broadcast_from_rank0=True)``. Non-persistent buffers (rotary ``inv_freq``) are in no
-    state dict: each process keeps its own, as accelerate's ``fsdp2_prepare_model`` does. The shards and buffers end
-    on ``device`` (torch places what it receives on its process group's default device). Every process must call
-    it."""
+    ``set_model_state_dict(..., broadcast_from_rank0=True)``, one shard unit at a time: the main process lets go of
+    each unit's whole weights once they are sent, so it never holds the whole model and all its shards at once.
+    Non-persistent buffers (rotary ``inv_freq``) are in no state dict: each process keeps its own, as accelerate's
+    ``fsdp2_prepare_model`` does. The shards and buffers end on ``device`` (torch places what it receives on its
+    process group's default device). Every process must call it."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
     full = model.state_dict() if main else {}
-    persistent = set(model.state_dict())
+    groups = unit_groups(model)
+    persistent = {key for keys in groups for key in keys}
     buffers = {name: buffer for name, buffer in model.named_buffers() if name not in persistent}
     model.to("meta")  # the main process's weights stay alive in ``full`` until they are sent
     retie(model)  # moved to meta, tied parameters become one each: every process must shard the same units
     shard(model)
-    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
-    del full
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False)
+    for keys in groups:  # the same groups, in the same order, on every process
+        set_model_state_dict(model, {key: full.pop(key) for key in keys if key in full}, options=options)
     for name, buffer in buffers.items():
         parent, _, local = name.rpartition(".")
         (model.get_submodule(parent) if parent else model).register_buffer(local, buffer, persistent=False)
     return retie(model.to(device))
+
+
+def unit_groups(model: nn.Module) -> list[list[str]]:
+    """The model's state dict keys grouped by shard unit (:func:`shard_unit_classes`; keys outside every unit, the
+    root's, form one group), in state dict order."""
+    units = shard_unit_classes(model)
+    prefixes = [name + "." for name, module in model.named_modules() if type(module) in units]
+    groups: dict[str, list[str]] = {}
+    for key in model.state_dict():
+        unit = max((p for p in prefixes if key.startswith(p)), key=len, default="")
+        groups.setdefault(unit, []).append(key)
+    return list(groups.values())
 
 
 def storage_for_optimizer(model: nn.Module) -> nn.Module:
