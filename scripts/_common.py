@@ -70,16 +70,26 @@ def resident() -> int:
     return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+def proportional() -> int:
+    """This process's proportional set now (Pss of /proc/self/smaps_rollup), bytes: each page shared with other
+    processes (the libraries every process maps) counted as its share, so that a sum over processes is the host
+    memory they take together; a sum of resident sets counts shared pages once a process."""
+    for line in Path("/proc/self/smaps_rollup").read_text().splitlines():
+        if line.startswith("Pss:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no Pss in /proc/self/smaps_rollup")
+
+
 def phase_sampler(phase: list[str], peaks: dict[str, int], done: threading.Event,
                   timeline: list | None = None) -> threading.Thread:
     """A thread that keeps the largest resident set seen under each name ``phase[0]`` takes, every 20 ms, and in
-    ``timeline`` each sample of the ``load`` phase as (wall-clock time, bytes)."""
+    ``timeline`` each sample of the ``load`` phase as (wall-clock time, resident bytes, proportional bytes)."""
     def sample():
         while not done.is_set():
             rss = resident()
             peaks[phase[0]] = max(peaks.get(phase[0], 0), rss)
             if timeline is not None and phase[0] == "load":
-                timeline.append((time.time(), rss))
+                timeline.append((time.time(), rss, proportional()))
             time.sleep(0.02)
     thread = threading.Thread(target=sample, daemon=True)
     thread.start()

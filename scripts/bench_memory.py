@@ -19,7 +19,8 @@ Cases:
   two-process case's memory at start is put: ``start_sum`` is the largest total resident set of all its processes
   at once before training begins (the ``load`` phase: the models loaded, the first evaluation, the training rows,
   the teacher sharded), ``start_ratio`` that total over the single process's, ``start_ratio_models`` the same with
-  each process's runtime (``RUNTIME_BYTES``) taken off.
+  each process's runtime (``RUNTIME_BYTES``) taken off; ``start_sum_pss`` and ``start_ratio_pss`` the same in
+  proportional sets (``_common.proportional``: the libraries both processes map counted once).
 
 ``OUT/results.json`` holds the machine, the commit, each case's command, predicted and measured peaks per process.
 """
@@ -198,7 +199,8 @@ def start_ratios(results: dict) -> None:
     single process's (``recipe-single-all``), whole and with each process's runtime taken off."""
     from hf_normswap.planning.phases import RUNTIME_BYTES
 
-    single = next((case.get("start_sum") for case in results["cases"] if case["case"] == "recipe-single-all"), None)
+    single, single_pss = next(((case.get("start_sum"), case.get("start_sum_pss")) for case in results["cases"]
+                               if case["case"] == "recipe-single-all"), (None, None))
     for case in results["cases"]:
         if case.get("start_sum") is not None:  # the plan's load phase on every process (one main, the others alike)
             load = case["phases"]["load"]["predicted"]
@@ -209,6 +211,8 @@ def start_ratios(results: dict) -> None:
         processes = len(case["measured"])
         case["start_ratio"] = round(case["start_sum"] / single, 3)
         case["start_ratio_models"] = round((case["start_sum"] - processes * RUNTIME_BYTES) / (single - RUNTIME_BYTES), 3)
+        if case.get("start_sum_pss") and single_pss:
+            case["start_ratio_pss"] = round(case["start_sum_pss"] / single_pss, 3)
 
 
 def calibration_settings(case: str) -> dict:
@@ -253,19 +257,19 @@ def recipe_case(name: str, work: Path, out: Path) -> dict:
         raise SystemExit(f"{name}: the log {'has' if sharded else 'lacks'} the shard units: not {mode}")
     ranks = [json.loads(p.read_text()) for p in sorted((run_dir / "memory").glob("rank*.json"))]
     phases = sorted({phase for r in ranks for phase in r.get("phases", {})})
-    start_sum = peak_of_sum([r["load_timeline"] for r in ranks])
+    start_sum, start_sum_pss = (peak_of_sum([r["load_timeline"] for r in ranks], column) for column in (1, 2))
     launcher = "python" if mode == "single" else "accelerate launch " + " ".join(LAUNCHERS[mode]) + " --num_processes 2"
     return {"case": name, "command": f"{launcher} recipes/finetune.py " + " ".join(recipe_args[3:]), "measured": [r["peak"] for r in ranks],
             "phases": {phase: {"measured": [r.get("phases", {}).get(phase) for r in ranks]} for phase in phases},
-            "start_sum": start_sum}
+            "start_sum": start_sum, "start_sum_pss": start_sum_pss}
 
 
-def peak_of_sum(timelines: list[list[tuple[float, int]]]) -> int:
-    """The largest total resident set of all processes at once while any is still before training: at each sample
-    of any process, the sum of every process's latest sample (a process not yet sampled, or already training,
-    counts its first or last sample of the phase)."""
-    events = sorted((t, rank, rss) for rank, timeline in enumerate(timelines) for t, rss in timeline)
-    latest = [timeline[0][1] if timeline else 0 for timeline in timelines]
+def peak_of_sum(timelines: list[list[tuple[float, int, int]]], column: int = 1) -> int:
+    """The largest total of all processes at once (``column`` of the samples: 1 resident, 2 proportional) while any
+    is still before training: at each sample of any process, the sum of every process's latest sample (a process
+    not yet sampled, or already training, counts its first or last sample of the phase)."""
+    events = sorted((sample[0], rank, sample[column]) for rank, timeline in enumerate(timelines) for sample in timeline)
+    latest = [timeline[0][column] if timeline else 0 for timeline in timelines]
     peak = sum(latest)
     for _, rank, rss in events:
         latest[rank] = rss
