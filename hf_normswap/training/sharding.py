@@ -126,7 +126,7 @@ def shard_from_main(model: nn.Module, main: bool, device: torch.device | str) ->
 
 def unit_groups(model: nn.Module) -> list[list[str]]:
     """The model's state dict keys grouped by shard unit (:func:`shard_unit_classes`; keys outside every unit, the
-    root's, form one group), in state dict order."""
+    root's, form one group), the groups in the order of their first key."""
     units = shard_unit_classes(model)
     prefixes = [name + "." for name, module in model.named_modules() if type(module) in units]
     groups: dict[str, list[str]] = {}

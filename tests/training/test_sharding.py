@@ -211,3 +211,21 @@ def test_only_the_main_process_reads_weights_and_training_ends_where_whole_loads
     once, whole_weights = weights(tmp_path / "once" / "final"), weights(tmp_path / "whole" / "final")
     for name, value in whole_weights.items():
         torch.testing.assert_close(once[name], value, rtol=0, atol=TOLERANCE, msg=name)
+
+
+def test_the_teacher_is_sent_a_shard_unit_at_a_time():
+    """``shard_from_main`` broadcasts one group of state dict keys at a time, so the main process frees each group's
+    whole weights once sent: one group a decoder block, one for the rest (embeddings, final norm, tied head), every
+    key once."""
+    from hf_normswap.training.sharding import unit_groups
+
+    model = tiny_model("llama", tie_word_embeddings=True)
+    groups = unit_groups(model)
+    layers = model.config.num_hidden_layers
+    assert len(groups) == layers + 1
+    keys = [key for group in groups for key in group]
+    assert len(keys) == len(set(keys)) and set(keys) == set(model.state_dict())
+    root = next(group for group in groups if "lm_head.weight" in group)
+    assert "model.embed_tokens.weight" in root and "model.norm.weight" in root
+    assert all({key.split(".")[2] for key in group} == {str(i)} for i, group in
+               enumerate(g for g in groups if g is not root))
