@@ -61,7 +61,7 @@ class Default:
 
 DEFAULTS = {
     "samples": Default(SAMPLES, "samples of the original", num_blocks=16, block_len=128, strategy="block",
-                       steps={"block_steps": 10}),
+                       steps={"block_steps": 20, "tune_steps": 60}),
     "text": Default(TEXT, "paragraphs of the offline text", num_blocks=16, block_len=128, strategy="encoder",
                     steps={"tune_steps": 100}),
 }

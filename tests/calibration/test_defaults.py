@@ -25,14 +25,14 @@ def test_the_default_follows_what_the_model_can_do():
     assert default_calibration(llama, None) == (None, None)
     config, line = default_calibration(llama, tokenizer)
     assert config.data == "generated:length=64,batch_size=16"  # the tiny model's context, not 128
-    assert (config.num_blocks, config.strategy, config.block_steps) == (16, "block", 10)
+    assert (config.num_blocks, config.strategy, config.block_steps, config.tune_steps) == (16, "block", 20, 60)
     assert line.startswith("calibrating on 16 samples of the original; --calib DATA")
 
 
 def test_the_users_settings_win_over_the_defaults():
     llama, tokenizer = tiny_model("llama"), tiny_tokenizer()
     fast, _ = default_calibration(llama, tokenizer, strategy="fast", num_blocks=4)
-    assert (fast.strategy, fast.block_steps, fast.num_blocks) == ("fast", None, 4)  # the default's steps dropped
+    assert (fast.strategy, fast.block_steps, fast.tune_steps, fast.num_blocks) == ("fast", None, None, 4)  # the default's steps dropped
     longer, _ = default_calibration(llama, tokenizer, block_steps=30, block_len=32)
     assert (longer.block_steps, longer.data) == (30, "generated:length=32,batch_size=16")
     assert fast.data == "generated:length=64,batch_size=4"  # no more samples drawn than are read
