@@ -271,8 +271,8 @@ def peak_of_sum(timelines: list[list[tuple[float, int, int]]], column: int = 1) 
     events = sorted((sample[0], rank, sample[column]) for rank, timeline in enumerate(timelines) for sample in timeline)
     latest = [timeline[0][column] if timeline else 0 for timeline in timelines]
     peak = sum(latest)
-    for _, rank, rss in events:
-        latest[rank] = rss
+    for _, rank, value in events:
+        latest[rank] = value
         peak = max(peak, sum(latest))
     return peak
 
