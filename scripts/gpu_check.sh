@@ -31,10 +31,11 @@
 # The GPU machine has no network, sends at most 64 MiB a call and returns at most 8 files from OUT_DIR, no more than
 # 2 folders down. So:
 # * --prepare splits the packaged GGUF (98 MB) into .gpu/call1 and .gpu/call2 (a half each, with its sha256), puts
-#   the wheels of the dependencies the GPU image lacks (GPU_WHEELS) beside each half and WikiText-2 into .gpu/call2. Each call carries its folder; the check
-#   gathers what .gpu/ holds into GPU_CHECK_STASH (default /tmp/hf_normswap_gpu, kept while the machine stays warm:
-#   make the second call within its 30 s), joins the halves once both are there (checking the sha256) and puts the
-#   package folder and the installed wheels on PYTHONPATH.
+#   the wheels of the dependencies the GPU image lacks (GPU_WHEELS) beside each half and WikiText-2 into .gpu/call2.
+#   Each call carries its folder; the check gathers what .gpu/ holds into GPU_CHECK_STASH (default
+#   /tmp/hf_normswap_gpu, kept while the machine stays warm: make the second call within its 30 s), joins the halves
+#   once both are there (checking the sha256), installs each wheel once and puts the package folder and the installed
+#   wheels on PYTHONPATH.
 # * --work DIR keeps the logs and outputs in DIR; OUT_DIR then gets only summary.json, work.tgz (DIR's logs and
 #   results, refreshed after each step) and the live curve-NORM.txt.
 #   With 15 minutes of device time in all (a start of 1-2 minutes included), in order of value:
@@ -54,9 +55,9 @@ usage() { echo "usage: bash scripts/gpu_check.sh OUT_DIR [--dry-run] [--work DIR
 PYTHON=${PYTHON:-python}
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 GGUF_NAME=SmolLM2-135M-Instruct.Q4_1.gguf
-# the project's dependencies that the GPU image lacks (/work/.library/device/KINDS.md lists what it has), carried as
-# wheels of the versions installed here; datasets' own dependencies there (pyarrow, pandas, xxhash, fsspec) are its own
-# (multiprocess ships one wheel per Python: GPU_PYTHON is the image's)
+# the project's dependencies that the GPU machine's image lacks, carried as wheels of the versions installed here (the
+# image has datasets' own: pyarrow, pandas, xxhash, fsspec); multiprocess ships one wheel per Python, GPU_PYTHON is the
+# image's
 GPU_WHEELS="gguf omegaconf datasets dill multiprocess"
 GPU_PYTHON=${GPU_PYTHON:-3.12}
 
