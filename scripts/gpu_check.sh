@@ -38,11 +38,13 @@
 #   wheels on PYTHONPATH.
 # * --work DIR keeps the logs and outputs in DIR; OUT_DIR then gets only summary.json, work.tgz (DIR's logs and
 #   results, refreshed after each step) and the live curve-NORM.txt.
-#   With 15 minutes of device time in all (a start of 1-2 minutes included), in order of value:
-#   Call 1 (carry .gpu/call1, about 5 minutes): --work /tmp/gc --steps imports,pytest,bench_kernels,bench_model
-#     (bench_model writes its JSON after each model: SmolLM2's shapes first, then Llama-3-8B's)
-#   Call 2 (carry .gpu/call2, about 8 minutes, within 30 s of the first): RECOVERY_MINUTES=5 ... --work /tmp/gc
-#     --steps recovery (batch 32 unless bench_train measured; bench_train and bench_smollm2 where time is left)
+#   With 15 minutes of device time in all (a start of 1-2 minutes included), in order of value. Measured on an H200:
+#   imports 19 s, pytest 80 s, bench_kernels 51 s, bench_model 222 s, the recovery's calibration 114 s. So:
+#   Call 1 (carry .gpu/call1, about 2 minutes): --work /tmp/gc --steps imports,pytest
+#   Call 2 (carry .gpu/call2, about 10 minutes, within 30 s of the first): RECOVERY_MINUTES=6 ... --work /tmp/gc
+#     --steps recovery (batch 32 unless bench_train measured)
+#   then bench_kernels, bench_model (its JSON after each model: SmolLM2's shapes, then Llama-3-8B's), bench_train and
+#   bench_smollm2 with what is left
 #
 # --dry-run: the same steps on the CPU (any GPU hidden) at toy sizes, so that the script is checked without a GPU (the
 # CUDA tests skip and are recorded as skipped; Triton's kernels run under its interpreter, which is no timing; one
