@@ -221,8 +221,9 @@ else
 fi
 
 # every dependency in pyproject.toml (a missing one is named with the fix), then the CLI, the recipe and the benchmarks
-step imports 120 "$PYTHON" -c "import importlib, re, runpy, sys, tomllib
-names = [re.split('[<>=!~; ]', spec)[0] for spec in tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']]
+step imports 120 "$PYTHON" -c "import importlib, runpy, sys, tomllib
+from packaging.requirements import Requirement
+names = [Requirement(spec).name for spec in tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']]
 missing = []
 for name in names:
     try:
