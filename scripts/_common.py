@@ -96,16 +96,25 @@ def phase_sampler(phase: list[str], peaks: dict[str, int], done: threading.Event
     return thread
 
 
-def recipe_by_phase(recipe_args: list[str], during: str, after: str,
-                    timeline: list | None = None) -> tuple[int, dict[str, int]]:
+class TrainingReached(Exception):
+    """Raised where training would start, when only the load phase is measured."""
+
+
+def recipe_by_phase(recipe_args: list[str], during: str, after: str, timeline: list | None = None, *,
+                    stop_at_training: bool = False) -> tuple[int, dict[str, int]]:
     """``recipe.main(recipe_args)`` and this process's largest resident set in each phase: ``load`` until training
-    starts, ``during`` while ``NormSwapTrainer.train`` runs, ``after`` once it returns (:func:`phase_sampler`)."""
-    from hf_normswap.training import distill, recipe
+    starts, ``during`` while ``NormSwapTrainer.train`` runs, ``after`` once it returns (:func:`phase_sampler`); with
+    ``stop_at_training``, the run ends where training would start (the load phase alone, exit code 0)."""
+    from hf_normswap.training import distill, recipe, sharding
 
     phase, peaks, done = ["load"], {}, threading.Event()
     train = distill.NormSwapTrainer.train
 
     def marked_train(self, *args, **kwargs):
+        if stop_at_training:  # the shard units stated as training would (sharding.ShardingLog)
+            if self.teacher is not None and sharding.is_sharded(self.teacher) and self.is_world_process_zero():
+                print(f"[sharding] FSDP2: teacher {sharding.describe(self.teacher)}", flush=True)
+            raise TrainingReached
         phase[0] = during
         try:
             return train(self, *args, **kwargs)
@@ -116,6 +125,8 @@ def recipe_by_phase(recipe_args: list[str], during: str, after: str,
     sampler = phase_sampler(phase, peaks, done, timeline)
     try:
         code = recipe.main(recipe_args)
+    except TrainingReached:
+        code = 0
     finally:
         done.set()
         sampler.join()

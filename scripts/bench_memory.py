@@ -16,7 +16,10 @@ Cases:
 - ``recipe-{ddp,fsdp2}-{all,norms}``: recipes/finetune.py on 2 processes over gloo (accelerate launch), SmolLM2
   converted analytically (no calibration in the run), logit KL and the layer-wise term, fp32;
 - ``recipe-single-all``: the same recipe in one process (``python recipes/finetune.py``), against which each
-  two-process case's memory at start is put: ``start_sum`` is the largest total resident set of all its processes
+  two-process case's memory at start is put;
+- ``start1b-{single,fsdp2}-norms``: the same on a Llama-3.2-1B-shaped model with random weights (converted
+  analytically, SmolLM2's tokenizer), stopped where training would start: this machine holds its load phase, not
+  its training step. For either size, ``start_sum`` is the largest total resident set of all its processes
   at once before training begins (the ``load`` phase: the models loaded, the first evaluation, the training rows,
   the teacher sharded), ``start_ratio`` that total over the single process's, ``start_ratio_models`` the same with
   each process's runtime (``RUNTIME_BYTES``) taken off; ``start_sum_pss`` and ``start_ratio_pss`` the same in
@@ -111,9 +114,10 @@ def calibration_worker(case: str, model: str, data: str) -> dict:
     return {"peak": peak_rss(), "calibration_seconds": round(time.time() - start, 1), "phases": peaks}
 
 
-def recipe_worker(out: Path, recipe_args: list[str]) -> int:
+def recipe_worker(out: Path, recipe_args: list[str], start_only: bool) -> int:
     timeline = []
-    code, peaks = recipe_by_phase(recipe_args, "training step", "final evaluation and save", timeline)
+    code, peaks = recipe_by_phase(recipe_args, "training step", "final evaluation and save", timeline,
+                                  stop_at_training=start_only)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"rank{os.environ.get('RANK', 0)}.json").write_text(json.dumps({"peak": peak_rss(), "phases": peaks,
                                                                           "load_timeline": timeline}))
@@ -150,6 +154,20 @@ def random_llama(folder: Path) -> Path:
     return folder
 
 
+def converted_llama1b(original: Path, folder: Path) -> Path:
+    """The random 1B model converted analytically (no calibration) and saved with SmolLM2's tokenizer, which the
+    recipe needs and whose ids fit the 1B vocabulary."""
+    if not (folder / "config.json").exists():
+        code = ("import sys, hf_normswap\nfrom hf_normswap.checkpoint.loading import load_model\n"
+                "model, _ = load_model(sys.argv[1], with_tokenizer=False)\n"
+                "_, tokenizer = load_model('offline:smollm2', empty=True)\n"
+                "hf_normswap.convert(model, to='eln', calibration=None)\n"
+                "hf_normswap.save_pretrained(model, sys.argv[2], tokenizer=tokenizer, overwrite=True)\n")
+        subprocess.run([sys.executable, "-c", code, str(original), str(folder)], check=True, cwd=ROOT,
+                       env=memory_environment())
+    return folder
+
+
 def converted_smollm2(folder: Path) -> Path:
     """SmolLM2 converted to ELN analytically (no calibration): the recipe's start, saved once."""
     if not (folder / "config.json").exists():
@@ -173,11 +191,15 @@ def prediction(name: str) -> tuple[list[int], dict[str, list[int]]]:
         model = "offline:smollm2" if name == "calibration-smollm2" else transformers.LlamaConfig(**LLAMA_1B)
         result = plan(model, **calibration_settings(name))
         return [result.conversion_peak()["host_main"]], {p.name: [p.host_main] for p in result.conversion}
-    _, mode, trainable = name.split("-")
+    size, mode, trainable = name.split("-")
     processes, mode = (1, "ddp") if mode == "single" else (2, mode)
-    result = plan("offline:smollm2", processes=processes, sharding=mode, trainable=trainable, seq_len=RECIPE_BLOCK,
+    model = "offline:smollm2" if size == "recipe" else transformers.LlamaConfig(**LLAMA_1B)
+    result = plan(model, processes=processes, sharding=mode, trainable=trainable, seq_len=RECIPE_BLOCK,
                   eval_len=EVAL_LENGTH, calibrate=False)
     peak = result.peak()
+    if size != "recipe":  # stopped where training starts: the load phase is the run
+        load = next(p for p in result.recipe if p.name == "load")
+        peak = {"host_main": load.host_main, "host_other": load.host_other}
     if processes == 1:
         return [peak["host_main"]], {p.name: [p.host_main] for p in result.recipe}
     return [peak["host_main"], peak["host_other"]], {p.name: [p.host_main, p.host_other] for p in result.recipe}
@@ -196,17 +218,19 @@ def replan(results: dict) -> dict:
 
 def start_ratios(results: dict) -> None:
     """Each two-process recipe case's memory at start (every process's peak before training, summed) over the
-    single process's (``recipe-single-all``), whole and with each process's runtime taken off."""
+    single process's of its size (``recipe-single-all``, ``start1b-single-norms``), whole and with each process's
+    runtime taken off."""
     from hf_normswap.planning.phases import RUNTIME_BYTES
 
-    single, single_pss = next(((case.get("start_sum"), case.get("start_sum_pss")) for case in results["cases"]
-                               if case["case"] == "recipe-single-all"), (None, None))
+    singles = {case["case"].split("-")[0]: (case.get("start_sum"), case.get("start_sum_pss"))
+               for case in results["cases"] if "-single-" in case["case"]}
     for case in results["cases"]:
         if case.get("start_sum") is not None:  # the plan's load phase on every process (one main, the others alike)
             load = case["phases"]["load"]["predicted"]
             case["start_predicted"] = load[0] + (len(case["measured"]) - 1) * load[-1]
             case["start_ratio_predicted"] = round(case["start_predicted"] / case["start_sum"], 3)
-        if case.get("start_sum") is None or not single or case["case"] == "recipe-single-all":
+        single, single_pss = singles.get(case["case"].split("-")[0], (None, None))
+        if case.get("start_sum") is None or not single or "-single-" in case["case"]:
             continue
         processes = len(case["measured"])
         case["start_ratio"] = round(case["start_sum"] / single, 3)
@@ -234,17 +258,24 @@ def calibration_case(name: str, work: Path) -> dict:
 
 
 def recipe_case(name: str, work: Path, out: Path) -> dict:
-    _, mode, trainable = name.split("-")
-    converted = converted_smollm2(work / "converted")
+    size, mode, trainable = name.split("-")
+    if size == "recipe":
+        original, converted = "offline:smollm2", converted_smollm2(work / "converted")
+    else:
+        original = work / "llama-1b"
+        if not (original / "config.json").exists():
+            random_llama(original)
+        converted = converted_llama1b(original, work / "converted-1b")
     run_dir = out / name
-    recipe_args = [f"model={converted}", "original=offline:smollm2", "method=eln", f"trainable={trainable}",
+    recipe_args = [f"model={converted}", f"original={original}", "method=eln", f"trainable={trainable}",
                    "precision=fp32", "distill.weight=1", "distill.hidden=10", "progressive.enabled=false",
                    f"block_len={RECIPE_BLOCK}", "eval_blocks=1", "final_eval.max_tokens=512",
                    f"final_eval.max_length={EVAL_LENGTH}", f"output_dir={run_dir}", "resume=false", "threads=1",
                    f"training.max_steps={RECIPE_STEPS}", "training.per_device_train_batch_size=1",
                    "training.logging_steps=1", "training.save_strategy=no", "training.report_to=none",
                    "training.disable_tqdm=true"]
-    worker = [str(Path(__file__).resolve()), "--worker", str(run_dir / "memory"), "--", *recipe_args]
+    worker = [str(Path(__file__).resolve()), "--worker", str(run_dir / "memory"), str(size != "recipe"), "--",
+              *recipe_args]
     command = [sys.executable, *worker] if mode == "single" else [
         sys.executable, "-m", "accelerate.commands.launch", *LAUNCHERS[mode], "--num_processes", "2",
         "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "0", *worker]
@@ -278,13 +309,13 @@ def peak_of_sum(timelines: list[list[tuple[float, int, int]]], column: int = 1) 
 
 
 CASES = ["runtime", "calibration-smollm2", "calibration-llama1b", "recipe-single-all", "recipe-ddp-all",
-         "recipe-ddp-norms", "recipe-fsdp2-all", "recipe-fsdp2-norms"]
+         "recipe-ddp-norms", "recipe-fsdp2-all", "recipe-fsdp2-norms", "start1b-single-norms", "start1b-fsdp2-norms"]
 
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--worker"]:
-        return recipe_worker(Path(argv[1]), argv[3:])
+        return recipe_worker(Path(argv[1]), argv[4:], argv[2] == "True")
     if argv[:1] == ["--call"]:
         print(json.dumps({"calibration_worker": calibration_worker, "runtime_worker": runtime_worker}[argv[1]](*argv[2:])))
         return 0
