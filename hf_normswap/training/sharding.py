@@ -120,8 +120,10 @@ def shard_from_main(model: nn.Module, main: bool, device: torch.device | str) ->
         set_model_state_dict(model, {key: full.pop(key) for key in keys if key in full}, options=options)
     for name, buffer in buffers.items():
         parent, _, local = name.rpartition(".")
-        (model.get_submodule(parent) if parent else model).register_buffer(local, buffer, persistent=False)
-    return retie(model.to(device))
+        (model.get_submodule(parent) if parent else model).register_buffer(local, buffer.to(device), persistent=False)
+    device = torch.device(device)  # moved only if needed: FSDP2's _apply re-pads each shard into a new copy
+    elsewhere = any(t.device != device for t in (*model.parameters(), *model.buffers()))
+    return retie(model.to(device) if elsewhere else model)
 
 
 def unit_groups(model: nn.Module) -> list[list[str]]:
