@@ -42,10 +42,11 @@ def test_a_models_weights_are_its_parameter_bytes_in_every_phase_that_holds_it()
     assert step.main["AdamW moments"] == 2 * step.main["gradients"]
     # under FSDP2 the main process alone reads the weights (the others receive their shards), unless every process
     # reads them or the teacher, held whole everywhere, is not sharded
-    # (the teacher is sharded as the trainer is made, before training)
+    # (the teacher is sharded as the trainer is made, before training, the main process sending a unit at a time)
     shard = {"teacher's shard": weights // 2}
     config = tiny_config("llama")
-    assert sharded[0].main == dict(load.main, **shard)
+    sizes = model_sizes(config)
+    assert sharded[0].main == dict(load.main, **{"shard unit being sent": max(sizes.largest_unit, sizes.root) * 2})
     assert sharded[0].other == {"runtime": RUNTIME_BYTES, **shard,
                                 "tensor being received": config.vocab_size * config.hidden_size * 4}
     every = plan(config, processes=2, sharding="fsdp2", load_once=False).recipe[0]
