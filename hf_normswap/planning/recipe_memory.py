@@ -68,15 +68,14 @@ def recipe_phases(sizes: ModelSizes, settings: PlanSettings) -> list[Phase]:
     _place(load, gpu, evaluation)
     if ddp_gpu:
         load.main["model being loaded"] = load.other["model being loaded"] = weights
-    if settings.sharded and settings.shard_teacher and n > 1 and others:
-        # the teacher is sharded as the trainer is made, before training: each process's shard beside its whole copy
-        _place(load, gpu, {"teacher's shard": weights // n}, other=True)
-    elif settings.sharded and settings.shard_teacher and n > 1:
-        # loading once a node (sharding.shard_from_main): the main process sends a shard unit at a time and frees
-        # each unit's whole weights once sent; the others receive each tensor whole before they keep their part
-        _place(load, gpu, {"shard unit being sent": max(sizes.largest_unit, sizes.root) * 4 // n})
-        _place(load, gpu, {"teacher's shard": weights // n, "tensor being received": sizes.vocab * sizes.hidden * 4},
-               main=False, other=True)
+    if settings.sharded and settings.shard_teacher and n > 1:  # the teacher is sharded as the trainer is made
+        if others:  # every process holds its shard beside its whole copy
+            _place(load, gpu, {"teacher's shard": weights // n}, other=True)
+        else:  # loading once a node (sharding.shard_from_main): the main process sends a shard unit at a time and
+            # frees each unit's whole weights once sent; the others receive each tensor whole, then keep their part
+            _place(load, gpu, {"shard unit being sent": max(sizes.largest_unit, sizes.root) * 4 // n})
+            _place(load, gpu, {"teacher's shard": weights // n,
+                               "tensor being received": sizes.vocab * sizes.hidden * 4}, main=False, other=True)
     phases.append(load)
 
     # 2. calibration on the main process, the others holding the original meanwhile
