@@ -121,7 +121,7 @@ def shard_from_main(model: nn.Module, main: bool, device: torch.device | str) ->
     for name, buffer in buffers.items():
         parent, _, local = name.rpartition(".")
         (model.get_submodule(parent) if parent else model).register_buffer(local, buffer.to(device), persistent=False)
-    device = torch.device(device)  # moved only if needed: FSDP2's _apply re-pads each shard into a new copy
+    device = torch.device(device)  # moved only if needed: FSDP2's _apply copies shards again (reset_sharded_param)
     elsewhere = any(t.device != device for t in (*model.parameters(), *model.buffers()))
     return retie(model.to(device) if elsewhere else model)
 
