@@ -17,13 +17,14 @@ Cases:
   converted analytically (no calibration in the run), logit KL and the layer-wise term, fp32;
 - ``recipe-single-all``: the same recipe in one process (``python recipes/finetune.py``), against which each
   two-process case's memory at start is put;
-- ``start1b-{single,fsdp2}-norms``: the same on a Llama-3.2-1B-shaped model with random weights (converted
-  analytically, SmolLM2's tokenizer), stopped where training would start: this machine holds its load phase, not
-  its training step. For either size, ``start_sum`` is the largest total resident set of all its processes
-  at once before training begins (the ``load`` phase: the models loaded, the first evaluation, the training rows,
-  the teacher sharded), ``start_ratio`` that total over the single process's, ``start_ratio_models`` the same with
-  each process's runtime (``RUNTIME_BYTES``) taken off; ``start_sum_pss`` and ``start_ratio_pss`` the same in
-  proportional sets (``_common.proportional``: the libraries both processes map counted once).
+- ``recipe1b-fsdp2-norms``: the same on a Llama-3.2-1B-shaped model with random weights (converted analytically,
+  SmolLM2's tokenizer), the one 1B recipe that fits this machine by the plan;
+- ``start1b-{single,fsdp2}-norms``: the 1B recipe stopped where training would start. For either size,
+  ``start_sum`` is the largest total resident set of all its processes at once before training begins (the
+  ``load`` phase: the models loaded, the first evaluation, the training rows, the teacher sharded), ``start_ratio``
+  that total over the single process's, ``start_ratio_models`` the same with each process's runtime
+  (``RUNTIME_BYTES``) taken off; ``start_sum_pss`` and ``start_ratio_pss`` the same in proportional sets
+  (``_common.proportional``: the libraries both processes map counted once).
 
 ``OUT/results.json`` holds the machine, the commit, each case's command, predicted and measured peaks per process.
 """
@@ -197,7 +198,7 @@ def prediction(name: str) -> tuple[list[int], dict[str, list[int]]]:
     result = plan(model, processes=processes, sharding=mode, trainable=trainable, seq_len=RECIPE_BLOCK,
                   eval_len=EVAL_LENGTH, calibrate=False)
     peak = result.peak()
-    if size != "recipe":  # stopped where training starts: the load phase is the run
+    if size == "start1b":  # stopped where training starts: the load phase is the run
         load = next(p for p in result.recipe if p.name == "load")
         peak = {"host_main": load.host_main, "host_other": load.host_other}
     if processes == 1:
@@ -274,7 +275,7 @@ def recipe_case(name: str, work: Path, out: Path) -> dict:
                    f"training.max_steps={RECIPE_STEPS}", "training.per_device_train_batch_size=1",
                    "training.logging_steps=1", "training.save_strategy=no", "training.report_to=none",
                    "training.disable_tqdm=true"]
-    worker = [str(Path(__file__).resolve()), "--worker", str(run_dir / "memory"), str(size != "recipe"), "--",
+    worker = [str(Path(__file__).resolve()), "--worker", str(run_dir / "memory"), str(size == "start1b"), "--",
               *recipe_args]
     command = [sys.executable, *worker] if mode == "single" else [
         sys.executable, "-m", "accelerate.commands.launch", *LAUNCHERS[mode], "--num_processes", "2",
@@ -309,7 +310,8 @@ def peak_of_sum(timelines: list[list[tuple[float, int, int]]], column: int = 1) 
 
 
 CASES = ["runtime", "calibration-smollm2", "calibration-llama1b", "recipe-single-all", "recipe-ddp-all",
-         "recipe-ddp-norms", "recipe-fsdp2-all", "recipe-fsdp2-norms", "start1b-single-norms", "start1b-fsdp2-norms"]
+         "recipe-ddp-norms", "recipe-fsdp2-all", "recipe-fsdp2-norms", "recipe1b-fsdp2-norms", "start1b-single-norms",
+         "start1b-fsdp2-norms"]
 
 
 def main(argv=None) -> int:
