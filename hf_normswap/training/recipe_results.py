@@ -5,6 +5,7 @@ and the loss / learning-rate / perplexity curve drawn."""
 from __future__ import annotations
 
 import dataclasses
+import gc
 import math
 from pathlib import Path
 
@@ -143,8 +144,9 @@ def finish(config, state, run, original, tokenizer, eval_texts, summary: dict, l
     hf_normswap.save_pretrained(model, save_dir, tokenizer=tokenizer, overwrite=True,
                                 evaluation=None if encoder else after.card("finetuned"))
     record_save(config)
-    if sharded:
-        del model, skeleton  # the gathered copy (the skeleton filled): the reloaded one takes its place
+    if sharded:  # the gathered copy (the skeleton filled): the reloaded one takes its place once the cycles that
+        del model, skeleton  # hold a module are collected
+        gc.collect()
     identical = reloads_identically(expected, save_dir, tokenizer)
     curve = plot_history(history, out / "curve.png", original_block_ppl,
                          f"{config.model} -> {config.method.upper()}, {config.trainable}, {tokens:,} tokens")
