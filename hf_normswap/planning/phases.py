@@ -53,14 +53,6 @@ class Phase:
         """The node's host memory: the main process and the N - 1 others, at once."""
         return self.host_main + (processes - 1) * self.host_other
 
-    @classmethod
-    def largest_of(cls, name: str, *steps: "Phase") -> "Phase":
-        """A phase of steps that follow each other, each place (main, other, device) at its largest step."""
-        def largest(place: str) -> dict[str, int]:
-            return dict(max((getattr(step, place) for step in steps), key=lambda terms: sum(terms.values())))
-
-        return cls(name, main=largest("main"), other=largest("other"), device=largest("device"))
-
 
 def value_bytes(settings: PlanSettings) -> int:
     """Bytes of an activation: bf16 autocast halves the matmuls' outputs (norms and losses stay fp32)."""

@@ -118,21 +118,15 @@ def recipe_phases(sizes: ModelSizes, settings: PlanSettings) -> list[Phase]:
                other=True)
     phases.append(step)
 
-    # 4. final evaluation and save: sharded, every process evaluates the sharded models; then AdamW's moments and a
-    # sharded teacher are freed and the main process gathers the student alone into host memory, saves it and
-    # reloads it (recipe_models.whole_student), so each place is at the larger of the two. Otherwise the main
-    # process evaluates, saves and reloads beside the trained model, its teacher and AdamW's moments.
+    # 4. final evaluation and save: sharded, every process evaluates the sharded models, then the main one gathers
+    # the student alone into host memory, saves it and reloads it; otherwise the main process evaluates, saves and
+    # reloads beside the trained model, its teacher and AdamW's moments
     final = Phase("final evaluation and save", main=dict(compiled), other=dict(compiled), device=dict(context))
     if settings.sharded:
-        shards_where = gpu and not settings.optimizer_offload
-        save = Phase("save", main=dict(compiled), other=dict(compiled), device=dict(context))
-        _place(final, shards_where, {**student, "AdamW moments": state["AdamW moments"]}, other=True)
+        offloaded = {**student, "AdamW moments": state["AdamW moments"]}
+        _place(final, gpu and not settings.optimizer_offload, offloaded, other=True)
         _place(final, gpu, {**teacher, **gathered, **evaluation}, other=True)
-        _place(save, shards_where, student, other=True)
-        if not settings.shard_teacher:  # a whole teacher stays until the run ends
-            _place(save, gpu, teacher, other=True)
-        save.main["gathered student (save, then reload)"] = weights
-        final = Phase.largest_of(final.name, final, save)
+        final.main["gathered student (save, then reload)"] = weights
     else:
         kept = {**student, "teacher": weights, "AdamW moments": state["AdamW moments"]}
         if "DDP gradient buckets" in state:

@@ -172,20 +172,3 @@ def test_a_recipe_config_plans_as_the_recipe_runs(tmp_path):
     result = recipe_plan(config, processes=2, sharded=True)
     assert result.sizes.parameters == model_sizes(tiny_config("llama")).parameters
     assert result.recipe[-1].name == "final evaluation and save"
-
-
-def test_sharded_the_final_phase_is_the_larger_of_the_evaluation_and_the_save():
-    """The teacher's shards and AdamW's moments are freed before the main process gathers the student
-    (recipe_models.whole_student): the plan never holds them beside the gathered copy."""
-    config = tiny_config("llama")
-    final = plan(config, processes=2, sharding="fsdp2").recipe[-1]
-    weights = model_sizes(config).parameter_bytes(4)
-    held = set(final.main)
-    assert "gathered student (save, then reload)" in held or "evaluation window" in held
-    assert not {"gathered student (save, then reload)", "teacher"} <= held
-    assert not {"gathered student (save, then reload)", "AdamW moments"} <= held
-    saving = {"runtime": RUNTIME_BYTES, "compiled kernels": COMPILER_BYTES, "student": weights // 2,
-              "gathered student (save, then reload)": weights}
-    assert final.host_main == max(sum(saving.values()), final.host_other)
-    whole = plan(config, processes=2, sharding="fsdp2", shard_teacher=False).recipe[-1]
-    assert whole.main["teacher"] == weights  # a whole teacher stays until the run ends, at either step
