@@ -144,8 +144,8 @@ def finish(config, state, run, original, tokenizer, eval_texts, summary: dict, l
     hf_normswap.save_pretrained(model, save_dir, tokenizer=tokenizer, overwrite=True,
                                 evaluation=None if encoder else after.card("finetuned"))
     record_save(config)
-    if sharded:  # the gathered copy (the skeleton filled): the reloaded one takes its place once the cycles that
-        del model, skeleton  # hold a module are collected
+    if sharded:  # the gathered copy (the skeleton filled) goes before the reloaded one comes; reference cycles
+        del model, skeleton  # hold the module past ``del``, so they are collected here
         gc.collect()
     identical = reloads_identically(expected, save_dir, tokenizer)
     curve = plot_history(history, out / "curve.png", original_block_ppl,
