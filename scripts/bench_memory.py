@@ -146,12 +146,13 @@ def _run_process(command: list[str]) -> dict:
 
 
 def random_llama(folder: Path) -> Path:
-    """A Llama-3.2-1B-shaped model with random weights, fp32, in sharded safetensors, built in its own process."""
-    code = ("import sys, torch, transformers; torch.manual_seed(0)\n"
-            f"config = transformers.LlamaConfig(**{LLAMA_1B!r})\n"
-            "model = transformers.LlamaForCausalLM(config)\n"
-            "model.save_pretrained(sys.argv[1], max_shard_size='1GB')\n")
-    subprocess.run([sys.executable, "-c", code, str(folder)], check=True, cwd=ROOT, env=memory_environment())
+    """A Llama-3.2-1B-shaped model with random weights, fp32, in sharded safetensors, built once in its own process."""
+    if not (folder / "config.json").exists():
+        code = ("import sys, torch, transformers; torch.manual_seed(0)\n"
+                f"config = transformers.LlamaConfig(**{LLAMA_1B!r})\n"
+                "model = transformers.LlamaForCausalLM(config)\n"
+                "model.save_pretrained(sys.argv[1], max_shard_size='1GB')\n")
+        subprocess.run([sys.executable, "-c", code, str(folder)], check=True, cwd=ROOT, env=memory_environment())
     return folder
 
 
@@ -263,9 +264,7 @@ def recipe_case(name: str, work: Path, out: Path) -> dict:
     if size == "recipe":
         original, converted = "offline:smollm2", converted_smollm2(work / "converted")
     else:
-        original = work / "llama-1b"
-        if not (original / "config.json").exists():
-            random_llama(original)
+        original = random_llama(work / "llama-1b")
         converted = converted_llama1b(original, work / "converted-1b")
     run_dir = out / name
     recipe_args = [f"model={converted}", f"original={original}", "method=eln", f"trainable={trainable}",

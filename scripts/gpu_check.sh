@@ -40,10 +40,8 @@
 #   wheels on PYTHONPATH.
 # * --work DIR keeps the logs and outputs in DIR; OUT_DIR then gets only summary.json, work.tgz (DIR's logs and
 #   results, refreshed after each step) and the live curve-NORM.txt and recovery-NORM.tail.
-#   With 15 minutes of device time in all (a start of 1-2 minutes included), in order of value. Measured: imports
-#   19 s (H200) and 18 s (H100), pytest 80 s and 135 s, bench_kernels 51 s and bench_model 222 s (H200), the
-#   recovery's calibration 114 s (H200). pytest -m cuda has passed on both cards; the recovery has not yet reached its
-#   first training step within a call. So:
+#   With 15 minutes of device time in all (a start of 1-2 minutes included), in order of value, sized by the step
+#   times in BENCHMARKS.md ("On a GPU"); the recovery, the one result no loan has brought back, comes first:
 #   Call 1 (carry .gpu/call1, under a minute): --work /tmp/gc --steps imports
 #   Call 2 (carry .gpu/call2, about 10 minutes, within 30 s of the first, timeout 590): RECOVERY_MINUTES=4 ...
 #     --work /tmp/gc --steps recovery (batch 32 unless bench_train measured)

@@ -32,7 +32,8 @@ def test_the_default_follows_what_the_model_can_do():
 def test_the_users_settings_win_over_the_defaults():
     llama, tokenizer = tiny_model("llama"), tiny_tokenizer()
     fast, _ = default_calibration(llama, tokenizer, strategy="fast", num_blocks=4)
-    assert (fast.strategy, fast.block_steps, fast.tune_steps, fast.num_blocks) == ("fast", None, None, 4)  # the default's steps dropped
+    # the default's steps dropped
+    assert (fast.strategy, fast.block_steps, fast.tune_steps, fast.num_blocks) == ("fast", None, None, 4)
     longer, _ = default_calibration(llama, tokenizer, block_steps=30, block_len=32)
     assert (longer.block_steps, longer.data) == (30, "generated:length=32,batch_size=16")
     assert fast.data == "generated:length=64,batch_size=4"  # no more samples drawn than are read
