@@ -1,4 +1,5 @@
-"""The package's shape: imports run one way along the pipeline, with no cycle, and importing it changes nothing."""
+"""The package's shape: imports run one way along the pipeline, with no cycle, the calibration config stays in two
+stages, and importing the package changes nothing."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import sys
 from pathlib import Path
 
 import hf_normswap
+from static_package import Package, calibration_walk, walk
 
 PACKAGE = Path(hf_normswap.__file__).parent
 
@@ -33,42 +35,13 @@ STAGES = [
 RANK = {name: rank for rank, names in enumerate(STAGES) for name in names}
 
 
-def _module_name(path: Path) -> str:
-    parts = path.relative_to(PACKAGE).with_suffix("").parts
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-
-
-def _exists(dotted: str) -> bool:
-    target = PACKAGE.joinpath(*dotted.split("."))
-    return target.with_suffix(".py").is_file() or (target / "__init__.py").is_file()
-
-
 def package_imports() -> dict[str, set[str]]:
     """Every module of the package (dotted, without ``hf_normswap.``) -> the package modules it imports anywhere
     in its body, at the top or inside functions."""
-    graph = {}
-    for path in sorted(PACKAGE.rglob("*.py")):
-        name = _module_name(path)
-        package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
-        package = [p for p in package if p]
-        targets = set()
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom):
-                if node.level:
-                    base = package[: len(package) - node.level + 1]
-                elif node.module and node.module.split(".")[0] == "hf_normswap":
-                    base = []
-                    node = ast.ImportFrom(module=node.module.partition(".")[2] or None, names=node.names, level=0)
-                else:
-                    continue
-                module = base + (node.module.split(".") if node.module else [])
-                for alias in node.names:
-                    child = ".".join(module + [alias.name])
-                    targets.add(child if _exists(child) else ".".join(module))
-            elif isinstance(node, ast.Import):
-                targets |= {a.name.partition(".")[2] for a in node.names if a.name.startswith("hf_normswap.")}
-        graph[name] = {t for t in targets if t and t != name}
-    return graph
+    modules = Package(PACKAGE.parent, "hf_normswap").modules
+    short = {name: name.partition(".")[2] for name in modules}
+    return {short[name]: {short[t] for t in module.imported if t != name and short[t]}
+            for name, module in modules.items()}
 
 
 def test_every_module_has_a_stage():
@@ -106,6 +79,71 @@ def test_no_import_cycle():
     for node in graph:
         visit(node, [])
     assert not cycles, cycles
+
+
+def test_the_calibration_config_stays_in_convert_and_calibration():
+    """The config object, from ``convert`` to the last fitted block: the data, precision and placement stages get
+    plain values from it (its data spec, its precision), never the object."""
+    found = calibration_walk(PACKAGE.parent)
+    assert {stop.split(".")[1] for stop in found.stops} == {"convert", "calibration"}, "\n".join(found.calls)
+    assert len(found.stops) <= 20 and found.returns <= 8, "\n".join(found.calls)
+
+
+WALKED = {
+    "pkg/__init__.py": "",
+    "pkg/config.py": """
+from dataclasses import dataclass
+@dataclass
+class Config:
+    size: int = 1
+    def resolved(self) -> "Config":
+        return Config(self.size)
+    def summary(self) -> dict:
+        return {"size": self.size}
+""",
+    "pkg/helpers.py": """
+def scale(x, config):
+    return x * config.size
+def same(module):
+    return module
+def count(n):
+    return n
+""",
+    "pkg/work.py": """
+import dataclasses
+from . import helpers
+from .config import Config
+class Holder:
+    def __init__(self, config, build):
+        self.config, self.build = config, build
+    def __call__(self, x):
+        made = self.build(x)
+        helpers.same(made)
+        return helpers.scale(x, self.config)
+def run(config: Config, build):
+    config = config.resolved()
+    holder = Holder(dataclasses.replace(config, size=2), build)
+    holder(1)
+    helpers.count(config.size)
+    return config.summary()
+""",
+}
+
+
+def test_the_walk_follows_the_object_and_with_fields_its_fields(tmp_path):
+    for name, text in WALKED.items():
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        (tmp_path / name).write_text(text)
+    package = Package(tmp_path, "pkg")
+    found = walk(package, ("pkg.work", "run"), "config", ("pkg.config", "Config"))
+    # the object: its methods, the holder built from its copy, and a function handed the holder's attribute; not
+    # what the holder's other attribute builds (helpers.same), nor a function handed a field (helpers.count)
+    assert found.stops == {"pkg.config.Config.resolved", "pkg.work.Holder.__init__", "pkg.work.Holder.__call__",
+                           "pkg.helpers.scale", "pkg.config.Config.summary"}
+    assert found.returns == 3  # from config.py twice, and from helpers.py
+    with_fields = walk(package, ("pkg.work", "run"), "config", ("pkg.config", "Config"), fields=True)
+    assert with_fields.stops == found.stops | {"pkg.helpers.count"} and with_fields.returns == 4
+    assert package.modules["pkg.work"].imported == {"pkg.helpers", "pkg.config"}
 
 
 def test_the_public_api_is_what_all_names():
