@@ -18,8 +18,8 @@ The walk follows the config object (with ``fields``, its fields too: a function 
 
 from __future__ import annotations
 
+import argparse
 import ast
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -254,7 +254,11 @@ def calibration_walk(root: Path, fields: bool = False) -> Walk:
 
 
 if __name__ == "__main__":
-    found = calibration_walk(Path(sys.argv[1] if len(sys.argv) > 1 and sys.argv[1] != "--fields" else
-                                  Path(__file__).resolve().parents[1]), fields="--fields" in sys.argv)
+    parser = argparse.ArgumentParser(description="The calibration config's walk from convert, a line per call.")
+    parser.add_argument("root", nargs="?", type=Path, default=Path(__file__).resolve().parents[1],
+                        help="the folder holding hf_normswap/ (default: this checkout)")
+    parser.add_argument("--fields", action="store_true", help="follow the config's fields too")
+    args = parser.parse_args()
+    found = calibration_walk(args.root, fields=args.fields)
     print("\n".join(found.calls))
     print(f"{len(found.stops)} stops ({len(found.calls)} calls) in {len(found.files)} files, {found.returns} returns")
