@@ -3,7 +3,6 @@ stages, and importing the package changes nothing."""
 
 from __future__ import annotations
 
-import ast
 import json
 import subprocess
 import sys
