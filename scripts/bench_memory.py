@@ -156,9 +156,9 @@ def random_llama(folder: Path) -> Path:
     return folder
 
 
-def converted_llama1b(original: Path, folder: Path) -> Path:
-    """The random 1B model converted analytically (no calibration) and saved with SmolLM2's tokenizer, which the
-    recipe needs and whose ids fit the 1B vocabulary."""
+def converted(original: str | Path, folder: Path) -> Path:
+    """``original`` converted to ELN with the start measured in one forward pass (no calibration), saved once with
+    SmolLM2's tokenizer: the recipe's start (the recipe needs a tokenizer; SmolLM2's ids fit the 1B vocabulary)."""
     if not (folder / "config.json").exists():
         code = ("import sys, hf_normswap\nfrom hf_normswap.checkpoint.loading import load_model\n"
                 "model, _ = load_model(sys.argv[1], with_tokenizer=False)\n"
@@ -167,16 +167,6 @@ def converted_llama1b(original: Path, folder: Path) -> Path:
                 "hf_normswap.save_pretrained(model, sys.argv[2], tokenizer=tokenizer, overwrite=True)\n")
         subprocess.run([sys.executable, "-c", code, str(original), str(folder)], check=True, cwd=ROOT,
                        env=memory_environment())
-    return folder
-
-
-def converted_smollm2(folder: Path) -> Path:
-    """SmolLM2 converted to ELN analytically (no calibration): the recipe's start, saved once."""
-    if not (folder / "config.json").exists():
-        code = ("import sys, hf_normswap\nfrom hf_normswap.checkpoint.loading import load_model\n"
-                "model, tokenizer = load_model('offline:smollm2')\nhf_normswap.convert(model, to='eln')\n"
-                "hf_normswap.save_pretrained(model, sys.argv[1], tokenizer=tokenizer, overwrite=True)\n")
-        subprocess.run([sys.executable, "-c", code, str(folder)], check=True, cwd=ROOT, env=memory_environment())
     return folder
 
 
@@ -261,21 +251,18 @@ def calibration_case(name: str, work: Path) -> dict:
 
 def recipe_case(name: str, work: Path, out: Path) -> dict:
     size, mode, trainable = name.split("-")
-    if size == "recipe":
-        original, converted = "offline:smollm2", converted_smollm2(work / "converted")
-    else:
-        original = random_llama(work / "llama-1b")
-        converted = converted_llama1b(original, work / "converted-1b")
+    original = "offline:smollm2" if size == "recipe" else random_llama(work / "llama-1b")
+    start = converted(original, work / ("converted" if size == "recipe" else "converted-1b"))
     run_dir = out / name
-    recipe_args = [f"model={converted}", f"original={original}", "method=eln", f"trainable={trainable}",
+    recipe_args = [f"model={start}", f"original={original}", "method=eln", f"trainable={trainable}",
                    "precision=fp32", "distill.weight=1", "distill.hidden=10", "progressive.enabled=false",
                    f"block_len={RECIPE_BLOCK}", "eval_blocks=1", "final_eval.max_tokens=512",
                    f"final_eval.max_length={EVAL_LENGTH}", f"output_dir={run_dir}", "resume=false", "threads=1",
                    f"training.max_steps={RECIPE_STEPS}", "training.per_device_train_batch_size=1",
                    "training.logging_steps=1", "training.save_strategy=no", "training.report_to=none",
                    "training.disable_tqdm=true"]
-    worker = [str(Path(__file__).resolve()), "--worker", str(run_dir / "memory"), str(size == "start1b"), "--",
-              *recipe_args]
+    until = "start" if size == "start1b" else "end"  # stopped where training would start, or run whole
+    worker = [str(Path(__file__).resolve()), "--worker", str(run_dir / "memory"), until, "--", *recipe_args]
     command = [sys.executable, *worker] if mode == "single" else [
         sys.executable, "-m", "accelerate.commands.launch", *LAUNCHERS[mode], "--num_processes", "2",
         "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "0", *worker]
@@ -316,7 +303,7 @@ CASES = ["runtime", "calibration-smollm2", "calibration-llama1b", "recipe-single
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--worker"]:
-        return recipe_worker(Path(argv[1]), argv[4:], argv[2] == "True")
+        return recipe_worker(Path(argv[1]), argv[4:], start_only=argv[2] == "start")
     if argv[:1] == ["--call"]:
         print(json.dumps({"calibration_worker": calibration_worker, "runtime_worker": runtime_worker}[argv[1]](*argv[2:])))
         return 0
