@@ -19,12 +19,12 @@ from .calibration.calibrate import CalibrationConfig, as_config, calibrate_and_r
 from .calibration.defaults import default_calibration
 from .calibration.input_scales import measured_start
 from .calibration.report import fit_table
-from .checkpoint.record import ConversionRecord, read_config
+from .checkpoint.record import ConversionRecord, NormEntry, converted_config
 from .checkpoint.save_load import enable_save
 from .discovery.norms import NormInfo, find_norms, norm_parameters
 from .discovery.roles import ROLES, assign_roles
 from .modules import METHODS, ElementwiseNorm
-from .validation import check_input_scale
+from .validation import ValidationError, check_input_scale
 
 DEFAULT_ROLES = tuple(r for r in ROLES if r not in ("qk_norm", "other"))
 
@@ -206,10 +206,9 @@ class ConvertConfig:
                 "per_channel": self.per_channel, "input_scale": self.input_scale}
 
     @classmethod
-    def from_block(cls, block: dict) -> "ConvertConfig":
-        """The config a ``normswap`` block records; token ids given as calibration data are recorded by shape only,
+    def from_record(cls, record: ConversionRecord) -> "ConvertConfig":
+        """The config a conversion's record holds; token ids given as calibration data are recorded by shape only,
         so such a config names ``data`` as that shape and needs the ids again to run."""
-        record = ConversionRecord.from_dict(block)
         settings = dict(record.convert or {"method": record.method})
         calibration = record.calibration
         if calibration is not None:
@@ -219,11 +218,13 @@ class ConvertConfig:
     @classmethod
     def from_pretrained(cls, path) -> "ConvertConfig":
         """The config a converted checkpoint directory was made with."""
-        config = read_config(path)
-        if config is None:
+        if converted_config(path) is None:
             raise ConversionError(f"{path} is not a checkpoint converted by hf_normswap (no normswap block in its "
                                   "config.json)")
-        return cls.from_block(config["normswap"])
+        try:
+            return cls.from_record(ConversionRecord.read(path))
+        except ValidationError as error:
+            raise ConversionError(str(error)) from None
 
 
 def check_not_converted(model: nn.Module) -> None:
@@ -301,7 +302,7 @@ def convert(model: nn.Module, to: str | ConvertConfig = "eln", calibration="defa
         ConversionRecord(
             method=method,
             per_channel=any(getattr(model.get_submodule(c.name), "per_channel", False) for c in report.converted),
-            converted={c.name: {"kind": c.kind, "role": c.role, "size": c.size, "amplitude": c.amplitude, "bias": b}
+            converted={c.name: NormEntry(kind=c.kind, role=c.role, size=c.size, amplitude=c.amplitude, bias=b)
                        for c, b in zip(report.converted, (i.has_bias for i in selected))},
             calibration=report.calibration,
             convert=config.to_dict(),

@@ -18,7 +18,7 @@ called on other inputs, and a norm with a non-zero bias feeding a layer without 
 
 After folding the norm keeps its parameters, set to ``weight = 1`` and ``bias = 0``: the state dict has the same
 keys and shapes, so a folded model saves and reloads like any converted one (the folded linear weights carry
-gamma). ``model.config.normswap["folded"]`` lists each folded norm with its consumers. Folding is for inference:
+gamma). The record's ``folded`` part (``ConversionRecord``) lists each folded norm with its consumers. Folding is for inference:
 the norm's ``weight`` no longer means the source norm's gamma, so fine-tune before folding, not after.
 """
 

@@ -6,6 +6,7 @@ executed. Tiny models only; the kills run in subprocesses with fixed seeds.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
@@ -96,7 +97,7 @@ def test_trainer_save_model_leaves_sibling_checkpoints(tmp_path):
     model.save_pretrained(out)  # again: replaces its own files in place
     after = file_tree(out)
     assert {k: v for k, v in after.items() if k in before} == before
-    assert save_load.read_config(out)["normswap"]["method"] == "eln"
+    assert save_load.converted_config(out)["normswap"]["method"] == "eln"
     assert sorted(p.name for p in out.iterdir() if p.name.startswith(".")) == []
     model.save_pretrained(out / "worker", is_main_process=False)  # other ranks write nothing
     assert not (out / "worker").exists()
@@ -202,7 +203,7 @@ def test_save_killed_at_every_step_leaves_old_or_new_and_is_cleaned_up(tmp_path)
         assert completed if at > steps else not completed, (at, status)  # killed at each step, the last one saves
         save_load.recover_interrupted(out)  # what the next save into the same place runs first
         assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".ckpt")) == [], at
-        method = save_load.read_config(out)["normswap"]["method"]
+        method = save_load.converted_config(out)["normswap"]["method"]
         assert file_tree(out) == trees[method], (at, method)  # the whole old or the whole new checkpoint, byte for byte
         seen.add(method)
     assert seen == {"eln", "dyt"}
@@ -275,10 +276,11 @@ def test_tampered_block_fails_eval_too(converted, tmp_path, capsys):
                                            ("model.nothing", "has no module of that name")])
 def test_block_names_must_be_norms_of_the_architecture(name, message):
     from hf_normswap.checkpoint.config_checks import check_block_against_model
+    from hf_normswap.checkpoint.record import ConversionRecord, NormEntry
 
-    block = {"converted": {name: {"normalized_shape": [32]}}}
+    record = ConversionRecord("eln", {name: NormEntry(kind="rmsnorm", size=32, amplitude=1.0, normalized_shape=[32])})
     with pytest.raises(ValidationError, match=message):
-        check_block_against_model(tiny_model("llama"), block)
+        check_block_against_model(tiny_model("llama"), record)
 
 
 # ------------------------------------------------------------------------- options checked before any work
@@ -351,7 +353,7 @@ def test_failed_save_keeps_the_converted_model_and_says_where(tmp_path, monkeypa
                       capsys)
     assert code == 2 and "No space left on device" in line
     kept = Path(line.split("kept in ")[1].split(":")[0])
-    assert save_load.read_config(kept)["normswap"]["method"] == "eln"
+    assert save_load.converted_config(kept)["normswap"]["method"] == "eln"
     hf_normswap.load(kept)
     shutil.rmtree(kept.parent)
 
@@ -364,7 +366,7 @@ def test_failed_push_without_output_keeps_the_converted_model(tmp_path, monkeypa
                       capsys)
     assert code == 2 and "cannot reach the Hub" in line and "normswap push" in line
     kept = Path(line.split("kept in ")[1].split(": push it")[0])
-    assert save_load.read_config(kept)["normswap"]["method"] == "dyt"
+    assert save_load.converted_config(kept)["normswap"]["method"] == "dyt"
     shutil.rmtree(kept.parent)
 
 
@@ -601,9 +603,11 @@ def test_a_prompt_before_other_keys_leaves_them_their_own(tmp_path):
 def test_derf_and_dyt_weights_are_told_apart_by_the_shift(method, held):
     """DyT and Derf both store log_alpha: a block that names one for the other's weights is refused by the shift."""
     from hf_normswap.checkpoint.config_checks import check_block_against_weights
+    from hf_normswap.checkpoint.record import ConversionRecord, NormEntry
 
-    block = {"method": method, "converted": {"norm": {"normalized_shape": [4], "bias": False}}}
+    record = ConversionRecord(method, {"norm": NormEntry(kind="rmsnorm", size=4, amplitude=2.0, normalized_shape=[4],
+                                                         bias=False)})
     shapes = {"norm.weight": (4,), **{f"norm.{name}": () for name in held}}
     with pytest.raises(ValidationError, match=rf"normswap\.converted\.norm\.method: {method}, but the weights hold"):
-        check_block_against_weights(block, shapes)
-    check_block_against_weights({**block, "method": "dyt" if method == "derf" else "derf"}, shapes)
+        check_block_against_weights(record, shapes)
+    check_block_against_weights(dataclasses.replace(record, method="dyt" if method == "derf" else "derf"), shapes)

@@ -167,7 +167,7 @@ def test_folders_named_like_a_saves_leftovers_are_the_users(converted, source, t
     code, _ = _cli(["convert", source / "llama", "--to", "dyt", *ANALYTIC,
                     "--output", tmp_path / "ckpt", "--overwrite"], capsys)
     assert code == 0 and not dead.exists()  # put back, then replaced by the new checkpoint
-    assert save_load.read_config(tmp_path / "ckpt")["normswap"]["method"] == "dyt"
+    assert save_load.converted_config(tmp_path / "ckpt")["normswap"]["method"] == "dyt"
     assert {k: v for k, v in file_tree(tmp_path).items() if k in before} == before
 
 
@@ -198,13 +198,13 @@ def test_an_output_that_is_a_symlink_is_written_through(converted, source, tmp_p
     code, _ = _cli(["convert", source / "llama", "--to", "dyt", *ANALYTIC,
                     "--output", tmp_path / "link", "--overwrite"], capsys)
     assert code == 0 and (tmp_path / "link").is_symlink()
-    assert save_load.read_config(tmp_path / "real")["normswap"]["method"] == "dyt"
+    assert save_load.converted_config(tmp_path / "real")["normswap"]["method"] == "dyt"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["link", "real"]  # no dangling .link.old-*
     (tmp_path / "empty").mkdir()
     (tmp_path / "to-empty").symlink_to(tmp_path / "empty")
     code, _ = _cli(["convert", source / "llama", "--to", "eln", *ANALYTIC, "--output", tmp_path / "to-empty"], capsys)
     assert code == 0 and (tmp_path / "to-empty").is_symlink()
-    assert save_load.read_config(tmp_path / "empty")["normswap"]["method"] == "eln"
+    assert save_load.converted_config(tmp_path / "empty")["normswap"]["method"] == "eln"
 
 
 def test_push_of_a_symlinked_checkpoint_uploads_its_files(converted, tmp_path, monkeypatch, capsys):

@@ -19,6 +19,7 @@ from transformers import CONFIG_MAPPING, PreTrainedConfig, PreTrainedModel
 from ..discovery.norms import is_norm_candidate
 from ..modules import METHODS
 from ..validation import ValidationError, shown
+from .record import ConversionRecord, OriginalArchitecture
 
 MODEL_TYPE = re.compile(r"[a-z0-9_\-]+")
 
@@ -37,16 +38,16 @@ def transformers_class(name, base: type, key: str) -> type:
     return cls
 
 
-def check_base(base) -> dict:
+def check_base(base: OriginalArchitecture | None) -> OriginalArchitecture:
     """The ``normswap.base`` record (original architecture, config class, model type), every name checked."""
-    if not isinstance(base, dict):
+    if not isinstance(base, OriginalArchitecture):
         raise ValidationError(f"config.json normswap.base: expected an object, got {shown(base)}")
-    model_type = base.get("model_type")
+    model_type = base.model_type
     if not (isinstance(model_type, str) and MODEL_TYPE.fullmatch(model_type) and model_type in CONFIG_MAPPING):
         raise ValidationError(f"config.json normswap.base.model_type: {shown(model_type)} is not a model type that "
                               f"transformers {transformers.__version__} knows")
-    config_class = transformers_class(base.get("config_class"), PreTrainedConfig, "normswap.base.config_class")
-    transformers_class(base.get("architecture"), PreTrainedModel, "normswap.base.architecture")
+    config_class = transformers_class(base.config_class, PreTrainedConfig, "normswap.base.config_class")
+    transformers_class(base.architecture, PreTrainedModel, "normswap.base.architecture")
     if CONFIG_MAPPING[model_type] is not config_class:
         raise ValidationError(f"config.json normswap.base.config_class: {config_class.__name__} is not the "
                               f"configuration of model type {model_type} ({CONFIG_MAPPING[model_type].__name__})")
@@ -60,43 +61,39 @@ def _positive_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
-def check_block(block) -> dict:
-    """The structure of a checkpoint's ``normswap`` block: known methods, one object per converted module with
-    its kind, size and shape, a bias flag and a finite positive amplitude. Returns the block."""
-    if not isinstance(block, dict):
-        raise ValidationError(f"config.json normswap: expected an object, got {shown(block)}")
-    check_base(block.get("base"))
+def check_block(record: ConversionRecord) -> ConversionRecord:
+    """The values of a checkpoint's record: known methods, each converted norm with its kind, size and shape, a
+    bias flag and a finite positive amplitude. Returns the record."""
+    check_base(record.base)
     methods = ", ".join(METHODS)
-    if block.get("method") not in METHODS:
-        raise ValidationError(f"config.json normswap.method: {shown(block.get('method'))} is not one of {methods}")
-    converted = block.get("converted")
-    if not isinstance(converted, dict) or not converted:
+    if record.method not in METHODS:
+        raise ValidationError(f"config.json normswap.method: {shown(record.method)} is not one of {methods}")
+    if not isinstance(record.converted, dict) or not record.converted:
         raise ValidationError("config.json normswap.converted: expected an object naming the converted modules")
-    for name, entry in converted.items():
+    for name, entry in record.converted.items():
         key = f"normswap.converted.{name}"
-        if not isinstance(entry, dict):
-            raise ValidationError(f"config.json {key}: expected an object, got {shown(entry)}")
-        if entry.get("method", block["method"]) not in METHODS:
-            raise ValidationError(f"config.json {key}.method: {shown(entry['method'])} is not one of {methods}")
-        if not (isinstance(entry.get("kind"), str) and entry["kind"]):  # the card and the recipe read them
-            raise ValidationError(f"config.json {key}.kind: {shown(entry.get('kind'))} is not a norm kind "
+        if entry.method is not None and entry.method not in METHODS:
+            raise ValidationError(f"config.json {key}.method: {shown(entry.method)} is not one of {methods}")
+        if not (isinstance(entry.kind, str) and entry.kind):  # the card and the recipe read them
+            raise ValidationError(f"config.json {key}.kind: {shown(entry.kind)} is not a norm kind "
                                   "(layernorm, rmsnorm)")
-        if not _positive_int(entry.get("size")):
-            raise ValidationError(f"config.json {key}.size: {shown(entry.get('size'))} is not a positive size")
-        shape = entry.get("normalized_shape") or [entry.get("size")]
+        if not _positive_int(entry.size):
+            raise ValidationError(f"config.json {key}.size: {shown(entry.size)} is not a positive size")
+        shape = entry.normalized_shape or [entry.size]
         if not (isinstance(shape, list) and shape and all(_positive_int(n) for n in shape)):
             raise ValidationError(f"config.json {key}.normalized_shape: {shown(shape)} is not a list of positive sizes")
         for flag in ("bias", "per_channel"):
-            if not isinstance(entry.get(flag, False), bool):
-                raise ValidationError(f"config.json {key}.{flag}: expected true or false, got {shown(entry[flag])}")
-        amplitude = entry.get("amplitude")
+            if not isinstance(getattr(entry, flag) or False, bool):
+                raise ValidationError(f"config.json {key}.{flag}: expected true or false, got "
+                                      f"{shown(getattr(entry, flag))}")
+        amplitude = entry.amplitude
         if not (isinstance(amplitude, Real) and not isinstance(amplitude, bool) and math.isfinite(amplitude)
                 and amplitude > 0):
             raise ValidationError(f"config.json {key}.amplitude: {shown(amplitude)} is not a finite positive number")
-    return block
+    return record
 
 
-def check_block_against_weights(block: dict, shapes: dict[str, tuple[int, ...]]) -> None:
+def check_block_against_weights(record: ConversionRecord, shapes: dict[str, tuple[int, ...]]) -> None:
     """Each converted module's weight, bias and shape parameter are in the checkpoint's weights with the recorded
     shapes, and no weight belongs to a converted module the block leaves out: otherwise the load would leave
     parameters uninitialized or weights unused."""
@@ -105,20 +102,19 @@ def check_block_against_weights(block: dict, shapes: dict[str, tuple[int, ...]])
         name = f"log_{cls.shape_name}"
         shape_params[name] = f"{shape_params[name]} or {key}" if name in shape_params else key
     extra_params = {p for cls in METHODS.values() for p in cls.squash_extras}  # Derf's shift tells it from DyT
-    converted = block["converted"]
+    converted = record.norms()
     for name, entry in converted.items():
         key = f"config.json normswap.converted.{name}"
-        method = entry.get("method", block["method"])
-        shape = tuple(entry.get("normalized_shape") or (entry["size"],))
+        method, shape = entry.method, entry.shape
         if not any(weight.rpartition(".")[0] == name for weight in shapes):
             raise ValidationError(f"{key}: the weights hold no norm of that name")
         if shapes.get(f"{name}.weight") != shape:
             found = shapes.get(f"{name}.weight")
             raise ValidationError(f"{key}.normalized_shape: {list(shape)}, but the weights hold "
                                   + (f"{name}.weight of shape {list(found)}" if found else f"no {name}.weight"))
-        if (f"{name}.bias" in shapes) != entry.get("bias", True):
-            raise ValidationError(f"{key}.bias: {str(entry.get('bias', True)).lower()}, but the weights "
-                                  f"{'have no' if entry.get('bias', True) else 'hold a'} {name}.bias")
+        if (f"{name}.bias" in shapes) != entry.bias:
+            raise ValidationError(f"{key}.bias: {str(entry.bias).lower()}, but the weights "
+                                  f"{'have no' if entry.bias else 'hold a'} {name}.bias")
         held = [p for p in shape_params if f"{name}.{p}" in shapes]
         wanted = f"log_{METHODS[method].shape_name}"
         if held != [wanted]:
@@ -129,7 +125,7 @@ def check_block_against_weights(block: dict, shapes: dict[str, tuple[int, ...]])
             raise ValidationError(f"{key}.method: {method}, but the weights hold "
                                   + (", ".join(f"{name}.{p}" for p in held_extras) if held_extras
                                      else f"no {name}.{', '.join(METHODS[method].squash_extras)}"))
-        per_channel = entry.get("per_channel", block.get("per_channel", False))
+        per_channel = entry.per_channel
         if shapes[f"{name}.{wanted}"] != (shape if per_channel else ()):
             raise ValidationError(f"{key}.per_channel: {str(per_channel).lower()}, but {name}.{wanted} has shape "
                                   f"{list(shapes[f'{name}.{wanted}'])}")
@@ -140,10 +136,10 @@ def check_block_against_weights(block: dict, shapes: dict[str, tuple[int, ...]])
                                   "(a converted module); the checkpoint is damaged or was tampered with")
 
 
-def check_block_against_model(model: nn.Module, block: dict) -> None:
+def check_block_against_model(model: nn.Module, record: ConversionRecord) -> None:
     """Each converted name is a norm of ``model`` (the original architecture, before its norms are rebuilt) with the
     recorded shape."""
-    for name, entry in block["converted"].items():
+    for name, entry in record.converted.items():
         key = f"config.json normswap.converted.{name}"
         try:
             module = model.get_submodule(name)
@@ -152,7 +148,7 @@ def check_block_against_model(model: nn.Module, block: dict) -> None:
         if not is_norm_candidate(module):
             raise ValidationError(f"{key}: is a {type(module).__name__}, not a LayerNorm or RMSNorm")
         weight = getattr(module, "weight", None)
-        shape = tuple(entry.get("normalized_shape") or (entry["size"],))
+        shape = entry.shape
         if isinstance(weight, nn.Parameter) and tuple(weight.shape) != shape:
             raise ValidationError(f"{key}.normalized_shape: {list(shape)}, but the model's norm has shape "
                                   f"{list(weight.shape)}")

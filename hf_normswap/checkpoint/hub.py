@@ -16,7 +16,8 @@ from huggingface_hub.utils import validate_repo_id
 
 from ..validation import ValidationError, first_line
 from . import save_load
-from .record import ConversionRecord, read_config
+from .config_checks import check_block
+from .record import ConversionRecord, converted_config
 
 try:  # the HTTP client huggingface_hub uses; its transport errors mean "could not talk to the endpoint"
     from httpx2 import TransportError as _TransportError
@@ -67,10 +68,10 @@ def push(folder: str | os.PathLike, repo_id: str, *, private: bool = False, toke
     checkpoint's own files go (:func:`save_load.checkpoint_files`): a checkpoint saved into a Trainer's output_dir
     has optimizer states and other things beside it that were never meant for a public repo."""
     folder = Path(folder)
-    if read_config(folder) is None:
+    if converted_config(folder) is None:
         raise PushError(f"{folder} is not a checkpoint saved by hf_normswap: save it with `normswap convert --output`")
     try:
-        record = ConversionRecord.read(folder)
+        record = check_block(ConversionRecord.read(folder))
     except ValidationError as error:
         raise PushError(f"{folder}: {error}") from None
     files = save_load.checkpoint_files(folder)

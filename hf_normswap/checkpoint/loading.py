@@ -29,7 +29,7 @@ from ..data import texts as data
 from ..validation import ValidationError, check_path_length, first_line
 from . import config_checks, remote_code
 from .packaged import PREFIX, packaged_path
-from .record import ConversionRecord, read_config
+from .record import ConversionRecord, converted_config
 from .save_load import CheckpointError, enable_save
 
 
@@ -134,7 +134,7 @@ def load_model(spec: str, dtype=None, with_tokenizer: bool = True, device=None, 
             model = AutoModelForCausalLM.from_pretrained(location, **kwargs)
             if device is not None:  # after dequantizing: the GGUF loader's own placement is not relied on
                 model.to(device)
-        elif read_config(location) is not None:  # converted checkpoint: the package's own modules
+        elif converted_config(location) is not None:  # converted checkpoint: the package's own modules
             model = load(location, **kwargs)
         else:
             config = AutoConfig.from_pretrained(location, **cache_only, trust_remote_code=False)  # refuse, never prompt
@@ -160,7 +160,7 @@ def load_model(spec: str, dtype=None, with_tokenizer: bool = True, device=None, 
     if with_tokenizer:
         logging.getLogger("transformers").disabled = True
         try:
-            converted = {"config": base_config(location)} if read_config(location) else {}
+            converted = {"config": base_config(location)} if converted_config(location) else {}
             tokenizer = AutoTokenizer.from_pretrained(location, **extra, **cache_only, **converted,
                                                       trust_remote_code=False)
         except (OSError, ValueError, TypeError):
@@ -174,9 +174,9 @@ def _empty_model(location: str, extra: dict, cache_only: dict, dtype) -> nn.Modu
     """:func:`load_model`'s model on the meta device: the class it would load, built from the config alone."""
     from accelerate import init_empty_weights
 
-    if read_config(location) is not None:
+    if converted_config(location) is not None:
         config = base_config(location)
-        build = normswap_class(config.normswap["base"]["architecture"])._from_config
+        build = normswap_class(ConversionRecord.of(config).base.architecture)._from_config
         kernels.install()  # as load() does: the element-wise modules compute as the main process's
     else:
         config = AutoConfig.from_pretrained(location, **extra, **cache_only, trust_remote_code=False)
@@ -198,7 +198,7 @@ def normswap_class(architecture: str) -> type:
 
     def __init__(self, config, *args, **kwargs):
         base.__init__(self, config, *args, **kwargs)
-        config_checks.check_block_against_model(self, config.normswap)
+        config_checks.check_block_against_model(self, ConversionRecord.of(config))
         remote_code.rebuild_norms(self, config.normswap)
 
     return type(f"NormSwap{architecture}", (base,), {"__init__": __init__, "__module__": __name__})
@@ -210,14 +210,14 @@ def base_config(path: str | os.PathLike):
     Pass it as ``config=`` to ``AutoTokenizer.from_pretrained`` / ``AutoProcessor.from_pretrained``: without it they
     look the config up themselves and stop at the remote-code question for the ``normswap_*`` model type.
     """
-    config_dict = read_config(path)
+    config_dict = converted_config(path)
     if config_dict is None:
         raise CheckpointError(f"{path} is not a checkpoint saved by hf_normswap (no config.json with a normswap block)")
-    record = ConversionRecord.read(path)
+    record = config_checks.check_block(ConversionRecord.read(path))
     base = record.base
-    config_dict = dict(record.store(config_dict), model_type=base["model_type"], architectures=[base["architecture"]])
+    config_dict = dict(record.store(config_dict), model_type=base.model_type, architectures=[base.architecture])
     config_dict.pop("auto_map", None)
-    return CONFIG_MAPPING[base["model_type"]].from_dict(config_dict)
+    return CONFIG_MAPPING[base.model_type].from_dict(config_dict)
 
 
 def weight_shapes(path: str | os.PathLike) -> dict[str, tuple[int, ...]]:
@@ -256,8 +256,9 @@ def load(path: str | os.PathLike, **kwargs) -> nn.Module:
     Keyword arguments go to ``from_pretrained`` (``dtype=``, ``device_map=`` ...).
     """
     config = base_config(path)
-    config_checks.check_block_against_weights(config.normswap, weight_shapes(path))
-    model = normswap_class(config.normswap["base"]["architecture"]).from_pretrained(path, config=config, **kwargs)
+    record = ConversionRecord.of(config)
+    config_checks.check_block_against_weights(record, weight_shapes(path))
+    model = normswap_class(record.base.architecture).from_pretrained(path, config=config, **kwargs)
     enable_save(model)
     kernels.install()
     return model.eval()

@@ -15,6 +15,7 @@ from huggingface_hub import ModelCard, ModelCardData, metadata_load
 
 from ..modules import METHODS
 from .packaged import PACKAGED
+from .record import ConversionRecord
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 TAG = "hf-normswap"  # in every card's metadata: marks a README.md as this package's to rewrite
@@ -128,31 +129,31 @@ def is_own_card(path: Path) -> bool:
 
 def render(config: dict) -> str:
     """The model card text (YAML metadata + Markdown) for a saved ``config.json``."""
-    block = config["normswap"]
-    method = block["method"]
+    record = ConversionRecord.in_config(config)
+    method = record.method
     method_class = METHODS[method]
-    base = block["base"]
-    base_model = block.get("base_model")
-    converted = block["converted"]
+    base = record.base
+    base_model = record.base_model
+    converted = record.converted
     auto_classes = sorted(k for k in config.get("auto_map", {}) if k != "AutoConfig") or ["AutoModel"]
     auto = "AutoModelForCausalLM" if "AutoModelForCausalLM" in auto_classes else auto_classes[0]
 
     data = ModelCardData(
         base_model=base_model,
         library_name="transformers",
-        tags=[TAG, method, "normalization-free", base["model_type"], "custom_code"],
+        tags=[TAG, method, "normalization-free", base.model_type, "custom_code"],
     )
-    kinds = Counter((e["kind"], e.get("role", "?")) for e in converted.values())
+    kinds = Counter((e.kind, e.role or "?") for e in converted.values())
     kind_rows = "\n".join(f"| {kind} | {role} | {n} |" for (kind, role), n in sorted(kinds.items()))
-    names = "\n".join(f"- `{name}` ({e['kind']}, C={e['size']}, amplitude={e['amplitude']:.4g})"
+    names = "\n".join(f"- `{name}` ({e.kind}, C={e.size}, amplitude={e.amplitude:.4g})"
                       for name, e in converted.items())
     origin = f"[{base_model}](https://huggingface.co/{base_model})" if base_model else "a local model"
-    evaluation = _evaluation_section(block.get("evaluation"))
+    evaluation = _evaluation_section(record.evaluation)
     citations = [METHODS[key].citation for key in method_class.builds_on] + [method_class.citation]
-    version = block.get("package", {}).get("version", block.get("version", "?"))
+    version = (record.package or {}).get("version", record.version)
 
     body = f"""
-# {base["architecture"]} with {method.upper()} instead of LayerNorm / RMSNorm
+# {base.architecture} with {method.upper()} instead of LayerNorm / RMSNorm
 
 This checkpoint is {origin} with {len(converted)} normalization layers replaced by element-wise
 **{method_class.title}** modules, made with [hf-normswap](https://pypi.org/project/hf-normswap/) {version}.
@@ -172,7 +173,7 @@ constant; DyT additionally assumes a constant standard deviation.
 
 ## What was converted
 
-Method `{method}`, per-channel shape parameter: `{block.get("per_channel", False)}`.
+Method `{method}`, per-channel shape parameter: `{record.per_channel}`.
 
 | source kind | role | count |
 |---|---|---|
@@ -186,16 +187,16 @@ Method `{method}`, per-channel shape parameter: `{block.get("per_channel", False
 
 ## Calibration
 
-{_calibration_section(block.get("calibration"))}
+{_calibration_section(record.calibration)}
 """
-    check = _check_section(block.get("check"))
+    check = _check_section(record.check)
     if check:
         body += f"""
 ## Check after the conversion
 
 {check}
 """
-    training = _training_section(block.get("training"))
+    training = _training_section(record.training)
     if training:
         body += f"""
 ## Fine-tuning
@@ -229,7 +230,7 @@ model, tokenizer = load_model("REPO_OR_PATH")  # with the tokenizer
 ```
 
 Without `trust_remote_code=True` the stock loaders refuse this checkpoint (its `model_type` is
-`{config["model_type"]}`): the original `{base["architecture"]}` class would drop the
+`{config["model_type"]}`): the original `{base.architecture}` class would drop the
 `{method_class.shape_name}` parameters.
 
 ## Citation

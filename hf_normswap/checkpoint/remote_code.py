@@ -1,7 +1,9 @@
 """Self-contained remote code for a converted checkpoint: ``modeling_normswap.py``, generated from the package.
 
-The file carries the package's own element-wise modules (the source of ``modules.py``, copied verbatim) and the
-function that puts them back in place (:func:`rebuild_norms`, copied verbatim), plus two small classes written
+The file carries the package's own element-wise modules (the source of ``modules.py``, copied verbatim), the
+reader of the record's converted norms (``record.NormEntry``, ``record.from_dict``, ``record.norm_entries``, copied
+verbatim) and the function that puts them back in place (:func:`rebuild_norms`, copied verbatim), plus two small
+classes written
 for the checkpoint: a config subclass with its own ``model_type`` (so a stock ``from_pretrained`` without
 ``trust_remote_code`` refuses the checkpoint instead of silently loading the unconverted architecture) and a
 subclass of the original architecture class whose ``__init__`` swaps the recorded norms for element-wise modules
@@ -15,7 +17,9 @@ from __future__ import annotations
 import ast
 import functools
 import inspect
+import sys
 import textwrap
+import types
 
 import torch
 import transformers
@@ -24,12 +28,16 @@ from torch import nn
 from .. import modules
 from ..modules import METHODS
 from ..version import __version__
+from . import record
 from .config_checks import check_base
+from .record import OriginalArchitecture, norm_entries
 
 FILE_NAME = "modeling_normswap.py"
 MODULE_NAME = FILE_NAME[: -len(".py")]
 MODEL_TYPE_PREFIX = "normswap_"
 ALLOWED_IMPORTS = {"math", "torch", "transformers", "typing", "__future__"}
+RECORD_READER = (record.NormEntry, record.from_dict, record.norm_entries)  # copied into the file: it reads the block
+RECORD_IMPORTS = "import dataclasses\nimport reprlib\nimport typing\nfrom dataclasses import dataclass"
 
 
 class RemoteCodeError(RuntimeError):
@@ -39,19 +47,16 @@ class RemoteCodeError(RuntimeError):
 def rebuild_norms(model: nn.Module, normswap: dict) -> nn.Module:
     """Replace every norm recorded in a config's ``normswap`` block with an empty element-wise module.
 
-    Shapes, bias, per-channel shape parameter and amplitude come from the block; the values come from the
-    checkpoint's weights, which load after this. Used by the remote code and by ``hf_normswap.load``.
+    Shapes, bias, per-channel shape parameter and amplitude come from the block's entries (``norm_entries``); the
+    values come from the checkpoint's weights, which load after this. Used by the remote code and by
+    ``hf_normswap.load``.
     """
-    default_method = normswap["method"]
-    for name, entry in normswap["converted"].items():
-        module_class = METHODS[entry.get("method", default_method)]
-        shape = tuple(entry.get("normalized_shape") or (entry["size"],))
-        per_channel = entry.get("per_channel", normswap.get("per_channel", False))
+    for name, entry in norm_entries(normswap).items():
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         old = getattr(parent, child)
-        new = module_class(shape, 1.0, per_channel=per_channel, bias=entry.get("bias", True),
-                           amplitude=entry["amplitude"])
+        new = METHODS[entry.method](entry.shape, 1.0, per_channel=entry.per_channel, bias=entry.bias,
+                                    amplitude=entry.amplitude)
         reference = next(old.parameters(), None)
         if reference is not None:
             new.to(device=reference.device)
@@ -118,7 +123,7 @@ def render(architecture: str, config_class: str, model_type: str) -> str:
     ``model_type`` is the original one (``llama``); the generated config class gets ``normswap_llama``. The three
     names come from a config.json: each must name what transformers exports, or nothing is generated.
     """
-    check_base({"architecture": architecture, "config_class": config_class, "model_type": model_type})
+    check_base(OriginalArchitecture(architecture, config_class, model_type))
     config_name, model_name = class_names(architecture)
     header = f'''"""Remote code for a checkpoint converted by hf-normswap {__version__}: {architecture} with its norms replaced by
 element-wise modules. Generated from the hf-normswap package; imports only torch and transformers.
@@ -127,6 +132,8 @@ Load with ``AutoModel...from_pretrained(path, trust_remote_code=True)``, or with
 """
 
 from __future__ import annotations
+
+{RECORD_IMPORTS}
 
 from transformers import {config_class}, {architecture}
 '''
@@ -146,7 +153,9 @@ class {model_name}({architecture}):
         super().__init__(config, *args, **kwargs)
         rebuild_norms(self, config.normswap)
 '''
-    parts = [header, _modules_source(), textwrap.dedent(inspect.getsource(rebuild_norms)), classes]
+    reader = [textwrap.dedent(inspect.getsource(part)) for part in RECORD_READER]
+    parts = [header, _modules_source(), *reader, textwrap.dedent(inspect.getsource(rebuild_norms)),
+             classes]
     text = "\n\n\n".join(p.strip("\n") for p in parts) + "\n"
     compile(text, FILE_NAME, "exec")
     return text
@@ -154,8 +163,13 @@ class {model_name}({architecture}):
 
 def check_remote_modules(text: str, seed: int = 0) -> None:
     """Run the generated file's modules against the package's on random input; raise unless bit-identical."""
-    namespace: dict = {"__name__": "normswap_remote_check"}
-    exec(compile(text, FILE_NAME, "exec"), namespace)
+    module = types.ModuleType("normswap_remote_check")  # a module, as transformers loads it: dataclasses look it up
+    sys.modules[module.__name__] = module
+    try:
+        exec(compile(text, FILE_NAME, "exec"), module.__dict__)
+    finally:
+        del sys.modules[module.__name__]
+    namespace = module.__dict__
     generator = torch.Generator().manual_seed(seed)
     x = 30 * torch.randn(4, 6, generator=generator)
     for key, package_class in METHODS.items():

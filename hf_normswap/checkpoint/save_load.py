@@ -32,7 +32,7 @@ from ..modules import METHODS, ElementwiseNorm
 from ..validation import ValidationError, check_path_length, first_line
 from ..version import __version__
 from . import config_checks, model_card, remote_code
-from .record import ConversionRecord, read_config
+from .record import ConversionRecord, OriginalArchitecture, converted_config
 
 
 class CheckpointError(Exception):
@@ -137,7 +137,7 @@ def _foreign_entries(directory: Path, also_own: set[str] = frozenset()) -> list[
 
 def _replaceable(directory: Path, also_own: set[str] = frozenset()) -> str | None:
     """Why an overwrite may not replace ``directory``, or None when it holds a checkpoint's own files only."""
-    if read_config(directory) is None:
+    if converted_config(directory) is None:
         return "it is not empty and not a checkpoint saved by hf_normswap"
     foreign = _foreign_entries(directory, also_own)
     if foreign:
@@ -256,15 +256,14 @@ def atomic_directory(path: str | os.PathLike, overwrite: bool = False, into_exis
 # ---------------------------------------------------------------------------------------------------- saving
 
 
-def _base(model: nn.Module, record: ConversionRecord) -> dict:
+def _base(model: nn.Module, record: ConversionRecord) -> OriginalArchitecture:
     """The original architecture: recorded by an earlier save, else read from the (unconverted-class) model."""
     if record.base:
-        return dict(config_checks.check_base(record.base))
+        return config_checks.check_base(record.base)
     config = model.config
     if type(model).__name__.startswith("NormSwap") or config.model_type.startswith(remote_code.MODEL_TYPE_PREFIX):
         raise CheckpointError("the model's normswap block does not record its original architecture")
-    return {"architecture": type(model).__name__, "config_class": type(config).__name__,
-            "model_type": config.model_type}
+    return OriginalArchitecture(type(model).__name__, type(config).__name__, config.model_type)
 
 
 def _method_of(module: nn.Module) -> str:
@@ -275,21 +274,22 @@ def _method_of(module: nn.Module) -> str:
                           f"({', '.join(METHODS)})")
 
 
-def _saved_record(model: nn.Module, record: ConversionRecord, base: dict, base_model: str | None,
+def _saved_record(model: nn.Module, record: ConversionRecord, base: OriginalArchitecture, base_model: str | None,
                   evaluation) -> ConversionRecord:
     """The model's record plus what a reload needs: shapes, per-module method, original architecture."""
-    converted = json.loads(json.dumps(record.converted))  # deep copy; also proves it is JSON-serializable
-    for name, entry in converted.items():
+    converted = {}
+    for name, entry in record.converted.items():
         try:
             module = model.get_submodule(name)
         except AttributeError:
             raise CheckpointError(f"converted norm {name} recorded in config.normswap is not in the model") from None
         if not isinstance(module, ElementwiseNorm):
             raise CheckpointError(f"{name} is recorded as converted but is a {type(module).__name__}")
-        entry.update(normalized_shape=list(module.normalized_shape), per_channel=module.per_channel,
-                     bias=module.bias is not None, amplitude=module.amplitude)
-        if _method_of(module) != record.method:
-            entry["method"] = _method_of(module)
+        method = _method_of(module)
+        converted[name] = dataclasses.replace(
+            entry, normalized_shape=list(module.normalized_shape), per_channel=module.per_channel,
+            bias=module.bias is not None, amplitude=module.amplitude,
+            method=method if method != record.method else entry.method)
     return dataclasses.replace(record, converted=converted, base=base,
                                package={"name": "hf-normswap", "version": __version__},
                                base_model=base_model if base_model is not None else record.base_model,
@@ -326,16 +326,16 @@ def _dense(model: nn.Module):
         model.hf_quantizer = quantizer
 
 
-def _rewrite_config(directory: Path, base: dict, record: ConversionRecord) -> dict:
+def _rewrite_config(directory: Path, base: OriginalArchitecture, record: ConversionRecord) -> dict:
     path = directory / "config.json"
     config = json.loads(path.read_text())
     if (config.get("quantization_config") or {}).get("quant_method") == "gguf":
         del config["quantization_config"]  # the weights were saved dequantized (see _dense)
-    config_name, model_name = remote_code.class_names(base["architecture"])
-    config["model_type"] = remote_code.MODEL_TYPE_PREFIX + base["model_type"]
+    config_name, model_name = remote_code.class_names(base.architecture)
+    config["model_type"] = remote_code.MODEL_TYPE_PREFIX + base.model_type
     config["architectures"] = [model_name]
     config["auto_map"] = {"AutoConfig": f"{remote_code.MODULE_NAME}.{config_name}"}
-    for auto in remote_code.auto_classes(base["architecture"], base["model_type"]):
+    for auto in remote_code.auto_classes(base.architecture, base.model_type):
         config["auto_map"][auto] = f"{remote_code.MODULE_NAME}.{model_name}"
     record.store(config)
     path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
@@ -376,7 +376,7 @@ def save_pretrained(
     if base_model is None:
         base_model = record.base_model or model_card.hub_id(getattr(model.config, "_name_or_path", None))
     saved = _saved_record(model, record, base, base_model, evaluation)
-    modeling = remote_code.render(base["architecture"], base["config_class"], base["model_type"])
+    modeling = remote_code.render(base.architecture, base.config_class, base.model_type)
     remote_code.check_remote_modules(modeling)
     kwargs.pop("push_to_hub", None)
     if offload.is_offloaded(model):  # weights on disk come back one shard at a time: a shard is what memory holds

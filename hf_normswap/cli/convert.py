@@ -162,7 +162,7 @@ def check_conversion(check, model) -> None:
     result = check.after(model)
     print(result.line())
     record = ConversionRecord.of(model)
-    warn(result.warning(record.to_dict() if record is not None else None))
+    warn(result.warning(record))
     ConversionRecord.amend(model, check=result.to_dict())
 
 

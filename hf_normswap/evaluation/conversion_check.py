@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..calibration.input_scales import probe_ids
+from ..checkpoint.record import ConversionRecord
 from ..data import DataError, load_texts, token_blocks
 from ..model_inputs import dummy_inputs, first_tensor, forward_without_cache, is_causal_lm, mean_pool, text_config
 from ..placement import model_device
@@ -49,21 +50,20 @@ class CheckResult:
                     f"original's) on {self.data}")
         return f"check: output cosine to the original {self.value:.4g} on {self.data}"
 
-    def warning(self, block: dict | None = None) -> str | None:
-        """None when the check passed; else the warning, with the cause and the fix read from the ``normswap``
-        block of the converted model's config."""
+    def warning(self, record: ConversionRecord | None = None) -> str | None:
+        """None when the check passed; else the warning, with the cause and the fix read from the converted model's
+        record."""
         if not self.failed:
             return None
         what = (f"perplexity is {self.value:.3g}x the original's" if self.metric == "perplexity"
                 else f"outputs have cosine {self.value:.3g} to the original's")
-        cause, fix = advice(block or {})
+        cause, fix = advice(record.calibration if record else None, (record.convert if record else None) or {})
         return f"the conversion failed: the converted model's {what} on {self.data}. Cause: {cause}. Fix: {fix}"
 
 
-def advice(block: dict) -> tuple[str, str]:
-    """(cause, fix) for a failed check, from how the model was converted."""
-    calibration = block.get("calibration")
-    settings = block.get("convert") or {}
+def advice(calibration: dict | None, settings: dict) -> tuple[str, str]:
+    """(cause, fix) for a failed check, from how the model was converted (the record's calibration summary and
+    convert settings)."""
     if calibration:
         data, strategy = calibration.get("data"), calibration.get("strategy")
         return (f"calibration on {calibration.get('tokens', '?')} tokens of {data} ({strategy}) was too short for "

@@ -32,6 +32,7 @@ from pathlib import Path
 
 import torch
 
+from ..checkpoint.record import ConversionRecord
 from .recipe_data import check_data, recipe_datasets, steps_for
 from .recipe_models import ensure_pad_token, load_models, original_spec
 from .recipe_results import final_evaluation, finish
@@ -99,7 +100,8 @@ def main(argv: list[str] | None = None) -> int:
     student, original, tokenizer = load_models(config, state)
     ensure_pad_token(tokenizer)
     original.eval().requires_grad_(False)
-    log(f"{len(student.config.normswap['converted'])} {student.config.normswap['method'].upper()} norms; "
+    record = ConversionRecord.of(student)
+    log(f"{len(record.converted)} {record.method.upper()} norms; "
         f"original {original_spec(config)}")
     eval_texts = evaluate_calibrated(config, student, original, tokenizer, summary, state, log)
     run = train(config, student, original, tokenizer, state, log)
@@ -199,8 +201,8 @@ def progressive_swap(config, student, original, state, log):
     progressive = config.progressive
     if not progressive.enabled:
         return None
-    converted = dict(student.config.normswap["converted"])
-    stages = schedule({name: entry["role"] for name, entry in converted.items()}, start=progressive.start,
+    converted = ConversionRecord.of(student).converted
+    stages = schedule({name: entry.role for name, entry in converted.items()}, start=progressive.start,
                       every=progressive.every, ramp=progressive.ramp, order=progressive.order,
                       role_order=progressive.role_order, group=progressive.group)
     norms = {n: original.get_submodule(n) for n in converted}

@@ -8,6 +8,7 @@ import dataclasses
 import time
 from pathlib import Path
 
+from ..checkpoint.record import ConversionRecord
 from .recipe_settings import converted_checkpoint, fail
 
 
@@ -16,7 +17,7 @@ def original_spec(config) -> str:
     converted = converted_checkpoint(config)
     if converted is None:
         return config.model
-    spec = config.original or converted["normswap"].get("base_model")
+    spec = config.original or ConversionRecord.in_config(converted).base_model
     if not spec:
         raise SystemExit("finetune: the checkpoint does not name its original; set original: in the config")
     return spec
@@ -94,8 +95,8 @@ def load_models(config, state):
     calibrates and caches; the others load its result, or, loading once a node (:func:`loaded_by_main`), build it
     on the meta device and receive their shards when it is sharded."""
     import hf_normswap
-    from ..checkpoint.record import read_config
     from ..checkpoint.loading import load_model
+    from ..checkpoint.record import converted_config
     from ..data import DataError
     from .sharding import storage_for_optimizer
 
@@ -116,7 +117,7 @@ def load_models(config, state):
     with state.main_process_first():
         # the main process reuses the cache on a resume (check_calibration_cache: it matches the config); the others
         # come after it and load what it has just written (its config alone when the main process loads once)
-        if read_config(cache) is not None and (config.resume or not state.is_main_process):
+        if converted_config(cache) is not None and (config.resume or not state.is_main_process):
             student = (load_model(str(cache), with_tokenizer=False, empty=True)[0] if empty
                        else hf_normswap.load(cache))
             student = place_for_training(student, config, state)

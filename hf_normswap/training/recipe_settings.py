@@ -65,12 +65,12 @@ def check_calibration_cache(config) -> None:
     other calibration settings in the same output_dir would otherwise train a start the config does not describe.
     The cached model's own record (``ConvertConfig.from_pretrained``) is compared with the config."""
     from ..calibration.calibrate import CalibrationConfig
-    from ..checkpoint.record import read_config
+    from ..checkpoint.record import converted_config
     from ..convert import ConvertConfig
     from ..validation import ValidationError
 
     cache = Path(config.output_dir) / "calibrated"
-    if not (config.resume and converted_checkpoint(config) is None and read_config(cache)):
+    if not (config.resume and converted_checkpoint(config) is None and converted_config(cache)):
         return
     made = ConvertConfig.from_pretrained(cache)
     names = [f.name for f in dataclasses.fields(config.calibration) if f.name not in CalibrationConfig.run_time()]
@@ -87,7 +87,7 @@ def check_calibration_cache(config) -> None:
 
 def converted_checkpoint(config) -> dict | None:
     """config.json of ``model`` when it is a checkpoint converted by hf_normswap (no calibration then), else None."""
-    from ..checkpoint.record import read_config
+    from ..checkpoint.record import converted_config
 
-    return read_config(config.model) if Path(config.model).is_dir() else None
+    return converted_config(config.model) if Path(config.model).is_dir() else None
 

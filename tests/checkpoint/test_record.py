@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from pathlib import Path
 
 import pytest
 import torch
+import transformers
 
 import hf_normswap
 from hf_normswap.checkpoint import loading
-from hf_normswap.checkpoint.record import FORMAT_VERSION, ConversionRecord
+from hf_normswap.checkpoint.record import FORMAT_VERSION, PARTS, ConversionRecord, NormEntry, OriginalArchitecture
 from hf_normswap.fold import fold
 from hf_normswap.validation import ValidationError
 from tiny_models import tiny_model
@@ -106,3 +108,70 @@ def test_later_stages_add_their_part_through_the_record():
     with pytest.raises(TypeError, match="no part bogus"):
         ConversionRecord.amend(model, bogus=1)
     assert ConversionRecord.amend(tiny_model("llama"), training={}) is None  # not converted: left alone
+
+
+# ------------------------------------------------------------------------------- formats written before
+
+SAVED = Path(__file__).parent / "saved_configs"  # config.json as commits 9de1ab1 (format 1) and d961173 (format 2) wrote
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_a_config_of_each_format_reads_and_loads_bit_exact(version, tmp_path):
+    """A tiny Llama converted to ELN without text (format 1: the theory's start, one shape parameter a module;
+    format 2: the measured start, per channel), its config.json replaced by the one the older package wrote."""
+    stored = json.loads((SAVED / f"format{version}.json").read_text())
+    assert ("format_version" in stored["normswap"]) == (version == 2)
+    model = tiny_model("llama")
+    hf_normswap.convert(model, "eln", calibration=None, **({"input_scale": 1.0} if version == 1 else {}))
+    hf_normswap.save_pretrained(model, tmp_path / "new")
+    reference = loading.load(tmp_path / "new")
+    (tmp_path / "new" / "config.json").write_text(json.dumps(stored, indent=2, sort_keys=True) + "\n")
+
+    record = ConversionRecord.read(tmp_path / "new")
+    block = {**stored["normswap"], "format_version": FORMAT_VERSION}
+    assert json.dumps(record.to_dict(), sort_keys=True) == json.dumps(block, sort_keys=True)
+    ids = torch.arange(16).unsqueeze(0)
+    for loaded in (loading.load(tmp_path / "new"),
+                   transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "new", trust_remote_code=True).eval()):
+        assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), reference.state_dict().values()))
+        with torch.no_grad():
+            assert torch.equal(loaded(input_ids=ids).logits, reference(input_ids=ids).logits)
+    hf_normswap.save_pretrained(loading.load(tmp_path / "new"), tmp_path / "again")
+    again = json.loads((tmp_path / "again" / "config.json").read_text())["normswap"]
+    assert {**again, "package": None} == {**block, "package": None}  # a save records the package that saved
+
+
+# ----------------------------------------------------------------------------------- one reader of the block
+
+# keys of the block and of an entry that other JSON of the package does not use (it has its own "method", "role",
+# "converted", "calibration" ..., config.json its "model_type", and the parts later stages hand over)
+SHARED = {"method", "role", "size", "bias", "converted", "calibration", "convert", "version", "package", "model_type",
+          *PARTS}
+RECORDS = (ConversionRecord, NormEntry, OriginalArchitecture)
+OWN_KEYS = "|".join(sorted({f.name for record in RECORDS for f in dataclasses.fields(record)} - SHARED))
+# a raw read of the block: subscripting or .get on normswap / the block's key, or one of its own keys
+RAW_READS = re.compile(rf"""normswap\s*(\[|\.get\()|\[\s*(KEY|["']normswap["'])\s*\]|\.get\(\s*["']normswap["']"""
+                       rf"""|(\.get\(|\[)\s*["']({OWN_KEYS})["']""")
+
+
+def test_only_the_record_reads_the_block_raw():
+    """Every reader goes through ``ConversionRecord`` / ``NormEntry``: a raw ``.get`` or subscript on the block or
+    an entry outside checkpoint/record.py would read around the format version and the types."""
+    reads = []
+    for folder in ("hf_normswap", "recipes", "scripts"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            if path.name == "record.py" and path.parent.name == "checkpoint":
+                continue
+            for number, line in enumerate(path.read_text().splitlines(), 1):
+                if RAW_READS.search(line.split("#")[0]) and not line.strip().startswith(('"', "'", "``")):
+                    reads.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()}")
+    assert not reads, "\n".join(reads)
+
+
+def test_the_raw_read_pattern_sees_raw_reads():
+    for line in ('block = config["normswap"]', 'model.config.normswap["converted"]', "entry.get('amplitude', 1)",
+                 'shape = entry["normalized_shape"]', "config[KEY]", 'block.get("base_model")',
+                 'e.get("per_channel", False)', 'name = base["architecture"]'):
+        assert RAW_READS.search(line), line
+    for line in ('record.converted[name].amplitude', 'row["role"]', 'summary["ratio"].get(k)'):
+        assert not RAW_READS.search(line), line
