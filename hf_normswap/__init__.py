@@ -1,16 +1,23 @@
 """hf-normswap: replace LayerNorm / RMSNorm in Hugging Face models with element-wise normalizers (``modules.METHODS``).
 
-The package follows the pipeline; each stage imports only the ones above it:
+The package follows the pipeline, bottom layer first; a layer imports only the layers listed before it (siblings
+on one line not each other). pyproject.toml's import-linter contract holds the same list, top first:
 
-    modules, kernels                     the element-wise normalizers and their fused path
-    model_inputs, placement, precision, validation, data      shared helpers
-    discovery/      find the norms and label their roles
-    checkpoint/     load originals; save, load and push converted checkpoints
-    calibration/    fit the new parameters to the model's activations
-    convert         the verb: plan, inspect, convert (and fold, for inference)
-    evaluation/     perplexity, sentence embeddings, per-norm sensitivity
-    training/       recovery against the original: distillation losses, progressive swap, the recipe's settings
-    cli             the ``normswap`` command
+    version | modules                               the element-wise normalizers
+    triton_kernels                                  their CUDA kernels
+    offload                                         weights kept on disk
+    kernels | placement | precision | validation    the fused path, --device / --dtype, fp32 / bf16, value checks
+    model_inputs                                    what a model takes and returns
+    settings                                        the settings reader (YAML and dotted overrides)
+    data                                            text sources, the original's samples, token blocks
+    discovery                                       find the norms and label their roles
+    checkpoint                                      load originals; save, load and push converted checkpoints
+    calibration                                     fit the new parameters to the model's activations
+    planning                                        the memory plan
+    convert | fold                                  the verb: plan, inspect, convert; folding for inference
+    evaluation                                      perplexity, sentence embeddings, per-norm sensitivity
+    training                                        recovery against the original (the recipe)
+    cli                                             the ``normswap`` command
 
 Importing the package changes nothing outside it; ``convert`` and ``load`` install the fused element-wise path
 (``hf_normswap.kernels``) the first time they run.

@@ -3,7 +3,7 @@
 lm-evaluation-harness's ``wikitext`` task reads the Hub dataset ``EleutherAI/wikitext_document_level`` (config
 ``wikitext-2-raw-v1``, one row per article, column ``page``). Without the Hub, this script builds that dataset from
 ``wiki.test.raw`` (articles split at their top-level `` = Title = `` headings, as the Hub dataset is), serves it with
-``hf_normswap.hub_mirror`` on 127.0.0.1, and runs the command after ``--`` with ``HF_ENDPOINT`` pointing there and a
+``hub_mirror.py`` (beside it) on 127.0.0.1, and runs the command after ``--`` with ``HF_ENDPOINT`` pointing there and a
 fresh Hub cache, so lm-eval runs unchanged:
 
     python scripts/serve_wikitext.py --test wiki.test.raw -- \\
@@ -23,7 +23,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from hf_normswap.hub_mirror import HubMirror
+from hub_mirror import HubMirror
 
 REPO = "EleutherAI/wikitext_document_level"
 CONFIG = "wikitext-2-raw-v1"

@@ -34,7 +34,6 @@ class Module:
     classes: dict[str, dict[str, ast.FunctionDef]]
     fields: dict[str, list[str]]  # a class's annotated attributes, in order (a dataclass's fields)
     names: dict[str, tuple[str, str | None]] = field(default_factory=dict)  # imported name -> (module, attribute)
-    imported: set[str] = field(default_factory=set)  # the package's modules it imports, anywhere in its body
 
 
 @dataclass
@@ -65,8 +64,6 @@ class Package:
         for name, module in self.modules.items():
             base = name.split(".") if module.path.name == "__init__.py" else name.split(".")[:-1]
             for node in ast.walk(module.tree):
-                if isinstance(node, ast.Import):
-                    module.imported |= {a.name for a in node.names if a.name in self.modules}
                 if not isinstance(node, ast.ImportFrom):
                     continue
                 source = ".".join(base[:len(base) - node.level + 1] + [node.module or ""]).strip(".") \
@@ -75,7 +72,6 @@ class Package:
                     full = f"{source}.{alias.name}"
                     module.names[alias.asname or alias.name] = \
                         (full, None) if full in self.modules else (source, alias.name)
-                    module.imported |= {m for m in (full if full in self.modules else source,) if m in self.modules}
 
     def lookup(self, module: str, name: str, depth: int = 0) -> tuple[str, str] | None:
         """``(module, name)`` of the function or class that ``name`` means in ``module``, through re-exports."""

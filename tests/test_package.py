@@ -1,11 +1,19 @@
-"""The package's shape: imports run one way along the pipeline, with no cycle, the calibration config stays in two
-stages, and importing the package changes nothing."""
+"""The package's shape: imports run one way along the layers (import-linter's contracts in pyproject.toml), with no
+cycle, the docs list the same layers, the calibration config stays in two stages, and importing the package changes
+nothing."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
+import re
 import subprocess
 import sys
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: import-linter brings tomli
+    import tomli as tomllib
 from pathlib import Path
 
 import hf_normswap
@@ -13,71 +21,35 @@ from static_package import Package, calibration_walk, walk
 
 PACKAGE = Path(hf_normswap.__file__).parent
 
-# The pipeline, bottom to top: a module may import its own stage (its subpackage) and the stages below it.
-STAGES = [
-    ("version", "modules", "hub_mirror"),
-    ("triton_kernels",),
-    ("offload",),
-    ("kernels", "placement", "precision", "validation"),
-    ("model_inputs",),
-    ("settings",),
-    ("data",),
-    ("discovery",),
-    ("checkpoint",),
-    ("calibration",),
-    ("planning",),
-    ("convert", "fold"),
-    ("evaluation",),
-    ("training",),
-    ("cli",),
-]
-RANK = {name: rank for rank, names in enumerate(STAGES) for name in names}
+PYPROJECT = PACKAGE.parent / "pyproject.toml"
 
 
-def package_imports() -> dict[str, set[str]]:
-    """Every module of the package (dotted, without ``hf_normswap.``) -> the package modules it imports anywhere
-    in its body, at the top or inside functions."""
-    modules = Package(PACKAGE.parent, "hf_normswap").modules
-    short = {name: name.partition(".")[2] for name in modules}
-    return {short[name]: {short[t] for t in module.imported if t != name and short[t]}
-            for name, module in modules.items()}
+def layers() -> list[str]:
+    """The layers of pyproject.toml's import-linter contract, top first (siblings joined by " | ")."""
+    contracts = tomllib.loads(PYPROJECT.read_text())["tool"]["importlinter"]["contracts"]
+    return next(c["layers"] for c in contracts if c["type"] == "layers")
 
 
-def test_every_module_has_a_stage():
-    for name in package_imports():
-        assert not name or name.split(".")[0] in RANK, f"hf_normswap.{name} belongs to no stage of STAGES"
+def test_imports_follow_the_layers_without_cycles(tmp_path):
+    """import-linter's contracts (pyproject.toml): each module imports only the layers below its own (imports
+    inside functions count), every module is in a layer, and no package's modules import each other in a circle."""
+    from importlinter.cli import lint_imports
+
+    output = io.StringIO()
+    with contextlib.redirect_stdout(output):
+        code = lint_imports(config_filename=str(PYPROJECT), cache_dir=str(tmp_path), no_logo=True)
+    assert code == 0, output.getvalue()[-3000:]
 
 
-def test_imports_run_from_earlier_stages_to_later_ones():
-    wrong = []
-    for name, targets in package_imports().items():
-        if not name:  # the package's __init__: the public API, above every stage
-            continue
-        stage = name.split(".")[0]
-        for target in targets:
-            other = target.split(".")[0]
-            if other != stage and RANK[other] >= RANK[stage]:
-                wrong.append(f"{name} -> {target}")
-    assert not wrong, wrong
-
-
-def test_no_import_cycle():
-    graph = package_imports()
-    done, cycles = set(), []
-
-    def visit(node, path):
-        if node in path:
-            cycles.append(path[path.index(node):] + [node])
-            return
-        if node in done:
-            return
-        for target in graph.get(node, ()):
-            visit(target, path + [node])
-        done.add(node)
-
-    for node in graph:
-        visit(node, [])
-    assert not cycles, cycles
+def test_the_docstring_and_the_readme_list_the_same_layers():
+    """One list of the layers (pyproject.toml); the package docstring lists them bottom first, one a line, and
+    README.md's code map in one line, bottom first."""
+    expected = [layer.split(" | ") for layer in reversed(layers())]
+    listed = re.findall(r"^    ([a-z_]+(?: \| [a-z_]+)*)  ", hf_normswap.__doc__, re.MULTILINE)
+    assert [line.split(" | ") for line in listed] == expected
+    readme = (PACKAGE.parent / "README.md").read_text()
+    line = re.search(r"Dependencies run one way, bottom first: (.+?)\.\n", readme, re.DOTALL).group(1)
+    assert [item.strip(" `").split("` | `") for item in " ".join(line.split()).split(" → ")] == expected
 
 
 def test_the_calibration_config_stays_in_convert_and_calibration():
@@ -142,7 +114,6 @@ def test_the_walk_follows_the_object_and_with_fields_its_fields(tmp_path):
     assert found.returns == 3  # from config.py twice, and from helpers.py
     with_fields = walk(package, ("pkg.work", "run"), "config", ("pkg.config", "Config"), fields=True)
     assert with_fields.stops == found.stops | {"pkg.helpers.count"} and with_fields.returns == 4
-    assert package.modules["pkg.work"].imported == {"pkg.helpers", "pkg.config"}
 
 
 def test_the_public_api_is_what_all_names():

@@ -1,6 +1,7 @@
 """A local, offline stand-in for the Hugging Face Hub: the routes that huggingface_hub, transformers and datasets use
 to download model and dataset repositories, and the ones ``create_repo`` + ``upload_folder`` use to push. The tests
-push and load through it; ``scripts/serve_wikitext.py`` serves a local WikiText-2 file through it to lm-eval.
+push and load through it (importing it by path); ``serve_wikitext.py`` beside it serves a local WikiText-2 file
+through it to lm-eval.
 
 Select it with ``HF_ENDPOINT=mirror.url`` in the environment of a fresh process (huggingface_hub reads the endpoint
 when it is imported). Written by hand on the standard library: no Hub-compatible test server ships on PyPI that runs
