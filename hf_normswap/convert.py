@@ -23,7 +23,7 @@ from .checkpoint.record import ConversionRecord, NormEntry, converted_config
 from .checkpoint.save_load import enable_save
 from .discovery.norms import NormInfo, find_norms, norm_parameters
 from .discovery.roles import ROLES, assign_roles
-from .modules import METHODS, ElementwiseNorm
+from .modules import DEFAULT_METHOD, METHODS, ElementwiseNorm
 from .validation import ValidationError, check_input_scale
 
 DEFAULT_ROLES = tuple(r for r in ROLES if r not in ("qk_norm", "other"))
@@ -178,7 +178,7 @@ class ConvertConfig:
     :meth:`from_pretrained` reads it back.
     """
 
-    method: str = "eln"
+    method: str = DEFAULT_METHOD
     roles: tuple[str, ...] = DEFAULT_ROLES
     include: str | None = None
     exclude: str | None = None
@@ -238,7 +238,7 @@ def check_not_converted(model: nn.Module) -> None:
                               "--include / --exclude")
 
 
-def convert(model: nn.Module, to: str | ConvertConfig = "eln", calibration="default", *, tokenizer=None,
+def convert(model: nn.Module, to: str | ConvertConfig = DEFAULT_METHOD, calibration="default", *, tokenizer=None,
             **settings) -> ConversionReport:
     """Replace the selected norms of ``model`` with element-wise modules, in place.
 

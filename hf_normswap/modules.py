@@ -325,4 +325,5 @@ def adam_groups(modules: list[ElementwiseNorm], lr: float) -> list[dict]:
     return [{"params": params, "lr": group_lr} for group_lr, params in groups.items()]
 
 
-METHODS: dict[str, type[ElementwiseNorm]] = {cls.key: cls for cls in (ELN, DyT, Derf)}  # the first is the default
+METHODS: dict[str, type[ElementwiseNorm]] = {cls.key: cls for cls in (ELN, DyT, Derf)}
+DEFAULT_METHOD = next(iter(METHODS))  # what convert and the recipe take when no method is named

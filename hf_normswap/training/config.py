@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from ..calibration.calibrate import CalibrationConfig
-from ..modules import METHODS
+from ..modules import DEFAULT_METHOD, METHODS
 from ..precision import PRECISIONS
 from ..settings import read_overrides, read_settings, read_yaml_file, unknown_setting
 from ..validation import ValidationError, check_number, first_line
@@ -141,7 +141,7 @@ class RecipeConfig:
 
     model: str = "offline:smollm2"  # the original to convert, or an already converted checkpoint
     original: str | None = None  # the original when ``model`` is already converted (teacher and reference)
-    method: str = "eln"
+    method: str = DEFAULT_METHOD
     calibration: CalibrationConfig = field(default_factory=lambda: CalibrationConfig(num_blocks=16, block_len=512))
     train_data: str | list[str] = "builtin:calibration"  # a list: a mix, equal shares of the tokens (train_sources)
     streaming: bool = False  # read train_data (a Hub dataset) lazily, tokenized and packed on the fly
