@@ -15,4 +15,4 @@ def add_parser(commands) -> None:
 def run(args) -> int | None:
     from ..training.recipe import main  # the Trainer and its dependencies load only for this verb
 
-    return main(["--config", args.config, *args.overrides])
+    return main(["--config", args.config, *args.overrides], command="normswap recover")

@@ -36,7 +36,7 @@ from ..checkpoint.record import ConversionRecord
 from .recipe_data import check_data, recipe_datasets, steps_for
 from .recipe_models import ensure_pad_token, load_models, original_spec
 from .recipe_results import final_evaluation, finish
-from .recipe_settings import fail, load_config
+from .recipe_settings import COMMAND, fail, load_config, stopped
 
 
 @dataclasses.dataclass
@@ -73,8 +73,10 @@ def log_memory_plan(config, state, log) -> None:
     log(f"memory plan:\n{memory.describe()}")
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run the recipe on ``argv`` (``--config FILE`` and ``key=value`` overrides; None: the command line)."""
+def main(argv: list[str] | None = None, command: str = "finetune") -> int:
+    """Run the recipe on ``argv`` (``--config FILE`` and ``key=value`` overrides; None: the command line).
+    ``command``: what the user ran, named by every error and log line."""
+    COMMAND.set(command)
     config = load_config(argv)
     check_data(config)
     if config.threads:
@@ -94,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         claim_run_dir(config)
     summary = (read_json(Path(config.output_dir) / "summary.json") or {}) if config.resume else {}
     summary["config"] = config.to_dict()
-    log = (lambda *a: print("[finetune]", *a, flush=True)) if state.is_main_process else (lambda *a: None)
+    log = (lambda *a: print(f"[{command}]", *a, flush=True)) if state.is_main_process else (lambda *a: None)
     log_memory_plan(config, state, log)
 
     student, original, tokenizer = load_models(config, state)
@@ -124,7 +126,7 @@ def evaluate_calibrated(config, student, original, tokenizer, summary: dict, sta
         try:
             return evaluation_texts(config.eval_data, original, tokenizer, config.final_eval.max_tokens)
         except DataError as error:  # e.g. the original's samples cannot be cached
-            raise SystemExit(f"finetune: eval_data: {error}") from None
+            raise stopped(f"eval_data: {error}") from None
 
     eval_texts = texts() if state.is_main_process else None
     if state.is_main_process and "calibrated" not in summary:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 
-from .recipe_settings import converted_checkpoint, fail
+from .recipe_settings import converted_checkpoint, fail, stopped
 
 
 def check_data(config) -> None:
@@ -63,7 +63,7 @@ def block_dataset(tokenizer, spec: str, split: str, block_len: int, max_tokens: 
             texts = broadcast_object_list([texts])[0]
         blocks = token_blocks(tokenizer, texts, min(limits) if limits else None, block_len).tolist()
     except DataError as error:
-        raise SystemExit(f"finetune: {spec}: {error}") from None
+        raise stopped(f"{spec}: {error}") from None
     return datasets.Dataset.from_dict({"input_ids": blocks, "labels": blocks})
 
 
@@ -92,7 +92,7 @@ def streamed_dataset(config, tokenizer):
     try:
         return packed_stream(config.train_data, tokenizer, config.block_len)
     except DataError as error:
-        raise SystemExit(f"finetune: {config.train_data}: {error}") from None
+        raise stopped(f"{config.train_data}: {error}") from None
 
 
 def training_budget(config, spec: str, world_size: int) -> int | None:
@@ -126,10 +126,10 @@ def sentence_dataset(tokenizer, spec: str, max_len: int, max_tokens: int | None 
     try:
         found = sentences(load_texts(spec, "calibration"), tokenizer, max_tokens, max_sentences=None)
     except DataError as error:
-        raise SystemExit(f"finetune: {spec}: {error}") from None
+        raise stopped(f"{spec}: {error}") from None
     if not found:
         within = f" within {max_tokens} tokens (max_train_tokens)" if max_tokens else ""
-        raise SystemExit(f"finetune: {spec}: no prose sentences to train a sentence encoder on{within}")
+        raise stopped(f"{spec}: no prose sentences to train a sentence encoder on{within}")
     return datasets.Dataset.from_dict(dict(tokenizer(found, truncation=True, max_length=max_len)))
 
 

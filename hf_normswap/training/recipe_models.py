@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 from ..checkpoint.record import ConversionRecord
-from .recipe_settings import converted_checkpoint, fail
+from .recipe_settings import COMMAND, converted_checkpoint, fail, stopped
 
 
 def original_spec(config) -> str:
@@ -19,7 +19,7 @@ def original_spec(config) -> str:
         return config.model
     spec = config.original or ConversionRecord.in_config(converted).base_model
     if not spec:
-        raise SystemExit("finetune: the checkpoint does not name its original; set original: in the config")
+        raise stopped("the checkpoint does not name its original; set original: in the config")
     return spec
 
 
@@ -121,7 +121,7 @@ def load_models(config, state):
             student = (load_model(str(cache), with_tokenizer=False, empty=True)[0] if empty
                        else hf_normswap.load(cache))
             student = place_for_training(student, config, state)
-            print(f"[finetune] calibrated model from {cache}", flush=True)
+            print(f"[{COMMAND.get()}] calibrated model from {cache}", flush=True)
         else:
             student = copy.deepcopy(original)
             start = time.time()
@@ -129,8 +129,8 @@ def load_models(config, state):
                 report = hf_normswap.convert(student, to=config.method,
                                              calibration=dataclasses.replace(config.calibration, tokenizer=tokenizer))
             except DataError as error:  # e.g. the original's samples cannot be cached
-                raise SystemExit(f"finetune: calibration.data: {error}") from None
-            print(f"[finetune] converted {len(report.converted)} norms to {config.method.upper()} with "
+                raise stopped(f"calibration.data: {error}") from None
+            print(f"[{COMMAND.get()}] converted {len(report.converted)} norms to {config.method.upper()} with "
                   f"calibration in {time.time() - start:.0f}s", flush=True)
             if state.is_main_process:
                 hf_normswap.save_pretrained(student, cache, tokenizer=tokenizer, overwrite=True)
@@ -203,7 +203,7 @@ def trainable_dense(model):
     quantizer = getattr(model, "hf_quantizer", None)
     if quantizer is not None and type(quantizer).__name__ == "GgufHfQuantizer":
         if getattr(quantizer, "packed_modules", None):
-            raise SystemExit("finetune: the GGUF model holds packed weights; it cannot be trained")
+            raise stopped("the GGUF model holds packed weights; it cannot be trained")
         model.hf_quantizer = None
         model.is_quantized = False  # set as an instance attribute at load time
         if getattr(model.config, "quantization_config", None) is not None:

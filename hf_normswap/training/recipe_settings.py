@@ -4,6 +4,7 @@ they name on disk (run directory, save directory, calibration cache, Hub reposit
 from __future__ import annotations
 
 import argparse
+import contextvars
 import dataclasses
 import os
 import sys
@@ -12,10 +13,19 @@ from pathlib import Path
 DESCRIPTION = "Fine-tune a converted model against its original: convert with calibration, train, evaluate, save."
 
 
+# the command the user ran (recipes/finetune.py, or the verb `normswap recover`): it starts every error line
+COMMAND = contextvars.ContextVar("command", default="finetune")
+
+
 def fail(message: str):
     """A mistake in the settings: one line on stderr, exit code 2, before anything is loaded."""
-    print(f"finetune: error: {message}", file=sys.stderr)
+    print(f"{COMMAND.get()}: error: {message}", file=sys.stderr)
     raise SystemExit(2)
+
+
+def stopped(message: str) -> SystemExit:
+    """The exit of a run that cannot go on, its message starting with the command's name."""
+    return SystemExit(f"{COMMAND.get()}: {message}")
 
 
 def load_config(argv=None):
@@ -29,7 +39,7 @@ def load_config(argv=None):
     from .run_dir import check_run_dir, check_save_dir
     from ..validation import ValidationError
 
-    parser = argparse.ArgumentParser(description=DESCRIPTION)
+    parser = argparse.ArgumentParser(prog=COMMAND.get(), description=DESCRIPTION)
     parser.add_argument("--config", help="YAML file (recipes/configs/*.yaml)")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="e.g. training.max_steps=20 method=dyt")
     args = parser.parse_args(argv)
