@@ -25,18 +25,19 @@ Importing the package changes nothing outside it; ``convert`` and ``load`` insta
 
 from .version import __version__
 from .calibration.calibrate import CalibrationConfig
-from .checkpoint.loading import load
+from .checkpoint.loading import load, load_model
 from .checkpoint.save_load import CheckpointError, save_pretrained
 from .convert import ConversionError, ConversionReport, ConvertConfig, convert, inspect, plan
 from .discovery.norms import NormInfo, find_norms
+from .fold import fold
 from .evaluation.perplexity import EvaluationError, evaluate
-from .modules import ELN, Derf, DyISRU, DyT, ElementwiseNorm
+from .modules import ELN, METHODS, Derf, DyISRU, DyT, ElementwiseNorm
 from .validation import ValidationError
 
 __all__ = [
     "__version__",
-    "convert", "inspect", "plan", "load", "save_pretrained", "evaluate", "find_norms",
+    "convert", "inspect", "plan", "fold", "load", "load_model", "save_pretrained", "evaluate", "find_norms",
     "ConvertConfig", "CalibrationConfig", "ConversionReport", "NormInfo",
-    "DyT", "ELN", "DyISRU", "Derf", "ElementwiseNorm",
+    "METHODS", "DyT", "ELN", "DyISRU", "Derf", "ElementwiseNorm",
     "ConversionError", "CheckpointError", "EvaluationError", "ValidationError",
 ]

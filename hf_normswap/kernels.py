@@ -45,7 +45,7 @@ from torch.autograd.function import once_differentiable
 from .modules import ElementwiseNorm
 
 ENV_FALLBACK = "HF_NORMSWAP_FALLBACK"
-MIN_NUMEL = 1 << 16  # below ~64k elements eager is as fast as a compiled call (measured: scripts/bench_speed.py)
+MIN_NUMEL = 1 << 16  # below ~64k elements eager is as fast as a compiled call (measured: scripts/bench_norms.py)
 FAST_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 FAST_DEVICES = ("cpu", "cuda")  # where torch.compile has a backend: C++ / OpenMP on the CPU, Triton on CUDA
 

@@ -154,3 +154,11 @@ def test_convert_installs_the_fused_path(tmp_path):
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.split() == ["fused_forward"]
+
+
+def test_no_file_above_450_lines():
+    """One concept a file: the package, the recipes and the scripts stay at or below 450 lines a file."""
+    long = [f"{path.relative_to(PACKAGE.parent)}: {n}" for folder in ("hf_normswap", "recipes", "scripts")
+            for path in sorted((PACKAGE.parent / folder).rglob("*")) if path.suffix in (".py", ".sh")
+            for n in [len(path.read_text().splitlines())] if n > 450]
+    assert not long, long

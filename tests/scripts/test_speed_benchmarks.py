@@ -1,5 +1,6 @@
-"""The speed benchmark runs end to end on its smoke settings (timings are not checked, only that every candidate
-is measured and that the model section times a calibrated, finite conversion)."""
+"""The speed benchmarks (bench_norms.py, bench_model_speed.py, bench_calibration_cost.py, bench_training.py) run end
+to end on their smoke settings (timings are not checked, only that every candidate is measured and that the model
+benchmark times a calibrated, finite conversion)."""
 
 from __future__ import annotations
 
@@ -24,9 +25,9 @@ def one_thread(monkeypatch):
 
 
 def test_quick_model_section_measures_every_variant_of_a_finite_conversion(tmp_path):
-    bench = import_file("scripts/bench_speed.py")
+    bench = import_file("scripts/bench_model_speed.py")
     out = tmp_path / "speed.json"
-    assert bench.main(["--quick", "--sections", "model", "--json", str(out)]) == 0
+    assert bench.main(["--quick", "--json", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
     forward = {r["variant"]: r for r in rows if r["mode"] == "forward"}
     assert set(forward) == {"original", "eln", "eln-eager", "eln-folded"}
@@ -42,7 +43,7 @@ def test_model_variants_are_calibrated_unless_asked_not_to():
     """The calibrated start is per-channel (saturating init); the analytic conversion keeps one scalar per norm."""
     from hf_normswap.modules import ElementwiseNorm
 
-    bench = import_file("scripts/bench_speed.py")
+    bench = import_file("scripts/_timing.py")
     original, vocab = bench.gpt2_model()
     for calibrate in (True, False):
         for model in bench.model_variants(original, "eln", calibrate, vocab, 32):
@@ -51,7 +52,7 @@ def test_model_variants_are_calibrated_unless_asked_not_to():
 
 
 def test_quick_train_section_writes_the_keys_a_script_checks(tmp_path, one_thread):
-    bench = import_file("scripts/bench_speed.py")
+    bench = import_file("scripts/bench_training.py")
     out = tmp_path / "train.json"
     assert bench.main(["--quick", "--sections", "train", "--seq", "32", "--json", str(out)]) == 0
     result = json.loads(out.read_text())
@@ -69,15 +70,16 @@ def test_quick_train_section_writes_the_keys_a_script_checks(tmp_path, one_threa
 def test_device_is_checked_and_kept_to_the_sections_it_times(capsys):
     """Without a GPU cuda is refused outright; with one, the default sections include calibration, timed on the
     CPU only."""
-    bench = import_file("scripts/bench_speed.py")
-    with pytest.raises(SystemExit) as exit:
-        bench.parse_args(["--device", "cuda"])
-    assert exit.value.code == 2 and "--device" in capsys.readouterr().err
-    assert bench.parse_args(["--device", "cpu", "--sections", "model", "--models", "smollm2-random"]).layers == 30
+    for script in ("bench_norms", "bench_model_speed", "bench_training"):
+        bench = import_file(f"scripts/{script}.py")
+        with pytest.raises(SystemExit) as exit:
+            bench.parse_args(["--device", "cuda"])
+        assert exit.value.code == 2 and "--device" in capsys.readouterr().err
+    assert bench.parse_args(["--device", "cpu", "--sections", "train", "--models", "smollm2-random"]).layers == 30
 
 
 def test_quick_sampling_section_prices_each_batch_and_length_in_training_time(tmp_path, one_thread):
-    bench = import_file("scripts/bench_speed.py")
+    bench = import_file("scripts/bench_training.py")
     out = tmp_path / "sampling.json"
     assert bench.main(["--quick", "--sections", "sampling", "--seq", "32", "--sample-batches", "2",
                        "--sample-lengths", "16,32", "--json", str(out)]) == 0
@@ -87,3 +89,14 @@ def test_quick_sampling_section_prices_each_batch_and_length_in_training_time(tm
         row = rows[name]
         assert row["tokens_per_s"] > 0 and row["precision"] in ("fp32", "bf16")
         assert all(row[f"cost_of_{step}"] > 0 for step in bench.SAMPLING_TRAIN)
+
+
+def test_quick_norms_and_calibration_cost_measure_every_candidate(tmp_path, one_thread):
+    norms = import_file("scripts/bench_norms.py")
+    assert norms.main(["--quick", "--tokens", "64", "--reps", "1", "--json", str(tmp_path / "norms.json")]) == 0
+    rows = json.loads((tmp_path / "norms.json").read_text())["rows"]
+    assert {r["impl"] for r in rows} >= {"copy", "layernorm", "rmsnorm", "eln", "eln-eager", "dyt", "derf"}
+    cost = import_file("scripts/bench_calibration_cost.py")
+    assert cost.main(["--quick", "--seq", "32", "--calib-strategies", "fast", "--json", str(tmp_path / "c.json")]) == 0
+    row = json.loads((tmp_path / "c.json").read_text())["rows"][0]
+    assert row["forward_s"] > 0 and row["calibration_s"] > 0 and row["tokens"] == 2 * 32

@@ -1,0 +1,193 @@
+"""What the speed benchmarks share (bench_norms.py, bench_model_speed.py, bench_calibration_cost.py,
+bench_training.py): candidates timed interleaved, the models they time, peak memory of a fresh process, and the
+run's frame (machine, command, sections, JSON).
+
+Every comparison interleaves its candidates (A B C A B C ...) and reports medians, so that a noisy shared machine
+slows all candidates alike and the ratios stay meaningful.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from hf_normswap import CalibrationConfig, convert, fold, kernels, load_model
+from hf_normswap.placement import check_device
+
+from _common import machine
+
+kernels.install()  # modules built by hand here: route them through the fused path (--eager runs turn it off)
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+MODELS = ("smollm2", "smollm2-random", "gpt2")
+
+
+def log(*args):
+    print(*args, flush=True)
+
+
+def synchronize():
+    """Wait for the GPU's queued work, so that a timing covers it (nothing to wait for on the CPU)."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
+def interleaved(candidates: dict, reps: int, warmup: int = 1) -> dict[str, float]:
+    """Median seconds per call of each candidate, calls interleaved round-robin."""
+    for fn in candidates.values():
+        for _ in range(warmup):
+            fn()
+    times = {name: [] for name in candidates}
+    for _ in range(reps):
+        for name, fn in candidates.items():
+            synchronize()
+            start = time.perf_counter()
+            fn()
+            synchronize()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
+def eager(fn):
+    """``fn`` with the fused path switched off: the plain formula, as in remote code or without a compiler."""
+    def run():
+        with kernels.fallback():
+            return fn()
+    return run
+
+
+
+def gpt2_model():
+    import transformers
+
+    config = transformers.GPT2Config(vocab_size=8192, n_embd=256, n_layer=4, n_head=4, n_positions=512)
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(config).eval(), config.vocab_size
+
+
+def smollm2_model():
+    model = load_model("offline:smollm2", with_tokenizer=False)[0]
+    return model, model.config.vocab_size
+
+
+def smollm2_random_model(layers: int = 30):
+    """SmolLM2-135M's shapes with random weights: its speed without its package (no GGUF reader, no download)."""
+    import transformers
+
+    config = transformers.LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                                      num_hidden_layers=layers, num_attention_heads=9, num_key_value_heads=3,
+                                      max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=100000.0,
+                                      tie_word_embeddings=True)
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config).eval(), config.vocab_size
+
+
+def load(name: str, layers: int = 30):
+    """(model, vocabulary size) of ``smollm2``, ``smollm2-random`` (``layers`` of them) or ``gpt2``."""
+    return {"smollm2": smollm2_model, "gpt2": gpt2_model, "smollm2-random": lambda: smollm2_random_model(layers)}[name]()
+
+
+def model_variants(original, method: str, calibrate: bool, vocab: int, seq: int):
+    """The converted model and its folded copy. ``calibrate``: the ``fast`` strategy (``block``'s saturating
+    per-channel start, no tuning steps) on 2 random blocks, seconds, so activations stay in the range a calibrated
+    model has; the analytic conversion overflows on SmolLM2 (perplexity ~1e170), and timing it times
+    non-finite arithmetic instead of the model."""
+    converted = copy.deepcopy(original)
+    calibration = None
+    if calibrate:
+        ids = torch.randint(0, vocab, (2, seq), generator=torch.Generator().manual_seed(3))
+        calibration = CalibrationConfig(data=ids, num_blocks=2, block_len=seq, batch_size=2, strategy="fast",
+                                        progress=False)
+    convert(converted, to=method, calibration=calibration)
+    folded = copy.deepcopy(converted)
+    fold(folded)
+    return converted, folded
+
+
+class PeakRSS:
+    """Peak resident memory of this process above its level at start, sampled every 2 ms in a thread.
+
+    Only meaningful in a fresh process (:func:`child_result` starts one): a warm one serves new tensors from memory it
+    freed earlier without growing, which is why an in-process reading came out near 0 MiB.
+    """
+
+    def __init__(self):
+        import psutil
+
+        self.process, self.peak, self.running = psutil.Process(), 0, False
+
+    def __enter__(self):
+        self.base = self.peak = self.process.memory_info().rss
+        self.running = True
+        self.thread = threading.Thread(target=self._sample, daemon=True)
+        self.thread.start()
+        return self
+
+    def _sample(self):
+        while self.running:
+            self.peak = max(self.peak, self.process.memory_info().rss)
+            time.sleep(0.002)
+
+    def __exit__(self, *exc):
+        self.running = False
+        self.thread.join()
+        self.peak = max(self.peak, self.process.memory_info().rss)
+
+    @property
+    def mib(self) -> float:
+        return (self.peak - self.base) / 2 ** 20
+
+    @property
+    def absolute_mib(self) -> float:
+        return self.peak / 2 ** 20
+
+
+def child_result(script: str, arguments: list[str], what: str) -> dict:
+    """The JSON that ``script`` prints last when run with ``arguments`` in a fresh process (its peak memory is then
+    its own)."""
+    result = subprocess.run([sys.executable, str(Path(__file__).parent / script), *arguments], capture_output=True,
+                            text=True)
+    if result.returncode != 0:
+        raise RuntimeError(f"{what} failed:\n{result.stderr[-2000:]}")
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def run_sections(script: str, args, sections: dict, argv, summary=None) -> int:
+    """Log the machine and the command, run ``args.sections`` in order, write every row (and ``summary(rows)``) to
+    ``args.json``."""
+    info = dict(machine(args.device), device=args.device)
+    log(f"machine: {info}")
+    log(f"command: python scripts/{script} {' '.join(sys.argv[1:] if argv is None else argv)}")
+    rows = []
+    for name in args.sections:
+        start = time.perf_counter()
+        rows += sections[name](args)
+        log(f"[{name} section: {time.perf_counter() - start:.0f}s]")
+    info["load_average_end"] = os.getloadavg()[0]
+    if args.json:
+        Path(args.json).write_text(json.dumps(dict(machine=info, args=vars(args), rows=rows, cpu=info["cpu"],
+                                                   cpu_flags=info["cpu_flags"], **(summary(rows) if summary else {})),
+                                              indent=1))
+    return 0
+
+
+def split_list(text: str, kind=str) -> list:
+    """A comma-separated option as a list."""
+    return [kind(s.strip()) for s in text.split(",") if s.strip()]
+
+
+def device_option(parser, args) -> None:
+    """``--device`` refused through ``parser`` (exit 2) when this machine has no such device."""
+    try:
+        check_device(args.device, "--device")
+    except ValueError as error:
+        parser.error(str(error))
