@@ -3,7 +3,7 @@
 The package follows the pipeline, bottom layer first; a layer imports only the layers listed before it (siblings
 on one line not each other). pyproject.toml's import-linter contract holds the same list, top first:
 
-    version | modules                               the element-wise normalizers
+    version | modules | atomic_write                the element-wise normalizers; whole-or-absent file writes
     triton_kernels                                  their CUDA kernels
     offload                                         weights kept on disk
     kernels | placement | precision | validation    the fused path, --device / --dtype, fp32 / bf16, value checks
@@ -26,7 +26,8 @@ Importing the package changes nothing outside it; ``convert`` and ``load`` insta
 from .version import __version__
 from .calibration.calibrate import CalibrationConfig
 from .checkpoint.loading import load, load_model
-from .checkpoint.save_load import CheckpointError, save_pretrained
+from .checkpoint.directory import CheckpointError
+from .checkpoint.saving import save_pretrained
 from .convert import ConversionError, ConversionReport, ConvertConfig, convert, inspect, plan
 from .discovery.norms import NormInfo, find_norms
 from .fold import fold

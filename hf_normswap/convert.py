@@ -20,7 +20,7 @@ from .calibration.defaults import default_calibration
 from .calibration.input_scales import measured_start
 from .calibration.report import fit_table
 from .checkpoint.record import ConversionRecord, NormEntry, converted_config
-from .checkpoint.save_load import enable_save
+from .checkpoint.saving import enable_save
 from .discovery.norms import NormInfo, find_norms, norm_parameters
 from .discovery.roles import ROLES, assign_roles
 from .modules import DEFAULT_METHOD, METHODS, ElementwiseNorm

@@ -111,7 +111,7 @@ def main(argv=None) -> int:
               flush=True)
         converted[method] = model
 
-    from hf_normswap.checkpoint.save_load import save_pretrained
+    from hf_normswap import save_pretrained
 
     out = Path(args.out)
     saved = {method: save_pretrained(model, out / f"smollm2-{method}", tokenizer=tokenizer, overwrite=True)

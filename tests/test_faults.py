@@ -19,7 +19,8 @@ import torch
 
 import hf_normswap
 from hf_normswap import cli
-from hf_normswap.checkpoint import save_load
+from hf_normswap.checkpoint import directory as checkpoint_dir
+from hf_normswap.checkpoint.record import converted_config
 from hf_normswap.training import recipe_models, recipe_settings
 from hf_normswap.validation import ValidationError
 from cli_runs import file_tree, recipe_refusal, run_cli as _cli
@@ -97,7 +98,7 @@ def test_trainer_save_model_leaves_sibling_checkpoints(tmp_path):
     model.save_pretrained(out)  # again: replaces its own files in place
     after = file_tree(out)
     assert {k: v for k, v in after.items() if k in before} == before
-    assert save_load.converted_config(out)["normswap"]["method"] == "eln"
+    assert converted_config(out)["normswap"]["method"] == "eln"
     assert sorted(p.name for p in out.iterdir() if p.name.startswith(".")) == []
     model.save_pretrained(out / "worker", is_main_process=False)  # other ranks write nothing
     assert not (out / "worker").exists()
@@ -201,9 +202,9 @@ def test_save_killed_at_every_step_leaves_old_or_new_and_is_cleaned_up(tmp_path)
         status = _save_in_child(new, out, at, signum)
         completed = os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
         assert completed if at > steps else not completed, (at, status)  # killed at each step, the last one saves
-        save_load.recover_interrupted(out)  # what the next save into the same place runs first
+        checkpoint_dir.recover_interrupted(out)  # what the next save into the same place runs first
         assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".ckpt")) == [], at
-        method = save_load.converted_config(out)["normswap"]["method"]
+        method = converted_config(out)["normswap"]["method"]
         assert file_tree(out) == trees[method], (at, method)  # the whole old or the whole new checkpoint, byte for byte
         seen.add(method)
     assert seen == {"eln", "dyt"}
@@ -353,7 +354,7 @@ def test_failed_save_keeps_the_converted_model_and_says_where(tmp_path, monkeypa
                       capsys)
     assert code == 2 and "No space left on device" in line
     kept = Path(line.split("kept in ")[1].split(":")[0])
-    assert save_load.converted_config(kept)["normswap"]["method"] == "eln"
+    assert converted_config(kept)["normswap"]["method"] == "eln"
     hf_normswap.load(kept)
     shutil.rmtree(kept.parent)
 
@@ -366,7 +367,7 @@ def test_failed_push_without_output_keeps_the_converted_model(tmp_path, monkeypa
                       capsys)
     assert code == 2 and "cannot reach the Hub" in line and "normswap push" in line
     kept = Path(line.split("kept in ")[1].split(": push it")[0])
-    assert save_load.converted_config(kept)["normswap"]["method"] == "dyt"
+    assert converted_config(kept)["normswap"]["method"] == "dyt"
     shutil.rmtree(kept.parent)
 
 
@@ -564,7 +565,7 @@ def test_leftovers_of_dead_saves_go_and_those_of_running_saves_stay(converted, t
              ".ckpt.old-20250101", ".ckpt.partial-backup_1"]
     for name in users:
         (tmp_path / name).mkdir()
-    save_load.recover_interrupted(out)
+    checkpoint_dir.recover_interrupted(out)
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([f".ckpt.partial-{live_pid}-0a1b2c3d", "ckpt", *users])
     assert file_tree(out) == file_tree(converted)  # the checkpoint an interrupted overwrite had moved aside is back
 

@@ -17,7 +17,8 @@ from safetensors import SafetensorError
 
 import hf_normswap
 from hf_normswap import cli
-from hf_normswap.checkpoint import save_load
+from hf_normswap.checkpoint import directory as checkpoint_dir
+from hf_normswap.checkpoint.record import converted_config
 from cli_runs import file_tree, run_cli as _cli
 from file_modules import import_file
 from tiny_models import tiny_model, tiny_tokenizer
@@ -140,7 +141,7 @@ def test_a_failed_keep_leaves_no_temporary_folder(tmp_path, temp_dir):
     def unsavable(directory):
         raise OSError(28, "No space left on device")
 
-    with pytest.raises(save_load.CheckpointError, match="not even to a temporary directory"):
+    with pytest.raises(checkpoint_dir.CheckpointError, match="not even to a temporary directory"):
         cli.output.keep(unsavable, "checkpoint")
     assert list(temp_dir.iterdir()) == []
 
@@ -168,7 +169,7 @@ def test_folders_named_like_a_saves_leftovers_are_the_users(converted, source, t
     code, _ = _cli(["convert", source / "llama", "--to", "dyt", *ANALYTIC,
                     "--output", tmp_path / "ckpt", "--overwrite"], capsys)
     assert code == 0 and not dead.exists()  # put back, then replaced by the new checkpoint
-    assert save_load.converted_config(tmp_path / "ckpt")["normswap"]["method"] == "dyt"
+    assert converted_config(tmp_path / "ckpt")["normswap"]["method"] == "dyt"
     assert {k: v for k, v in file_tree(tmp_path).items() if k in before} == before
 
 
@@ -185,7 +186,7 @@ def test_weights_beside_an_index_are_refused(converted, tmp_path, capsys):
     plain.save_pretrained(tmp_path / "plain")  # no log_beta: would load with uninitialized parameters
     shutil.copy(tmp_path / "plain" / "model.safetensors", sharded / "model.safetensors")
     before = file_tree(sharded)
-    with pytest.raises(save_load.CheckpointError, match="holds both model.safetensors and model.safetensors.index"):
+    with pytest.raises(checkpoint_dir.CheckpointError, match="holds both model.safetensors and model.safetensors.index"):
         hf_normswap.load(sharded)
     code, line = _cli(["eval", sharded, "--max-tokens", "8"], capsys)
     assert code == 2 and "holds both model.safetensors" in line
@@ -199,13 +200,13 @@ def test_an_output_that_is_a_symlink_is_written_through(converted, source, tmp_p
     code, _ = _cli(["convert", source / "llama", "--to", "dyt", *ANALYTIC,
                     "--output", tmp_path / "link", "--overwrite"], capsys)
     assert code == 0 and (tmp_path / "link").is_symlink()
-    assert save_load.converted_config(tmp_path / "real")["normswap"]["method"] == "dyt"
+    assert converted_config(tmp_path / "real")["normswap"]["method"] == "dyt"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["link", "real"]  # no dangling .link.old-*
     (tmp_path / "empty").mkdir()
     (tmp_path / "to-empty").symlink_to(tmp_path / "empty")
     code, _ = _cli(["convert", source / "llama", "--to", "eln", *ANALYTIC, "--output", tmp_path / "to-empty"], capsys)
     assert code == 0 and (tmp_path / "to-empty").is_symlink()
-    assert save_load.converted_config(tmp_path / "empty")["normswap"]["method"] == "eln"
+    assert converted_config(tmp_path / "empty")["normswap"]["method"] == "eln"
 
 
 def test_push_of_a_symlinked_checkpoint_uploads_its_files(converted, tmp_path, monkeypatch, capsys):

@@ -2,7 +2,9 @@
 
 - ``loading.py``: load an original or a converted model from a Hub id, a directory, a ``.gguf`` file or a packaged
   offline model (``packaged.py``).
-- ``save_load.py``: the converted checkpoint on disk: save (atomically), load, and the ``normswap`` config block.
+- ``record.py``: the ``normswap`` block of config.json, typed (``ConversionRecord``, ``NormEntry``).
+- ``saving.py``: save a converted model as a checkpoint; ``directory.py``: what in a checkpoint directory is a
+  save's and what the user's, and the transaction that puts a new checkpoint in place.
 - ``remote_code.py``: the ``modeling_normswap.py`` that lets plain transformers load a checkpoint.
 - ``model_card.py``: the README.md model card, rendered from the saved config.
 - ``hub.py``: push a saved checkpoint to the Hub.

@@ -15,7 +15,7 @@ from huggingface_hub.errors import HFValidationError, HfHubHTTPError
 from huggingface_hub.utils import validate_repo_id
 
 from ..validation import ValidationError, first_line
-from . import save_load
+from . import directory
 from .config_checks import check_block
 from .record import ConversionRecord, converted_config
 
@@ -65,7 +65,7 @@ def preflight(repo_id: str, token: str | None = None) -> str:
 def push(folder: str | os.PathLike, repo_id: str, *, private: bool = False, token: str | None = None,
          commit_message: str | None = None) -> str:
     """Create ``repo_id`` (if needed) and upload the checkpoint in ``folder`` to it; returns the repo URL. Only the
-    checkpoint's own files go (:func:`save_load.checkpoint_files`): a checkpoint saved into a Trainer's output_dir
+    checkpoint's own files go (:func:`directory.checkpoint_files`): a checkpoint saved into a Trainer's output_dir
     has optimizer states and other things beside it that were never meant for a public repo."""
     folder = Path(folder)
     if converted_config(folder) is None:
@@ -74,8 +74,8 @@ def push(folder: str | os.PathLike, repo_id: str, *, private: bool = False, toke
         record = check_block(ConversionRecord.read(folder))
     except ValidationError as error:
         raise PushError(f"{folder}: {error}") from None
-    files = save_load.checkpoint_files(folder)
-    if not any(save_load.WEIGHT_FILES.fullmatch(name) for name in files):
+    files = directory.checkpoint_files(folder)
+    if not any(directory.WEIGHT_FILES.fullmatch(name) for name in files):
         raise PushError(f"{folder} holds no weights to push (model.safetensors or its shards)")
     token = preflight(repo_id, token)
     url = endpoint()

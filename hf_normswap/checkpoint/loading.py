@@ -1,6 +1,6 @@
 """Load a model (and its tokenizer when there is one) from a Hub id, a local directory, a .gguf file or a packaged name.
 
-A checkpoint converted by hf_normswap (``save_load.save_pretrained``) is rebuilt from the package's own modules by
+A checkpoint converted by hf_normswap (``saving.save_pretrained``) is rebuilt from the package's own modules by
 :func:`load`, without running the checkpoint's code: its record (``record.ConversionRecord.read``) is checked
 against the weights and the architecture first.
 """
@@ -30,7 +30,8 @@ from ..validation import ValidationError, check_path_length, first_line
 from . import config_checks, remote_code
 from .packaged import PREFIX, packaged_path
 from .record import ConversionRecord, converted_config
-from .save_load import CheckpointError, enable_save
+from .directory import CheckpointError
+from .saving import enable_save
 
 
 class ModelLoadError(OSError):

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import sys
 
-from . import convert, evaluate, inspect, output, plan, recover, sensitivity
+from . import convert, evaluate, inspect, plan, push, recover, sensitivity
 from .common import USER_ERRORS, Parser
 
 VERBS = {"inspect": inspect, "convert": convert, "recover": recover, "eval": evaluate, "sensitivity": sensitivity,
-         "plan": plan, "push": output}
+         "plan": plan, "push": push}
 
 
 def build_parser() -> Parser:

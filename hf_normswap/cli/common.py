@@ -9,7 +9,7 @@ import sys
 from ..checkpoint.hub import PushError
 from ..checkpoint.loading import ModelLoadError
 from ..checkpoint.packaged import PackagedModelMissing
-from ..checkpoint.save_load import CheckpointError
+from ..checkpoint.directory import CheckpointError
 from ..convert import DEFAULT_ROLES, ConversionError
 from ..data import DataError
 from ..discovery.roles import ROLES

@@ -9,7 +9,7 @@ from pathlib import Path
 from ..checkpoint.hub import PushError, preflight
 from ..checkpoint.loading import load_model, resolve
 from ..checkpoint.record import ConversionRecord
-from ..checkpoint.save_load import check_output_dir
+from ..checkpoint.directory import check_output_dir
 from ..convert import ConversionError, check_not_converted, check_selection, convert
 from ..data import check_spec
 from ..calibration.defaults import NONE

@@ -1,5 +1,6 @@
-"""Where a conversion goes: ``--output`` and ``--push-to-hub``, and ``normswap push``. A save or push that fails
-keeps the converted model in a temporary directory that the error names, so a long conversion is never lost."""
+"""Where a conversion goes: ``--output`` and ``--push-to-hub`` (the verb ``normswap push`` is ``push.py``). A save or
+push that fails keeps the converted model in a temporary directory that the error names, so a long conversion is
+never lost."""
 
 from __future__ import annotations
 
@@ -9,26 +10,12 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from ..atomic_write import atomic_write
 from ..checkpoint.hub import PushError, push
 from ..checkpoint.model_card import hub_id
-from ..checkpoint.save_load import CheckpointError, checkpoint_files, save_pretrained
+from ..checkpoint.directory import CheckpointError
+from ..checkpoint.saving import save_pretrained
 from ..validation import first_line
-from .common import warn
-
-
-def add_parser(commands) -> None:
-    hub = commands.add_parser("push", help="upload a saved checkpoint to the Hugging Face Hub")
-    hub.add_argument("directory", help="checkpoint directory written by `normswap convert --output`")
-    hub.add_argument("repo", help="Hub repository, NAME or OWNER/NAME (created if missing)")
-    hub.add_argument("--private", action="store_true", help="create the repo private")
-
-
-def run(args) -> None:
-    print(f"pushed to {push(args.directory, args.repo, private=args.private)}")
-    folder = Path(args.directory)
-    kept = sorted({p.name for p in folder.iterdir()} - set(checkpoint_files(folder)))
-    if kept:
-        warn(f"not uploaded, not part of the checkpoint: {', '.join(kept)}")
 
 
 def saver(args, model, tokenizer):
@@ -83,9 +70,5 @@ def write_whole(path, text: str) -> None:
     if path.exists() and not path.is_file():
         path.write_text(text)
         return
-    staging = path.parent / f".{path.name}.partial-{os.getpid()}"
-    try:
+    with atomic_write(path) as staging:
         staging.write_text(text)
-        os.replace(staging, path)
-    finally:
-        staging.unlink(missing_ok=True)

@@ -22,6 +22,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from ..atomic_write import atomic_write
 from ..model_inputs import text_config
 
 CACHE_ENV = "HF_NORMSWAP_CACHE"
@@ -83,15 +84,12 @@ class SampleCache:
     def write(self, index: int, ids: torch.Tensor, lengths: torch.Tensor, precision: str) -> None:
         """Batch ``index``, with the precision it was drawn in (``auto`` resolves per process) in its metadata."""
         self.prepare()
-        partial = self.path(index).with_suffix(f".partial-{os.getpid()}")
         try:
-            save_file({"input_ids": ids.to(torch.int32).contiguous(), "lengths": lengths.to(torch.int32)}, partial,
-                      metadata={"precision": precision})
-            os.replace(partial, self.path(index))  # a kill leaves a .partial file, never a half-written batch
+            with atomic_write(self.path(index)) as partial:  # a kill leaves a .partial file, never a half batch
+                save_file({"input_ids": ids.to(torch.int32).contiguous(), "lengths": lengths.to(torch.int32)},
+                          partial, metadata={"precision": precision})
         except (OSError, SafetensorError) as error:
             raise _unwritable(self.directory, error) from None
-        finally:
-            partial.unlink(missing_ok=True)
 
     def read(self, index: int) -> list[list[int]]:
         """The rows of batch ``index``; :class:`DamagedBatch` naming the file and why, for anything this cache

@@ -34,7 +34,7 @@ def load_config(argv=None):
     from ..checkpoint.hub import PushError, preflight
     from ..checkpoint.loading import ModelLoadError
     from ..checkpoint.packaged import PackagedModelMissing
-    from ..checkpoint.save_load import CheckpointError
+    from ..checkpoint.directory import CheckpointError
     from .config import read_recipe_config
     from .run_dir import check_run_dir, check_save_dir
     from ..validation import ValidationError

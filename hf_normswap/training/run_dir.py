@@ -11,12 +11,12 @@ import hashlib
 import json
 import os
 import re
-import uuid
 from pathlib import Path
 
 from ..checkpoint.loading import resolve
 from ..checkpoint.packaged import PREFIX as PACKAGED
-from ..checkpoint.save_load import check_output_dir
+from ..atomic_write import atomic_write
+from ..checkpoint.directory import check_output_dir
 from ..validation import ValidationError, check_path_length, shown
 
 RECORD = "run.json"
@@ -28,12 +28,8 @@ CHECKPOINT = re.compile(r"checkpoint-(\d+)")
 
 def write_json(path: Path, data) -> None:
     """``path`` holds the old content or the new, never a part: a kill mid-write must not break the next resume."""
-    staging = path.parent / f".{path.name}.partial-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    try:
+    with atomic_write(path) as staging:
         staging.write_text(json.dumps(data, indent=1, default=str))
-        os.replace(staging, path)
-    finally:
-        staging.unlink(missing_ok=True)
 
 
 def read_json(path: Path) -> dict | None:

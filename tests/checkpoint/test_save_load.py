@@ -17,7 +17,8 @@ from huggingface_hub import ModelCard
 
 import hf_normswap
 from hf_normswap import cli
-from hf_normswap.checkpoint import loading, model_card, remote_code, save_load
+from hf_normswap.checkpoint import directory as checkpoint_dir, loading, model_card, remote_code
+from hf_normswap.checkpoint.record import converted_config
 from hf_normswap.model_inputs import dummy_inputs, first_tensor
 from matrix import Case, converted
 from tiny_models import ARCHITECTURES, tiny_model
@@ -306,7 +307,7 @@ def test_saving_into_a_trainer_output_dir_keeps_the_user_s_readme_and_rewrites_i
         (theirs / "README.md").write_text(text)
         model.save_pretrained(theirs)
         assert (theirs / "README.md").read_text() == text
-        assert save_load.converted_config(theirs) and (theirs / "checkpoint-1").is_dir()
+        assert converted_config(theirs) and (theirs / "checkpoint-1").is_dir()
         assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no staging left behind
 
 
@@ -332,8 +333,8 @@ def test_refused_output_directory_leaves_filesystem_untouched(tmp_path, capsys):
 
 def test_output_that_is_a_file_is_refused(tmp_path):
     (tmp_path / "file").write_text("x")
-    with pytest.raises(save_load.OutputExistsError, match="not a directory"):
-        save_load.check_output_dir(tmp_path / "file", overwrite=True)
+    with pytest.raises(checkpoint_dir.OutputExistsError, match="not a directory"):
+        checkpoint_dir.check_output_dir(tmp_path / "file", overwrite=True)
 
 
 def test_cli_convert_saves_and_overwrite_replaces(tmp_path, capsys):
