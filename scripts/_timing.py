@@ -8,6 +8,7 @@ slows all candidates alike and the ratios stay meaningful.
 
 from __future__ import annotations
 
+import argparse
 import copy
 import json
 import os
@@ -93,7 +94,9 @@ def smollm2_random_model(layers: int = 30):
 
 def load(name: str, layers: int = 30):
     """(model, vocabulary size) of ``smollm2``, ``smollm2-random`` (``layers`` of them) or ``gpt2``."""
-    return {"smollm2": smollm2_model, "gpt2": gpt2_model, "smollm2-random": lambda: smollm2_random_model(layers)}[name]()
+    if name == "smollm2-random":
+        return smollm2_random_model(layers)
+    return {"smollm2": smollm2_model, "gpt2": gpt2_model}[name]()
 
 
 def model_variants(original, method: str, calibrate: bool, vocab: int, seq: int):
@@ -161,9 +164,25 @@ def child_result(script: str, arguments: list[str], what: str) -> dict:
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
-def run_sections(script: str, args, sections: dict, argv, summary=None) -> int:
+def arguments(doc: str, quick: str, device: str | None = "cpu, cuda, cuda:1 (default: cpu)"):
+    """The parser of a speed benchmark: its docstring, ``--quick`` (a smoke run: ``quick``), ``--device`` (unless
+    None) and ``--json``."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help=f"smoke run: {quick}")
+    if device:
+        parser.add_argument("--device", default="cpu", help=device)
+    parser.add_argument("--json", help="write all rows to this file")
+    return parser
+
+
+def run_sections(script: str, args, sections: dict, argv, summary=None, children: dict | None = None) -> int:
     """Log the machine and the command, run ``args.sections`` in order, write every row (and ``summary(rows)``) to
-    ``args.json``."""
+    ``args.json``. ``children``: ``{option: measure}``; a child process started with that option set prints
+    ``measure(args)`` as JSON instead (:func:`child_result` reads it)."""
+    for option, measure in (children or {}).items():
+        if getattr(args, option):
+            print(json.dumps(measure(args)))
+            return 0
     info = dict(machine(args.device), device=args.device)
     log(f"machine: {info}")
     log(f"command: python scripts/{script} {' '.join(sys.argv[1:] if argv is None else argv)}")
@@ -185,9 +204,10 @@ def split_list(text: str, kind=str) -> list:
     return [kind(s.strip()) for s in text.split(",") if s.strip()]
 
 
-def device_option(parser, args) -> None:
-    """``--device`` refused through ``parser`` (exit 2) when this machine has no such device."""
+def device_option(parser, args):
+    """``args``, its ``--device`` refused through ``parser`` (exit 2) when this machine has no such device."""
     try:
         check_device(args.device, "--device")
     except ValueError as error:
         parser.error(str(error))
+    return args

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import statistics
 import sys
 import time
@@ -18,7 +17,7 @@ import torch
 
 from hf_normswap import METHODS, CalibrationConfig, convert
 
-from _timing import MODELS, PeakRSS, child_result, load, log, run_sections, split_list
+from _timing import MODELS, PeakRSS, arguments, child_result, load, log, run_sections, split_list
 
 
 def calibration_job(args) -> dict:
@@ -74,10 +73,8 @@ def calibration_section(args) -> list[dict]:
     return rows
 
 
-
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="smoke run: tiny GPT-2, 2 blocks")
+    parser = arguments(__doc__, "tiny GPT-2, 2 blocks", None)
     parser.add_argument("--models", default="smollm2,gpt2", help=f"comma-separated: {', '.join(MODELS)}")
     parser.add_argument("--layers", type=int, default=30, help="smollm2-random: its layers (30, as SmolLM2-135M)")
     parser.add_argument("--methods", default="eln", help=f"the first is converted to: {', '.join(METHODS)}")
@@ -87,7 +84,6 @@ def parse_args(argv=None):
     parser.add_argument("--calib-strategies", default="fast,block")
     parser.add_argument("--calib-reps", type=int, default=1)
     parser.add_argument("--calib-job", help=argparse.SUPPRESS)  # internal: one calibration measurement (a child)
-    parser.add_argument("--json", help="write all rows to this file")
     args = parser.parse_args(argv)
     if args.quick:
         args.models, args.calib_blocks = "gpt2", 2
@@ -97,11 +93,8 @@ def parse_args(argv=None):
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
-    if args.calib_job:
-        print(json.dumps(calibration_job(args)))
-        return 0
-    return run_sections("bench_calibration_cost.py", args, {"calibration": calibration_section}, argv)
+    return run_sections("bench_calibration_cost.py", parse_args(argv), {"calibration": calibration_section}, argv,
+                        children={"calib_job": calibration_job})
 
 
 if __name__ == "__main__":

@@ -13,7 +13,6 @@ fallback and its folded copy, eager and ``torch.compile``. Candidates interleave
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import sys
 import time
@@ -22,8 +21,8 @@ import torch
 
 from hf_normswap import METHODS, find_norms, kernels
 
-from _timing import DTYPES, MODELS, device_option, eager, interleaved, load, log, model_variants, run_sections, \
-    split_list, synchronize
+from _timing import DTYPES, MODELS, arguments, device_option, eager, interleaved, load, log, model_variants, \
+    run_sections, split_list, synchronize
 
 
 def probe_forward(model, ids, norm_names: list[str]) -> dict:
@@ -143,11 +142,8 @@ def _model_rows(model_name, method, mode, execution, med, tokens) -> list[dict]:
     return rows
 
 
-
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="smoke run: tiny GPT-2, few repetitions, no compile")
-    parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1 (default: cpu)")
+    parser = arguments(__doc__, "tiny GPT-2, few repetitions, no compile")
     parser.add_argument("--models", default="smollm2,gpt2", help=f"comma-separated: {', '.join(MODELS)}")
     parser.add_argument("--model-dtype", choices=sorted(DTYPES), default="fp32", help="the weights' dtype")
     parser.add_argument("--layers", type=int, default=30, help="smollm2-random: its layers (30, as SmolLM2-135M)")
@@ -161,13 +157,11 @@ def parse_args(argv=None):
                              "start")
     parser.add_argument("--no-compile", dest="compile", action="store_false", help="skip torch.compile runs")
     parser.add_argument("--compile-train", action="store_true", help="also time compiled training steps (slow)")
-    parser.add_argument("--json", help="write all rows to this file")
     args = parser.parse_args(argv)
     if args.quick:
         args.models, args.model_reps, args.train_reps, args.compile = "gpt2", 3, 2, False
     args.models, args.methods, args.sections = split_list(args.models), split_list(args.methods), ["model"]
-    device_option(parser, args)
-    return args
+    return device_option(parser, args)
 
 
 def main(argv=None) -> int:

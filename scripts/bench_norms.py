@@ -11,7 +11,6 @@ writes y), ``nn.LayerNorm`` and transformers' ``LlamaRMSNorm``. Candidates inter
 
 from __future__ import annotations
 
-import argparse
 import sys
 
 import torch
@@ -19,7 +18,7 @@ from torch import nn
 
 from hf_normswap import METHODS
 
-from _timing import DTYPES, device_option, eager, interleaved, log, run_sections, split_list
+from _timing import DTYPES, arguments, device_option, eager, interleaved, log, run_sections, split_list
 
 
 def module_section(args) -> list[dict]:
@@ -73,22 +72,17 @@ def module_section(args) -> list[dict]:
     return rows
 
 
-
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="smoke run: C=576 fp32, few repetitions")
-    parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1 (default: cpu)")
+    parser = arguments(__doc__, "C=576 fp32, few repetitions")
     parser.add_argument("--sizes", default="576,2048,4096")
     parser.add_argument("--dtypes", default="fp32,bf16")
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--reps", type=int, default=15, help="repetitions per candidate")
-    parser.add_argument("--json", help="write all rows to this file")
     args = parser.parse_args(argv)
     if args.quick:
         args.sizes, args.dtypes, args.reps = "576", "fp32", 5
     args.sizes, args.dtypes, args.sections = split_list(args.sizes, int), split_list(args.dtypes), ["module"]
-    device_option(parser, args)
-    return args
+    return device_option(parser, args)
 
 
 def main(argv=None) -> int:

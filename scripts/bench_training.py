@@ -21,7 +21,6 @@ The recipe's trainer, losses and sampler are not public API: this benchmark meas
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import sys
 from pathlib import Path
@@ -31,8 +30,8 @@ import torch
 from hf_normswap import METHODS
 from hf_normswap.training.recipe_models import trainable_dense
 
-from _timing import MODELS, PeakRSS, child_result, device_option, interleaved, load, log, model_variants, \
-    run_sections, split_list
+from _timing import MODELS, PeakRSS, arguments, child_result, device_option, interleaved, load, log, \
+    model_variants, run_sections, split_list
 
 
 def head_inputs(args):
@@ -281,11 +280,8 @@ def train_summary(rows: list[dict]) -> dict:
             for measure, field in (("tokens_per_s", "tokens_per_s"), ("peak_rss_mb", "peak_rss_mb"))}
 
 
-
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="smoke run: tiny GPT-2, few repetitions")
-    parser.add_argument("--device", default="cpu", help="train section: cpu, cuda, cuda:1 (default: cpu)")
+    parser = arguments(__doc__, "tiny GPT-2, few repetitions", "train section: cpu, cuda, cuda:1 (default: cpu)")
     parser.add_argument("--sections", default="head,train,sampling")
     parser.add_argument("--models", default="smollm2", help=f"the first is trained: {', '.join(MODELS)}")
     parser.add_argument("--layers", type=int, default=30, help="smollm2-random: its layers (30, as SmolLM2-135M)")
@@ -305,7 +301,6 @@ def parse_args(argv=None):
                         help="sampling section: tokens a sample, comma-separated (default: --seq, the training length)")
     parser.add_argument("--head-dims", default="576,49152", help="head section: hidden size, vocabulary (SmolLM2)")
     parser.add_argument("--head-job", help=argparse.SUPPRESS)  # internal: one loss variant's peak RSS (a child)
-    parser.add_argument("--json", help="write all rows to this file")
     args = parser.parse_args(argv)
     if args.quick:
         args.models, args.train_reps = "gpt2", 2
@@ -320,15 +315,9 @@ def parse_args(argv=None):
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
-    if args.train_job:
-        print(json.dumps(train_job(args)))
-        return 0
-    if args.head_job:
-        print(json.dumps(head_job(args)))
-        return 0
     sections = {"head": head_section, "train": train_section, "sampling": sampling_section}
-    return run_sections("bench_training.py", args, sections, argv, train_summary)
+    return run_sections("bench_training.py", parse_args(argv), sections, argv, train_summary,
+                        children={"train_job": train_job, "head_job": head_job})
 
 
 if __name__ == "__main__":

@@ -6,18 +6,13 @@ line."""
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import torch
 
-import hf_normswap
+from package_copy import REMOTE, copy_package, run_python
 
-TESTS = Path(__file__).parent
 
 SOFTSIGN = '''
 
@@ -89,44 +84,22 @@ CONVERT = textwrap.dedent("""
                       "help": help_text.getvalue()}))
 """)
 
-REMOTE = textwrap.dedent("""
-    import sys
-    sys.modules["hf_normswap"] = None  # remote code alone: no package, not even the copy
-    import torch, transformers
-    model = transformers.AutoModelForCausalLM.from_pretrained(sys.argv[1], trust_remote_code=True).eval()
-    assert type(model).__module__.startswith("transformers_modules"), type(model).__module__
-    with torch.no_grad():
-        torch.save(model(**torch.load(sys.argv[2])).logits, sys.argv[3])
-""")
-
-
-def _run(args: list[str], cwd: Path, env: dict) -> str:
-    proc = subprocess.run([sys.executable, *args], cwd=cwd, env=env, stdin=subprocess.DEVNULL, capture_output=True,
-                          text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc.stdout
-
-
 def test_a_method_added_in_modules_py_alone_works_everywhere(tmp_path):
-    copy = tmp_path / "site" / "hf_normswap"
-    shutil.copytree(Path(hf_normswap.__file__).parent, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    copy, env = copy_package(tmp_path)
     modules = copy / "modules.py"
     text = modules.read_text()
     listed = "{cls.key: cls for cls in (ELN, DyT, Derf)}"
     assert text.count(listed) == 1, "modules.METHODS changed form: update this test's edit"
     head, _, tail = text.partition("\nMETHODS")
     modules.write_text(head + SOFTSIGN + "\nMETHODS" + tail.replace(listed, listed[:-2] + ", Softsign)}"))
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
-    env.update(HF_HOME=str(tmp_path / "hf_home"), HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join([str(copy.parent), str(TESTS)]))
     checkpoint = tmp_path / "converted"
-    seen = json.loads(_run(["-c", CONVERT, str(copy), str(checkpoint)], tmp_path, env).strip().splitlines()[-1])
+    seen = json.loads(run_python(["-c", CONVERT, str(copy), str(checkpoint)], tmp_path, env).strip().splitlines()[-1])
     assert seen["finite"] and seen["reloaded"]
     assert "softsign" in seen["help"]  # --to offers it
     card = (checkpoint / "README.md").read_text()
     assert "y = weight * alpha * x / (1 + |alpha * x|) + bias" in card and "softsign_test_method" in card
     assert json.loads((checkpoint / "config.json").read_text())["normswap"]["method"] == "softsign"
-    _run(["-I", "-c", REMOTE, str(checkpoint), str(tmp_path / "inputs.pt"), str(tmp_path / "remote.pt")],
+    run_python(["-I", "-c", REMOTE, str(checkpoint), str(tmp_path / "inputs.pt"), str(tmp_path / "remote.pt")],
          tmp_path, env)
     assert torch.equal(torch.load(tmp_path / "remote.pt"), torch.load(tmp_path / "logits.pt"))
 

@@ -112,7 +112,7 @@ def test_later_stages_add_their_part_through_the_record():
 
 # ------------------------------------------------------------------------------- formats written before
 
-SAVED = Path(__file__).parent / "saved_configs"  # config.json as commits 9de1ab1 (format 1) and d961173 (format 2) wrote
+SAVED = Path(__file__).parent / "saved_configs"  # config.json as 9de1ab1 (format 1) and d961173 (format 2) wrote it
 
 
 @pytest.mark.parametrize("version", [1, 2])
