@@ -399,7 +399,7 @@ def test_a_report_that_fails_midway_leaves_no_part_of_itself(source, tmp_path, m
     real = Path.write_text
 
     def full_disk(self, text, *args, **kwargs):
-        if self.name in ("report.json", f".report.json.partial-{os.getpid()}"):
+        if self.name == "report.json" or self.name.startswith(f".report.json.partial-{os.getpid()}-"):
             real(self, text[:10], *args, **kwargs)
             raise OSError(28, "No space left on device")
         return real(self, text, *args, **kwargs)
