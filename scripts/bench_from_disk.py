@@ -108,7 +108,7 @@ def calibrate(model_dir: str, out: str, limit: str, data: str) -> dict:
     from hf_normswap.calibration.calibrate import CalibrationConfig
     from hf_normswap.checkpoint.loading import load_model
     from hf_normswap.planning.disk import weights_in_memory
-    from hf_normswap.planning.settings import parse_bytes
+    from hf_normswap.planning.plan_settings import parse_bytes
 
     torch.set_num_threads(1)
     config = CalibrationConfig(data=None, progress=False, **CALIBRATION)
@@ -171,7 +171,7 @@ def predicted_mb(kept_in_memory: int) -> int:
     from hf_normswap.calibration.calibrate import CalibrationConfig
     from hf_normswap.planning import PlanSettings, model_sizes
     from hf_normswap.planning.disk import beside_the_weights
-    from hf_normswap.planning.recipe_settings import calibration_settings
+    from hf_normswap.planning.recipe_plan import calibration_settings
 
     config = CalibrationConfig(data=None, **CALIBRATION)
     sizes = model_sizes(transformers.LlamaConfig(**LLAMA_3B))
@@ -185,7 +185,7 @@ def with_prediction(case: dict) -> dict:
 
 
 def llama3b_case(work: Path, limit: str) -> dict:
-    from hf_normswap.planning.settings import parse_bytes
+    from hf_normswap.planning.plan_settings import parse_bytes
 
     source = work / "llama3b"
     source.mkdir()

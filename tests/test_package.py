@@ -43,13 +43,13 @@ def test_imports_follow_the_layers_without_cycles(tmp_path):
 
 def test_the_docstring_and_the_readme_list_the_same_layers():
     """One list of the layers (pyproject.toml); the package docstring lists them bottom first, one a line, and
-    README.md's code map in one line, bottom first."""
+    README.md's code map in one paragraph, bottom first."""
     expected = [layer.split(" | ") for layer in reversed(layers())]
     listed = re.findall(r"^    ([a-z_]+(?: \| [a-z_]+)*)  ", hf_normswap.__doc__, re.MULTILINE)
     assert [line.split(" | ") for line in listed] == expected
     readme = (PACKAGE.parent / "README.md").read_text()
-    line = re.search(r"Dependencies run one way, bottom first: (.+?)\.\n", readme, re.DOTALL).group(1)
-    assert [item.strip(" `").split("` | `") for item in " ".join(line.split()).split(" → ")] == expected
+    line = re.search(r"Layers, bottom first \(each imports only those before it\): (.+?)\.\n", readme, re.DOTALL).group(1)
+    assert [item.strip(" `").split("|") for item in " ".join(line.split()).split(", ")] == expected
 
 
 def test_the_calibration_config_stays_in_convert_and_calibration():

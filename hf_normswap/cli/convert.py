@@ -124,7 +124,7 @@ def weights_memory(args, budget) -> int | None:
     rest left on disk; None: the whole model fits, or there is no calibration to bound. Said in one line."""
     from ..calibration.defaults import DEFAULTS
     from ..planning.disk import free_host_memory, weights_in_memory
-    from ..planning.settings import parse_bytes
+    from ..planning.plan_settings import parse_bytes
     from ..planning.sizes import PlanError
 
     given = args.max_host_memory is not None

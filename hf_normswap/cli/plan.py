@@ -6,11 +6,11 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..planning.settings import PRECISIONS, SHARDING, TRAINABLE
+from ..planning.plan_settings import PRECISIONS, SHARDING, TRAINABLE
 
 
 def add_parser(commands) -> None:
-    """The verb's arguments: the model and every setting :class:`~hf_normswap.planning.settings.PlanSettings` takes."""
+    """The verb's arguments: the model and every setting :class:`~hf_normswap.planning.plan_settings.PlanSettings` takes."""
     parser = commands.add_parser("plan", help="memory a conversion and a recovery need, from the config alone")
     parser.add_argument("model", help="Hub id, model directory, config.json, .gguf or offline:NAME (only the "
                                       "config is read)")
@@ -39,7 +39,7 @@ def add_parser(commands) -> None:
 def run(args: argparse.Namespace) -> int:
     """Print the plan; exit 0 when it fits (or nothing was given to check), 1 when it does not, 2 on bad input."""
     from ..planning.plan import plan
-    from ..planning.settings import PlanSettings
+    from ..planning.plan_settings import PlanSettings
     from ..planning.sizes import PlanError
 
     try:

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from .plan import gb
 from .recipe_memory import conversion_phases
-from .recipe_settings import calibration_settings
-from .settings import PlanSettings
+from .recipe_plan import calibration_settings
+from .plan_settings import PlanSettings
 from .sizes import PlanError, model_sizes
 
 

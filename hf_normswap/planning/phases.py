@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .settings import PlanSettings
+from .plan_settings import PlanSettings
 from .sizes import ModelSizes
 
 # Resident memory of a process that has imported torch, transformers, accelerate, datasets and the package, before

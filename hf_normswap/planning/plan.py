@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from .phases import Phase
 from .recipe_memory import conversion_phases, recipe_phases
-from .settings import PlanSettings
+from .plan_settings import PlanSettings
 from .sizes import ModelSizes, model_sizes
 
 GB = 10**9

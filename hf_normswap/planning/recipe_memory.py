@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from .phases import (COMPILER_BYTES, DEVICE_CONTEXT_BYTES, RUNTIME_BYTES, Phase, calibration_terms, evaluation_activations,
                      others_models, trainable_parameters, training_activations)
-from .settings import PlanSettings
+from .plan_settings import PlanSettings
 from .sizes import ModelSizes
 
 

@@ -13,7 +13,7 @@ from hf_normswap.checkpoint.loading import ModelLoadError, load_model
 from hf_normswap.planning import PlanSettings, disk, model_sizes
 from hf_normswap.planning.phases import Phase
 from hf_normswap.planning.recipe_memory import conversion_phases
-from hf_normswap.planning.recipe_settings import calibration_settings
+from hf_normswap.planning.recipe_plan import calibration_settings
 from cli_runs import run_cli
 from tiny_models import tiny_model, tiny_tokenizer
 

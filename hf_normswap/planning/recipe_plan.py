@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from ..calibration.calibrate import STRATEGIES
 from .plan import MemoryPlan, plan
-from .settings import PlanSettings
+from .plan_settings import PlanSettings
 
 
 def recipe_settings(config, processes: int, sharded: bool, device_memory: int | None = None,
