@@ -10,6 +10,7 @@ owns is replaced or removed.
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import shutil
@@ -192,6 +193,48 @@ def _merge(target: Path, staging: Path) -> None:
 
 
 @contextmanager
+def _commit_lock(parent: Path):
+    """Saves into one folder commit one at a time: whether the target may be replaced is decided and acted on
+    under an exclusive lock of its folder (released by the kernel when a process dies); without ``flock`` (Windows)
+    the no-replace rename of :func:`_commit` alone decides."""
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    handle = os.open(parent, os.O_RDONLY)
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(handle)  # closing releases the lock
+
+
+def _commit(path, target: Path, staging: Path, overwrite: bool, into_existing: bool) -> None:
+    """Put ``staging`` at ``target``, deciding now whether what is there may be replaced: a checkpoint that another
+    save put there while this one ran is replaced only with ``overwrite``."""
+    if target.exists() and any(target.iterdir()):
+        if not (overwrite or into_existing):
+            raise OutputExistsError(f"output directory {path} was filled by another save while this one ran; pass "
+                                    "--overwrite (overwrite=True) to replace it, or choose another --output")
+        refused = _replaceable(target, {p.name for p in staging.iterdir()})
+        if not refused:
+            _replace(target, staging)
+        elif into_existing:
+            _merge(target, staging)
+        else:  # it was filled while we worked
+            raise OutputExistsError(f"output directory {target} changed during the save: {refused}")
+        return
+    try:
+        os.rename(staging, target)  # onto nothing or an empty folder; a folder with anything in it is never replaced
+    except OSError as error:
+        if error.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR):
+            raise
+        raise OutputExistsError(f"output {path} was created by another save while this one ran; pass --overwrite "
+                                "(overwrite=True) to replace it, or choose another --output") from None
+
+
+@contextmanager
 def atomic_directory(path: str | os.PathLike, overwrite: bool = False, into_existing: bool = False):
     """Yield a temporary directory beside ``path``; on success it becomes ``path``, on any error it is removed.
 
@@ -205,9 +248,11 @@ def atomic_directory(path: str | os.PathLike, overwrite: bool = False, into_exis
     recover_interrupted(target)
     created = []
     for parent in reversed(target.parents):
-        if not parent.exists():
+        try:
             parent.mkdir()
             created.append(parent)
+        except FileExistsError:  # there already, or made by a save running beside this one
+            pass
     staging = target.parent / f".{target.name}.partial-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     staging.mkdir()
     try:
@@ -217,18 +262,8 @@ def atomic_directory(path: str | os.PathLike, overwrite: bool = False, into_exis
         for written in staging.rglob("*"):  # some writers (safetensors) create files private (0600)
             if written.is_file():
                 written.chmod(0o666 & ~umask)
-        if target.exists() and any(target.iterdir()):
-            refused = _replaceable(target, {p.name for p in staging.iterdir()})
-            if not refused:
-                _replace(target, staging)
-            elif into_existing:
-                _merge(target, staging)
-            else:  # it was filled while we worked
-                raise OutputExistsError(f"output directory {target} changed during the save: {refused}")
-            return
-        if target.exists():
-            target.rmdir()
-        os.rename(staging, target)
+        with _commit_lock(target.parent):  # the decision and the rename it allows, one save at a time
+            _commit(path, target, staging, overwrite, into_existing)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         for parent in reversed(created):

@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None, command: str = "finetune") -> int:
     from accelerate import PartialState
     from transformers import set_seed
 
-    from .run_dir import claim_run_dir, read_json
+    from .run_dir import claim_run_dir, finished_run, read_json
 
     # On a machine without GPU, `accelerate launch --multi_gpu --num_processes N` starts N CPU processes; they
     # join with gloo only when the state is created with cpu=True (accelerate's --cpu starts a single process).
@@ -92,6 +92,11 @@ def main(argv: list[str] | None = None, command: str = "finetune") -> int:
     config.training["use_cpu"] = cpu
     state = PartialState(cpu=cpu)
     set_seed(config.seed)
+    done = finished_run(config)
+    if done:
+        if state.is_main_process:
+            print(f"[finetune] {done}", flush=True)
+        return 0
     if state.is_main_process:
         claim_run_dir(config)
     summary = (read_json(Path(config.output_dir) / "summary.json") or {}) if config.resume else {}

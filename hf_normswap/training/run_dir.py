@@ -104,6 +104,29 @@ def last_checkpoint(output_dir: Path) -> Path | None:
     return None
 
 
+def finished_run(config) -> str | None:
+    """Where a finished run stands, when a relaunch would train nothing: its last checkpoint reached
+    ``train_tokens`` (else ``training.max_steps``) and the final checkpoint was saved from it; None otherwise. (The
+    Trainer, resumed from a checkpoint at ``max_steps``, would train one more step and replace ``final``.)"""
+    from ..checkpoint.record import read_config
+
+    out = Path(config.output_dir)
+    last = last_checkpoint(out) if config.resume and out.is_dir() else None
+    state = read_json(last / "trainer_state.json") if last else None
+    if not state:
+        return None
+    step, tokens = state.get("global_step") or 0, state.get("num_input_tokens_seen") or 0
+    saved = ((read_config(config.save_path) or {}).get("normswap") or {}).get("training") or {}
+    if not isinstance(saved, dict) or saved.get("steps") != step:
+        return None  # stopped before its final checkpoint was saved: the relaunch finishes it
+    if config.train_tokens is not None:
+        done = tokens >= config.train_tokens
+    else:
+        done = 0 < (config.training.get("max_steps") or -1) <= step
+    return (f"finished at {step} steps / {tokens:,} tokens: nothing to train (final checkpoint {config.save_path}); "
+            "raise train_tokens or training.max_steps to continue") if done else None
+
+
 def check_run_dir(config) -> None:
     """Refuse, before anything loads, an output_dir the recipe did not create, and a resume that would train another
     model or other parameters than the run recorded there."""
@@ -116,6 +139,10 @@ def check_run_dir(config) -> None:
     entries = sorted(p.name for p in out.iterdir())
     if not entries:
         return
+    linked = [name for name in entries if (out / name).is_symlink()]
+    if linked:  # the recipe writes calibrated/, final/, checkpoints and its JSON files there: never through a link
+        raise ValidationError(f"output_dir {out}: {linked[0]} is a link (to {os.readlink(out / linked[0])}); the "
+                              "recipe writes only inside output_dir: remove the link, or name a new output_dir")
     record = read_json(out / RECORD)
     if record is None or record.get("written_by") != WRITTEN_BY:
         raise ValidationError(f"output_dir {out} holds files the recipe did not write ({', '.join(entries[:3])}"

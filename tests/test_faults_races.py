@@ -1,0 +1,190 @@
+"""Fault injection on saves that race and on links: two saves into one place end with one checkpoint and one
+refusal, and nothing the package writes or uploads follows a link out of its own folder. Tiny models only."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+import hf_normswap
+from hf_normswap.checkpoint import model_card, save_load
+from cli_runs import file_tree, run_cli as _cli
+from tiny_models import tiny_model
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+RENDER = model_card.render
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    """A tiny Llama converted to ELN and the same converted to DyT, each saved once (their file trees kept)."""
+    root = tmp_path_factory.mktemp("converted")
+    models = {}
+    for method in ("eln", "dyt"):
+        model = tiny_model("llama")
+        hf_normswap.convert(model, to=method)
+        hf_normswap.save_pretrained(model, root / method)
+        models[method] = model
+    return root, models
+
+
+def _method(directory: Path) -> str:
+    return save_load.read_config(directory)["normswap"]["method"]
+
+
+def test_a_checkpoint_another_save_put_there_meanwhile_is_not_replaced(converted, tmp_path, monkeypatch):
+    """The DyT save completes while the ELN save writes its card: the ELN save, not told to overwrite, refuses at
+    its rename and leaves the DyT checkpoint whole."""
+    root, models = converted
+    out = tmp_path / "x"
+    render = model_card.render
+
+    def render_while_another_save_completes(config):
+        assert os.waitpid(_save_in_child(models["dyt"], out, 0), 0)[1] == 0  # another process: this one's own
+        return render(config)                                                # leftovers are not its
+
+    monkeypatch.setattr(model_card, "render", render_while_another_save_completes)
+    with pytest.raises(save_load.OutputExistsError, match="filled by another save while this one ran; pass --overwrite"):
+        hf_normswap.save_pretrained(models["eln"], out)
+    assert file_tree(out) == file_tree(root / "dyt")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["x"]  # no staging folder left
+
+
+def test_an_empty_folder_filled_meanwhile_is_not_replaced(converted, tmp_path, monkeypatch):
+    """A folder filled between the check and the rename (by a program that takes no lock): the rename itself never
+    replaces a folder with anything in it."""
+    root, models = converted
+    out = tmp_path / "x"
+    out.mkdir()
+    rename = os.rename
+
+    def filled_just_before_the_rename(source, destination):
+        if Path(destination) == out:
+            (out / "mine.txt").write_text("mine")
+        return rename(source, destination)
+
+    monkeypatch.setattr(os, "rename", filled_just_before_the_rename)
+    with pytest.raises(save_load.OutputExistsError, match="created by another save"):
+        hf_normswap.save_pretrained(models["eln"], out)
+    monkeypatch.undo()
+    assert file_tree(out) == {"mine.txt": b"mine"}
+
+
+def _save_in_child(model, out: Path, start: float, kill_at_card: bool = False) -> int:
+    """Fork a save of ``model`` into ``out`` that starts at time ``start``; its exit code: 0 saved, 3 refused (or
+    killed while writing its card)."""
+    pid = os.fork()
+    if pid == 0:
+        code = 0
+        try:
+            model_card.render = (lambda config: os.kill(os.getpid(), signal.SIGKILL)) if kill_at_card else RENDER
+            time.sleep(max(0.0, start - time.time()))
+            hf_normswap.save_pretrained(model, out)
+        except save_load.OutputExistsError:
+            code = 3
+        except BaseException:
+            code = 1
+        os._exit(code)
+    return pid
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_two_saves_at_once_end_with_one_checkpoint_and_one_refusal(converted, tmp_path):
+    """``convert --to eln`` and ``convert --to dyt`` into one new folder at the same moment, ten times: each time one
+    exits 0, the other refuses (OutputExistsError), and the folder holds the winner's checkpoint whole; a third save
+    killed (SIGKILL) midway at the same time changes nothing of that."""
+    root, models = converted
+    for round in range(10):
+        out = tmp_path / f"x{round}"
+        start = time.time() + 0.3
+        pids = {method: _save_in_child(models[method], out, start) for method in ("eln", "dyt")}
+        killed = _save_in_child(models["eln"], out, start, kill_at_card=True)
+        codes = {method: os.WEXITSTATUS(os.waitpid(pid, 0)[1]) for method, pid in pids.items()}
+        status = os.waitpid(killed, 0)[1]  # killed midway, or refused before it began (the others were faster)
+        assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL or os.WEXITSTATUS(status) == 3
+        assert sorted(codes.values()) == [0, 3], codes
+        winner = next(method for method, code in codes.items() if code == 0)
+        save_load.recover_interrupted(out)  # what the next save into the same place runs first
+        assert _method(out) == winner and file_tree(out) == file_tree(root / winner), round
+        assert [p.name for p in tmp_path.iterdir() if p.name.startswith(f".x{round}.")] == []
+
+
+# ------------------------------------------------------------------------------------- the recipe's output_dir
+
+
+@pytest.fixture
+def no_loading(monkeypatch):
+    """The recipe stops where it would load the first model: what happens before is what these tests check."""
+    from hf_normswap.training import recipe
+
+    def loaded(*args, **kwargs):
+        raise RuntimeError("a model was loaded")
+
+    monkeypatch.setattr(recipe, "load_models", loaded)
+    return recipe
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("llama") / "llama"
+    tiny_model("llama").save_pretrained(directory)
+    return directory
+
+
+@pytest.mark.parametrize("name", ["calibrated", "final", "summary.json"])
+def test_a_link_in_output_dir_is_refused_and_its_target_untouched(converted, llama, tmp_path, capsys, no_loading,
+                                                                  name):
+    """``OUTPUT/calibrated`` linked to another checkpoint: a ``resume=false`` run wrote its calibration through it."""
+    from cli_runs import recipe_refusal
+    from hf_normswap.training import recipe_settings, run_dir
+
+    root, _ = converted
+    run = [f"model={llama}", f"output_dir={tmp_path / 'run'}"]
+    run_dir.claim_run_dir(recipe_settings.load_config(run))
+    (tmp_path / "run" / name).symlink_to(root / "dyt" if name != "summary.json" else root / "dyt" / "config.json")
+    before = file_tree(root)
+    for resume in ("true", "false"):
+        err = recipe_refusal([*run, f"resume={resume}"], capsys)
+        assert f"{name} is a link (to {root / 'dyt'}" in err and "remove the link" in err
+    assert file_tree(root) == before
+
+
+def _finished_run(converted, llama, out: Path, steps: int, tokens: int, *settings: str) -> list[str]:
+    """An output_dir as a finished run leaves it: checkpoint-N, and final saved from it (its record says N steps)."""
+    import json
+    import shutil
+
+    from hf_normswap.training import recipe_settings, run_dir
+
+    run = [f"model={llama}", f"output_dir={out}", *settings]
+    config = recipe_settings.load_config(run)
+    run_dir.claim_run_dir(config)
+    (out / f"checkpoint-{steps}").mkdir()
+    (out / f"checkpoint-{steps}" / "trainer_state.json").write_text(
+        json.dumps({"global_step": steps, "num_input_tokens_seen": tokens}))
+    shutil.copytree(converted[0] / "eln", out / "final")
+    saved = json.loads((out / "final" / "config.json").read_text())
+    saved["normswap"]["training"] = {"steps": steps, "tokens_seen": tokens}
+    (out / "final" / "config.json").write_text(json.dumps(saved))
+    run_dir.record_save(config)
+    return run
+
+
+@pytest.mark.parametrize("setting, more", [("training.max_steps=6", "training.max_steps=8"),
+                                           ("train_tokens=384", "train_tokens=1000")])
+def test_a_finished_run_trains_nothing_and_a_larger_budget_continues(converted, llama, tmp_path, capsys, no_loading,
+                                                                     setting, more):
+    """Rerunning a finished recipe resumed from its last checkpoint, trained one more step and replaced final."""
+    out = tmp_path / "run"
+    run = _finished_run(converted, llama, out, 6, 384, setting)
+    before = file_tree(out)
+    assert no_loading.main([*run, setting]) == 0
+    assert "finished at 6 steps / 384 tokens: nothing to train" in capsys.readouterr().out
+    assert file_tree(out) == before
+    with pytest.raises(RuntimeError, match="a model was loaded"):  # a larger budget continues, as documented
+        no_loading.main([*run, more])
