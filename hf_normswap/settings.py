@@ -58,15 +58,36 @@ _Loader.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(
     r"|^[-+]?\.(?:inf|Inf|INF)$|^\.(?:nan|NaN|NAN)$"), list("-+0123456789."))
 
 
+def check_no_interpolation(layer, where: str) -> None:
+    """Refuse ``${`` in any key or string of ``layer`` (OmegaConf would resolve ``${oc.env:HF_TOKEN}`` into the
+    settings): on the values as read, so after YAML's own escapes (``"\\x24{...}"``), and never shown."""
+    stack = [(layer, "")]
+    while stack:  # a loop, not recursion: a value nested thousands deep is refused like any other
+        value, key = stack.pop()
+        if isinstance(value, Mapping):
+            stack.extend((v, f"{key}.{k}" if key else str(k)) for k, v in value.items())
+            found = any("${" in str(k) for k in value)
+        elif isinstance(value, (list, tuple)):
+            stack.extend((v, key) for v in value)
+            found = False
+        else:
+            found = isinstance(value, str) and "${" in value
+        if found:
+            raise ValidationError(f"{where}{': ' + key if key else ''}: interpolations (${{...}}) are not read; "
+                                  "write the value out")
+
+
 def _parse(text: str, where: str):
-    if "${" in text:
-        raise ValidationError(f"{where}: interpolations (${{...}}) are not read; write the value out")
     try:
-        return yaml.load(text, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
+        loaded = yaml.load(text, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
     except ValidationError as error:
         raise ValidationError(f"{where}: {error}") from None
     except yaml.YAMLError as error:
         raise ValidationError(f"{where}: {first_line(error)}") from None
+    except RecursionError:
+        raise ValidationError(f"{where}: nested deeper than a settings file is; write it flat") from None
+    check_no_interpolation(loaded, where)
+    return loaded
 
 
 def read_yaml_file(path: str | Path, flag: str = "--config") -> dict:
@@ -160,6 +181,8 @@ def read_settings(schema: type, *layers: Mapping, labels: Mapping[str, str] | No
     try:
         config = OmegaConf.structured(schema)
         for layer in layers:
+            for key, value in layer.items():
+                check_no_interpolation(value, labels.get(key, f"setting {key}"))  # flags too
             _check_sections(schema, layer)
             config = OmegaConf.merge(config, OmegaConf.create(dict(layer)))
         value = OmegaConf.to_object(config)

@@ -27,3 +27,15 @@ def converted(tmp_path_factory):
     directory = tmp_path_factory.mktemp("converted") / "llama-eln"
     hf_normswap.save_pretrained(model, directory)
     return directory
+
+
+@pytest.fixture
+def no_loading(monkeypatch):
+    """The recipe stops where it would load the first model: what happens before is what these tests check."""
+    from hf_normswap.training import recipe
+
+    def loaded(*args, **kwargs):
+        raise RuntimeError("a model was loaded")
+
+    monkeypatch.setattr(recipe, "load_models", loaded)
+    return recipe

@@ -117,18 +117,6 @@ def test_two_saves_at_once_end_with_one_checkpoint_and_one_refusal(converted, tm
 # ------------------------------------------------------------------------------------- the recipe's output_dir
 
 
-@pytest.fixture
-def no_loading(monkeypatch):
-    """The recipe stops where it would load the first model: what happens before is what these tests check."""
-    from hf_normswap.training import recipe
-
-    def loaded(*args, **kwargs):
-        raise RuntimeError("a model was loaded")
-
-    monkeypatch.setattr(recipe, "load_models", loaded)
-    return recipe
-
-
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory):
     directory = tmp_path_factory.mktemp("llama") / "llama"

@@ -1,0 +1,72 @@
+"""Fault injection on settings: a secret through each escape YAML offers, values of the wrong kind for transformers'
+TrainingArguments, absurd sizes, and the messages a careless user sees. Each refusal is one line, exit code 2,
+before any model loads, and writes nothing."""
+
+from __future__ import annotations
+
+import pytest
+
+from cli_runs import recipe_refusal, run_cli
+
+TOKEN = "hf_FAKEtoken0123456789"
+ENV = "{oc.env:HF_TOKEN}"
+# every way YAML writes a `$`: escapes of double-quoted scalars, then `${` plain, in flow and block collections and
+# in block scalars; a key as well as a value
+ESCAPED = [f'"\\x24{ENV}"', f'"\\u0024{ENV}"', f'"\\U00000024{ENV}"', f"'${ENV}'", f'"${ENV}"', f"me/${ENV}"]
+FILES = ([f"push_to_hub: {v}\n" for v in ESCAPED] + [f"output_dir: {v}\n" for v in ESCAPED]
+         + [f"eval_data: {v}\n" for v in ESCAPED]
+         + [f'train_data: [generated, "\\x24{ENV}"]\n', f"train_data:\n  - generated\n  - \"\\x24{ENV}\"\n",
+            f"push_to_hub: |\n  me/${ENV}\n", f"push_to_hub: >-\n  me/${ENV}\n",
+            f'training: {{"\\x24{ENV}": 1}}\n', f'training:\n  report_to: "\\x24{ENV}"\n',
+            f'calibration: {{data: "\\x24{ENV}"}}\n'])
+
+
+pytestmark = pytest.mark.usefixtures("no_loading")
+
+
+@pytest.fixture(autouse=True)
+def token(monkeypatch):
+    monkeypatch.setenv("HF_TOKEN", TOKEN)
+
+
+def _nothing_written(root) -> bool:
+    return [p.name for p in root.iterdir() if p.name != "config.yaml"] == []
+
+
+@pytest.mark.parametrize("text", FILES)
+def test_no_escape_of_an_interpolation_reaches_omegaconf_from_a_file(tmp_path, capsys, monkeypatch, text):
+    """``"me/model-\\x24{oc.env:HF_TOKEN}"`` passed the check of the raw text, and OmegaConf resolved it: the push
+    went to a repository named with the token, output_dir's folder was named with it, an error printed it."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "config.yaml").write_text(f"output_dir: {tmp_path / 'run'}\n" * ("output_dir" not in text) + text)
+    err = recipe_refusal(["--config", tmp_path / "config.yaml"], capsys)
+    assert "interpolations (${...}) are not read" in err and TOKEN not in err
+    assert _nothing_written(tmp_path)
+
+
+@pytest.mark.parametrize("value", ESCAPED + [f'[generated, "\\x24{ENV}"]'])
+def test_no_escape_of_an_interpolation_reaches_omegaconf_from_an_override(tmp_path, capsys, monkeypatch, value):
+    monkeypatch.chdir(tmp_path)
+    err = recipe_refusal([f"output_dir={tmp_path / 'run'}", f"eval_data={value}"], capsys)
+    assert "interpolations (${...}) are not read" in err and TOKEN not in err and list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("flag", ["--calib-device", "--calib"])
+def test_no_interpolation_reaches_omegaconf_from_a_flag(tmp_path, capsys, flag):
+    """``convert --calib-device '${oc.env:HF_TOKEN}'`` printed the token."""
+    code, line = run_cli(["convert", "offline:nothing", "--to", "eln", flag, f"${ENV}", "--output", tmp_path / "x"],
+                         capsys)
+    assert code == 2 and f"{flag}: interpolations" in line and TOKEN not in line
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_dollar_brace_in_a_yaml_comment_is_only_a_comment(tmp_path, capsys):
+    (tmp_path / "config.yaml").write_text(f"# the token: ${ENV} is never read\nmethod: nothing\n")
+    err = recipe_refusal(["--config", tmp_path / "config.yaml"], capsys)
+    assert "interpolations" not in err and "method" in err
+
+
+def test_settings_nested_thousands_deep_are_one_line(tmp_path, capsys):
+    (tmp_path / "config.yaml").write_text("a: " + "[" * 20000 + "]" * 20000 + "\n")
+    err = recipe_refusal(["--config", tmp_path / "config.yaml"], capsys)
+    assert "nested deeper than a settings file is" in err
