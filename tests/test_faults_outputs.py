@@ -214,12 +214,15 @@ def test_push_of_a_symlinked_checkpoint_uploads_its_files(converted, tmp_path, m
     hub_mirror = import_file("scripts/hub_mirror.py")
     TOKEN, HubMirror = hub_mirror.TOKEN, hub_mirror.HubMirror
 
-    snapshot = tmp_path / "snapshot"
-    snapshot.mkdir()
+    repo = tmp_path / "models--me--converted"
+    snapshot, blobs = repo / "snapshots" / "0123abcd", repo / "blobs"
+    snapshot.mkdir(parents=True)
+    blobs.mkdir()
     for file in converted.iterdir():
-        (snapshot / file.name).symlink_to(file)
+        shutil.copyfile(file, blobs / f"blob-{file.name}")
+        (snapshot / file.name).symlink_to(f"../../blobs/blob-{file.name}")
     (tmp_path / "empty").mkdir()
-    (tmp_path / "empty" / "config.json").symlink_to(converted / "config.json")
+    shutil.copyfile(converted / "config.json", tmp_path / "empty" / "config.json")
     with HubMirror() as hub:
         monkeypatch.setenv("HF_ENDPOINT", hub.url)
         monkeypatch.setenv("HF_TOKEN", TOKEN)

@@ -176,3 +176,38 @@ def test_a_finished_run_trains_nothing_and_a_larger_budget_continues(converted, 
     assert file_tree(out) == before
     with pytest.raises(RuntimeError, match="a model was loaded"):  # a larger budget continues, as documented
         no_loading.main([*run, more])
+
+
+# --------------------------------------------------------------------------------------- links out of a folder
+
+
+def test_a_push_refuses_a_file_linked_out_of_the_checkpoint(converted, tmp_path, monkeypatch, capsys):
+    """A checkpoint whose tokenizer_config.json links to a file outside it uploaded that file's content."""
+    import shutil
+
+    from hf_normswap.hub_mirror import TOKEN, HubMirror
+
+    checkpoint = tmp_path / "ckpt"
+    shutil.copytree(converted[0] / "eln", checkpoint)
+    (tmp_path / "secret.txt").write_text("private")
+    (checkpoint / "tokenizer_config.json").symlink_to(tmp_path / "secret.txt")
+    with HubMirror() as hub:
+        monkeypatch.setenv("HF_ENDPOINT", hub.url)
+        monkeypatch.setenv("HF_TOKEN", TOKEN)
+        code, line = _cli(["push", checkpoint, "me/linked"], capsys)
+        assert code == 2 and "tokenizer_config.json is a link to" in line and "outside the checkpoint" in line
+        assert "me/linked" not in hub.created
+
+
+def test_a_linked_settings_file_in_the_sample_cache_is_replaced_not_written_through(tmp_path):
+    """A symlinked settings.json in a cache folder: the next draw overwrote the link's target."""
+    from hf_normswap.data.generated import SamplingSettings
+    from hf_normswap.data.sample_cache import SampleCache
+
+    cache = SampleCache(tiny_model("llama"), SamplingSettings(length=12, batch_size=2), tmp_path / "cache")
+    cache.directory.mkdir(parents=True)
+    (tmp_path / "mine.json").write_text("mine")
+    (cache.directory / "settings.json").symlink_to(tmp_path / "mine.json")
+    cache.prepare()
+    assert (tmp_path / "mine.json").read_text() == "mine"
+    assert not (cache.directory / "settings.json").is_symlink() and sorted(p.name for p in cache.directory.iterdir()) == ["settings.json"]

@@ -62,6 +62,18 @@ def preflight(repo_id: str, token: str | None = None) -> str:
     return resolve_token(token)
 
 
+def _link_out_of(folder: Path, files: list[str]) -> str | None:
+    """The first of ``files`` that is a link out of ``folder`` (an upload would publish what it points at), or None.
+    A Hub cache snapshot (``.../snapshots/REV/``) links into its own repository's ``blobs/``: that layout is allowed."""
+    root = folder.resolve()
+    blobs = root.parent.parent / "blobs" if root.parent.name == "snapshots" else None
+    for name in files:
+        target = (folder / name).resolve()
+        if (folder / name).is_symlink() and root not in target.parents and target.parent != blobs:
+            return name
+    return None
+
+
 def push(folder: str | os.PathLike, repo_id: str, *, private: bool = False, token: str | None = None,
          commit_message: str | None = None) -> str:
     """Create ``repo_id`` (if needed) and upload the checkpoint in ``folder`` to it; returns the repo URL. Only the
@@ -75,6 +87,10 @@ def push(folder: str | os.PathLike, repo_id: str, *, private: bool = False, toke
     except ValidationError as error:
         raise PushError(f"{folder}: {error}") from None
     files = directory.checkpoint_files(folder)
+    linked = _link_out_of(folder, files)
+    if linked:
+        raise PushError(f"{folder / linked} is a link to {(folder / linked).resolve()}, outside the checkpoint; "
+                        "nothing was pushed: copy the file in, or remove the link")
     if not any(directory.WEIGHT_FILES.fullmatch(name) for name in files):
         raise PushError(f"{folder} holds no weights to push (model.safetensors or its shards)")
     token = preflight(repo_id, token)

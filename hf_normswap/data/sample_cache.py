@@ -77,7 +77,9 @@ class SampleCache:
         """The cache's folder, made (and found writable) before anything is drawn into it."""
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
-            (self.directory / "settings.json").write_text(json.dumps(self.key, indent=1))
+            partial = self.directory / f".settings.json.partial-{os.getpid()}"
+            partial.write_text(json.dumps(self.key, indent=1))
+            os.replace(partial, self.directory / "settings.json")  # replaces a link put there, never its target
         except OSError as error:
             raise _unwritable(self.directory, error) from None
 
