@@ -70,3 +70,24 @@ def test_settings_nested_thousands_deep_are_one_line(tmp_path, capsys):
     (tmp_path / "config.yaml").write_text("a: " + "[" * 20000 + "]" * 20000 + "\n")
     err = recipe_refusal(["--config", tmp_path / "config.yaml"], capsys)
     assert "nested deeper than a settings file is" in err
+
+
+@pytest.mark.parametrize("setting, message", [
+    ("training.max_steps=[1,2]", "training.max_steps must be int, got [1, 2]"),
+    ("training.eval_steps=abc", "training.eval_steps must be null or float, got 'abc'"),
+    ("training.gradient_accumulation_steps=0", "training.gradient_accumulation_steps must be at least 1, got 0"),
+    ("training.per_device_train_batch_size=[2]", "training.per_device_train_batch_size must be int, got [2]"),
+    ("training.report_to=surely_not_an_integration", "names surely_not_an_integration, which is not installed")])
+def test_training_values_are_checked_before_loading(tmp_path, capsys, setting, message):
+    """Each was a TypeError, ZeroDivisionError or RuntimeError traceback after loading and calibration (the batch
+    size one before loading)."""
+    err = recipe_refusal([f"output_dir={tmp_path / 'run'}", setting], capsys)
+    assert message in err and list(tmp_path.iterdir()) == []
+
+
+def test_a_reporting_integration_not_installed_is_refused_before_loading(tmp_path, capsys, monkeypatch):
+    import transformers.integrations
+
+    monkeypatch.setattr(transformers.integrations, "get_available_reporting_integrations", lambda: ["tensorboard"])
+    err = recipe_refusal([f"output_dir={tmp_path / 'run'}", "training.report_to=[tensorboard, wandb]"], capsys)
+    assert "training.report_to names wandb, which is not installed here" in err

@@ -6,8 +6,11 @@ loads. The ``training`` section is transformers' own ``TrainingArguments``, chec
 from __future__ import annotations
 
 import dataclasses
+import enum
 import os
 import re
+import types
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -16,7 +19,7 @@ from ..calibration.calibrate import CalibrationConfig
 from ..modules import DEFAULT_METHOD, METHODS
 from ..precision import PRECISIONS
 from ..settings import read_overrides, read_settings, read_yaml_file, unknown_setting
-from ..validation import ValidationError, check_number, first_line
+from ..validation import ValidationError, check_number, first_line, shown
 
 # set by the recipe from its own settings: output_dir, seed, learning_rate (lr.base)
 OWNED_TRAINING_ARGUMENTS = ("output_dir", "seed", "learning_rate")
@@ -128,6 +131,52 @@ class FinalEvaluation:
         return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
 
 
+def _of_type(value, hint) -> bool:
+    """Whether ``value`` fits a TrainingArguments field's annotation (a type not known here passes: TrainingArguments'
+    own checks see it)."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if hint is type(None):
+        return value is None
+    if origin in (typing.Union, types.UnionType):
+        return any(_of_type(value, arg) for arg in args)
+    if origin is typing.Literal:
+        return value in args
+    if hint in (list, tuple) or origin in (list, tuple):
+        return isinstance(value, (list, tuple)) and all(_of_type(v, args[0]) for v in value if args)
+    if hint is dict or origin is dict:
+        return isinstance(value, dict)
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint in (int, float, str):
+        numbers = (int, float) if hint is float else (hint,)
+        return isinstance(value, numbers) and not isinstance(value, bool)
+    if isinstance(hint, type) and issubclass(hint, enum.Enum):
+        return isinstance(value, (str, hint))
+    return True
+
+
+def _training_value_problem(key: str, value, hint) -> str | None:
+    """Why a ``training.*`` value would fail only once training starts (a TypeError, a ZeroDivisionError, a
+    RuntimeError for a reporting integration not installed), after the slow loading and calibration; None if fine."""
+    if hint is not None and not _of_type(value, hint):
+        kinds = " or ".join(sorted({getattr(a, "__name__", str(a)) for a in typing.get_args(hint) or (hint,)}))
+        return f"must be {kinds.replace('NoneType', 'null')}, got {shown(value)}"
+    if key in COUNTS and value is not None and value < 1:
+        return f"must be at least 1, got {shown(value)}"
+    if key == "report_to" and value not in (None, "none", "all"):
+        from transformers.integrations import get_available_reporting_integrations
+
+        missing = [n for n in ([value] if isinstance(value, str) else value)
+                   if n not in (*get_available_reporting_integrations(), "none")]
+        if missing:
+            return f"names {missing[0]}, which is not installed here: install it, or set training.report_to=none"
+    return None
+
+
+# TrainingArguments' counts that divide or size a batch: 0 fails as a ZeroDivisionError once training starts
+COUNTS = ("gradient_accumulation_steps", "per_device_train_batch_size", "per_device_eval_batch_size")
+
+
 def _training_defaults() -> dict:
     return {"max_steps": 100, "per_device_train_batch_size": 4, "gradient_accumulation_steps": 1,
             "lr_scheduler_type": "cosine", "warmup_steps": 10, "weight_decay": 0.0, "max_grad_norm": 1.0,
@@ -216,6 +265,7 @@ class RecipeConfig:
         from transformers import TrainingArguments
 
         known = {f.name for f in dataclasses.fields(TrainingArguments) if f.init} - set(OWNED_TRAINING_ARGUMENTS)
+        hints = typing.get_type_hints(TrainingArguments)
         merged = {**_training_defaults(), **self.training}
         for key, value in merged.items():  # YAML 1.1 reads an unquoted `no` as false
             if key.endswith("_strategy") and value is False:
@@ -223,6 +273,9 @@ class RecipeConfig:
         for key in merged:
             if key not in known:
                 raise unknown_setting(key, known, "training.")
+            problem = _training_value_problem(key, merged[key], hints.get(key))
+            if problem:
+                raise ValidationError(f"training.{key} {problem}")
             if HUB_TRAINING_ARGUMENTS.fullmatch(key):
                 raise ValidationError(f"training.{key} is refused: the Trainer would upload all of output_dir "
                                       "(optimizer states, training_args.bin holding the token); set push_to_hub: "
