@@ -211,3 +211,39 @@ def test_a_linked_settings_file_in_the_sample_cache_is_replaced_not_written_thro
     cache.prepare()
     assert (tmp_path / "mine.json").read_text() == "mine"
     assert not (cache.directory / "settings.json").is_symlink() and sorted(p.name for p in cache.directory.iterdir()) == ["settings.json"]
+
+
+class _Payload:
+    def __init__(self, mark: Path):
+        self.mark = mark
+
+    def __reduce__(self):  # what a crafted optimizer.pt holds: unpickling it would create the mark
+        return (Path.touch, (self.mark,))
+
+
+@pytest.mark.parametrize("damage", ["truncated", "pickle payload"])
+def test_a_damaged_trainer_checkpoint_is_named_with_the_fix(llama, tmp_path, capsys, no_loading, damage):
+    """A truncated checkpoint-3/optimizer.pt failed every relaunch with a PytorchStreamReader traceback that did not
+    name the file; a pickle payload there gave an UnpicklingError traceback."""
+    import torch
+
+    from cli_runs import recipe_refusal
+    from hf_normswap.training import recipe_settings, run_dir
+
+    out = tmp_path / "run"
+    run = [f"model={llama}", f"output_dir={out}"]
+    run_dir.claim_run_dir(recipe_settings.load_config(run))
+    checkpoint = out / "checkpoint-3"
+    checkpoint.mkdir()
+    (checkpoint / "trainer_state.json").write_text('{"global_step": 3}')
+    torch.save({"cpu": torch.random.get_rng_state()}, checkpoint / "rng_state.pth")
+    optimizer = checkpoint / "optimizer.pt"
+    if damage == "truncated":
+        torch.save({"state": {0: {"exp_avg": torch.ones(1000)}}}, optimizer)
+        optimizer.write_bytes(optimizer.read_bytes()[:3000])
+    else:
+        torch.save({"state": _Payload(tmp_path / "ran")}, optimizer)
+    err = recipe_refusal(run, capsys)
+    assert f"{checkpoint} is damaged: optimizer.pt cannot be read" in err
+    assert f"delete {checkpoint} to resume from the one before, or set resume=false" in err
+    assert not (tmp_path / "ran").exists()

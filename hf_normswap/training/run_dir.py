@@ -17,7 +17,7 @@ from ..checkpoint.loading import resolve
 from ..checkpoint.packaged import PREFIX as PACKAGED
 from ..atomic_write import atomic_write
 from ..checkpoint.directory import check_output_dir
-from ..validation import ValidationError, check_path_length, shown
+from ..validation import ValidationError, check_path_length, first_line, shown
 
 RECORD = "run.json"
 WRITTEN_BY = "hf-normswap recipes/finetune.py"
@@ -127,6 +127,27 @@ def finished_run(config) -> str | None:
             "raise train_tokens or training.max_steps to continue") if done else None
 
 
+def damaged_checkpoint(checkpoint: Path) -> str | None:
+    """Why the Trainer could not resume from ``checkpoint`` (a cut or foreign file), or None: each state file read as
+    the Trainer reads it, tensors only (``weights_only``: a pickle that would run code is refused, not run) and
+    memory-mapped, so an optimizer state of gigabytes is not read into memory."""
+    import torch
+    from safetensors import safe_open
+    from transformers.trainer_pt_utils import safe_globals
+
+    for file in sorted(checkpoint.iterdir()):
+        try:
+            if file.suffix in (".pt", ".pth") or file.suffix == ".bin" and file.name != "training_args.bin":
+                with safe_globals():  # the numpy types of rng_state.pth, which the Trainer allows too
+                    torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+            elif file.suffix == ".safetensors":
+                with safe_open(file, "pt"):
+                    pass
+        except Exception as error:  # torch and safetensors raise their own types for a cut file or a foreign pickle
+            return f"{file.name} cannot be read ({first_line(error)[:200]})"
+    return None
+
+
 def check_run_dir(config) -> None:
     """Refuse, before anything loads, an output_dir the recipe did not create, and a resume that would train another
     model or other parameters than the run recorded there."""
@@ -165,7 +186,12 @@ def check_run_dir(config) -> None:
         raise ValidationError(f"output_dir {out} was calibrated and trained from {changed}; the config names "
                               f"{shown(config.model)}: name another output_dir, or set resume=false to start over")
     asked = trained_parameters(config)
-    if record.get("parameters") != asked and last_checkpoint(out) is not None:
+    last = last_checkpoint(out)
+    damaged = damaged_checkpoint(last) if last is not None else None
+    if damaged:
+        raise ValidationError(f"{last} is damaged: {damaged}; delete {last} to resume from the one before, or set "
+                              "resume=false to start over")
+    if record.get("parameters") != asked and last is not None:
         raise ValidationError(f"output_dir {out} trains {record.get('parameters')}, the config {asked}: its "
                               "checkpoints' optimizer state fits those parameters only; set them back, name another "
                               "output_dir, or set resume=false to start over")
