@@ -12,6 +12,7 @@ import re
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 
+import torch
 from torch import nn
 
 from . import kernels, offload
@@ -238,6 +239,15 @@ def check_not_converted(model: nn.Module) -> None:
                               "--include / --exclude")
 
 
+def check_finite(model: nn.Module) -> None:
+    """A weight holding NaN or infinity makes every output NaN: the sampler, calibration and the check fail on it
+    far from the cause. Refused in one line first (weights kept on disk by offloading are not read)."""
+    for name, tensor in model.named_parameters():
+        if tensor.is_floating_point() and tensor.device.type != "meta" and not torch.isfinite(tensor).all():
+            raise ConversionError(f"the model's {name} holds NaN or infinite values: its weights are damaged; "
+                                  "convert an intact copy of the model")
+
+
 def convert(model: nn.Module, to: str | ConvertConfig = DEFAULT_METHOD, calibration="default", *, tokenizer=None,
             **settings) -> ConversionReport:
     """Replace the selected norms of ``model`` with element-wise modules, in place.
@@ -252,6 +262,7 @@ def convert(model: nn.Module, to: str | ConvertConfig = DEFAULT_METHOD, calibrat
     the theory for inputs of that RMS.
     Returns a :class:`ConversionReport`; the same summary is stored as ``model.config.normswap``.
     """
+    check_finite(model)
     if isinstance(to, ConvertConfig):
         if not (isinstance(calibration, str) and calibration == "default") or settings:
             raise ConversionError("give the settings in the ConvertConfig, not beside it")

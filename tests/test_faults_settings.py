@@ -91,3 +91,19 @@ def test_a_reporting_integration_not_installed_is_refused_before_loading(tmp_pat
     monkeypatch.setattr(transformers.integrations, "get_available_reporting_integrations", lambda: ["tensorboard"])
     err = recipe_refusal([f"output_dir={tmp_path / 'run'}", "training.report_to=[tensorboard, wandb]"], capsys)
     assert "training.report_to names wandb, which is not installed here" in err
+
+
+def test_a_nan_weight_is_refused_in_one_line_before_sampling(tmp_path, capsys):
+    """The default convert failed with `index 2 is out of bounds` in the sampler."""
+    import torch
+
+    from tiny_models import tiny_model, tiny_tokenizer
+
+    model = tiny_model("llama")
+    with torch.no_grad():
+        model.model.layers[0].mlp.up_proj.weight[0, 0] = float("nan")
+    model.save_pretrained(tmp_path / "llama")
+    tiny_tokenizer().save_pretrained(tmp_path / "llama")
+    code, line = run_cli(["convert", tmp_path / "llama", "--to", "eln", "--output", tmp_path / "out"], capsys)
+    assert code == 2 and "model.layers.0.mlp.up_proj.weight holds NaN or infinite values" in line
+    assert not (tmp_path / "out").exists()
