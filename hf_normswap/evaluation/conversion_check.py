@@ -26,6 +26,7 @@ from .embeddings import sentences
 
 MAX_RATIO = 50.0  # perplexity ratio above which a conversion has failed
 MIN_COSINE = 0.5  # output cosine below which it has
+UNIFORM = 0.99  # share of the vocabulary's size at which a perplexity is a uniform guess's
 WINDOWS, WINDOW_LEN, SENTENCES = 4, 128, 32
 DATA = "builtin"
 
@@ -41,10 +42,18 @@ class CheckResult:
     value: float  # perplexity ratio, or mean cosine to the original
     failed: bool
 
+    @property
+    def comparable(self) -> bool:
+        """False when the original's own perplexity is not finite: there is nothing to compare against."""
+        return self.original is None or math.isfinite(self.original)
+
     def to_dict(self) -> dict:
         return asdict(self)
 
     def line(self) -> str:
+        if self.metric == "perplexity" and not self.comparable:
+            return (f"check: perplexity {self.original:.4g} -> {self.converted:.4g} on {self.data}: not comparable, "
+                    "the original's own is not finite")
         if self.metric == "perplexity":
             return (f"check: perplexity {self.original:.4g} -> {self.converted:.4g} ({self.value:.4g}x the "
                     f"original's) on {self.data}")
@@ -53,10 +62,17 @@ class CheckResult:
     def warning(self, record: ConversionRecord | None = None) -> str | None:
         """None when the check passed; else the warning, with the cause and the fix read from the converted model's
         record."""
+        if not self.comparable:
+            return (f"the check cannot compare: the original model's own perplexity on {self.data} is "
+                    f"{self.original:.4g} (its outputs are not finite). Fix: check the original's weights, or run it "
+                    "in float32 (--dtype float32)")
         if not self.failed:
             return None
         what = (f"perplexity is {self.value:.3g}x the original's" if self.metric == "perplexity"
                 else f"outputs have cosine {self.value:.3g} to the original's")
+        if self.metric == "perplexity" and self.value <= MAX_RATIO and math.isfinite(self.value):
+            what = (f"output is uniform over its vocabulary (perplexity {self.converted:.4g}, no better than a "
+                    f"guess; {self.value:.3g}x the original's)")
         cause, fix = advice(record.calibration if record else None, (record.convert if record else None) or {})
         return f"the conversion failed: the converted model's {what} on {self.data}. Cause: {cause}. Fix: {fix}"
 
@@ -126,6 +142,7 @@ class ConversionCheck:
             model.train(was_training)
         if self.perplexity:
             out, ids = outputs[0], self.batches[0]["input_ids"]
+            self.vocabulary = out.shape[-1]
             loss = F.cross_entropy(out[:, :-1].reshape(-1, out.shape[-1]), ids[:, 1:].reshape(-1))
             return math.exp(min(float(loss), 700.0)) if math.isfinite(float(loss)) else math.inf
         pooled = []
@@ -138,9 +155,13 @@ class ConversionCheck:
         """Score the converted model on the same slice and compare."""
         converted = self._score(model)
         if self.perplexity:
+            if not math.isfinite(self.original):  # nothing to compare against (CheckResult.warning says so)
+                return CheckResult("perplexity", self.data, self.original, converted, math.nan, failed=False)
             ratio = converted / self.original if self.original else math.inf
+            # no better than a uniform guess over the vocabulary is a failure whatever the ratio (a tiny original)
+            uniform = converted >= UNIFORM * self.vocabulary > self.original
             return CheckResult("perplexity", self.data, self.original, converted, ratio,
-                               failed=not math.isfinite(ratio) or ratio > MAX_RATIO)
+                               failed=not math.isfinite(ratio) or ratio > MAX_RATIO or uniform)
         cosine = float(F.cosine_similarity(converted, self.original, dim=-1).mean())
         return CheckResult("cosine", self.data, None, cosine, cosine,
                            failed=not math.isfinite(cosine) or cosine < MIN_COSINE)

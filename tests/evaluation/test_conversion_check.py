@@ -52,3 +52,31 @@ def test_an_encoder_is_checked_by_output_cosine():
     assert result.metric == "cosine" and result.value == pytest.approx(1.0) and not result.failed
     assert result.warning() is None
     assert "sentences of the offline held-out text" in result.data
+
+
+def _collapsed(model):
+    """The model's output made uniform over its vocabulary, as a conversion that saturates every norm leaves it."""
+    with torch.no_grad():
+        model.lm_head.weight.zero_()
+    return model
+
+
+def test_a_uniform_output_is_a_failure_whatever_the_ratio():
+    """A tiny model collapsed to uniform output (37.7x) passed the 50x check."""
+    model = tiny_model("llama")
+    check = ConversionCheck(model)
+    check.original = model.config.vocab_size / 37.7  # a tiny original: uniform output is "only" 37.7x its perplexity
+    result = check.after(_collapsed(model))
+    assert result.value == pytest.approx(37.7, rel=1e-3) and result.failed
+    assert "output is uniform over its vocabulary" in result.warning()
+
+
+def test_a_non_finite_original_is_reported_as_such_not_blamed_on_calibration():
+    """"perplexity inf -> inf (nanx the original's)", then "Cause: calibration ... was too short"."""
+    model = tiny_model("llama")
+    check = ConversionCheck(model)
+    check.original = float("inf")
+    result = check.after(model)
+    assert "not comparable, the original's own is not finite" in result.line() and "nanx" not in result.line()
+    warning = result.warning({"calibration": {"data": "generated", "strategy": "block"}})
+    assert "the original model's own perplexity" in warning and "calibration" not in warning
