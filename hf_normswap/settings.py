@@ -23,6 +23,7 @@ import yaml
 from .validation import ValidationError, first_line, shown
 
 MAX_SETTINGS_BYTES = 1 << 20  # a settings file is a page or two of text; anything larger is not one
+MAX_ENTRIES = 1000  # a list or section of settings (train_data's sources, training's keys) is far shorter
 
 
 def unknown_setting(key, known, prefix: str = "") -> ValidationError:
@@ -58,12 +59,16 @@ _Loader.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(
     r"|^[-+]?\.(?:inf|Inf|INF)$|^\.(?:nan|NaN|NAN)$"), list("-+0123456789."))
 
 
-def check_no_interpolation(layer, where: str) -> None:
+def check_values(layer, where: str) -> None:
     """Refuse ``${`` in any key or string of ``layer`` (OmegaConf would resolve ``${oc.env:HF_TOKEN}`` into the
-    settings): on the values as read, so after YAML's own escapes (``"\\x24{...}"``), and never shown."""
+    settings): on the values as read, so after YAML's own escapes (``"\\x24{...}"``), and never shown. And a list or
+    mapping longer than any setting is (OmegaConf takes a minute over 100,000 entries)."""
     stack = [(layer, "")]
     while stack:  # a loop, not recursion: a value nested thousands deep is refused like any other
         value, key = stack.pop()
+        if isinstance(value, (Mapping, list, tuple)) and len(value) > MAX_ENTRIES:
+            raise ValidationError(f"{where}{': ' + key if key else ''}: {len(value):,} entries; a setting holds at "
+                                  f"most {MAX_ENTRIES:,}")
         if isinstance(value, Mapping):
             stack.extend((v, f"{key}.{k}" if key else str(k)) for k, v in value.items())
             found = any("${" in str(k) for k in value)
@@ -86,7 +91,7 @@ def _parse(text: str, where: str):
         raise ValidationError(f"{where}: {first_line(error)}") from None
     except RecursionError:
         raise ValidationError(f"{where}: nested deeper than a settings file is; write it flat") from None
-    check_no_interpolation(loaded, where)
+    check_values(loaded, where)
     return loaded
 
 
@@ -182,7 +187,7 @@ def read_settings(schema: type, *layers: Mapping, labels: Mapping[str, str] | No
         config = OmegaConf.structured(schema)
         for layer in layers:
             for key, value in layer.items():
-                check_no_interpolation(value, labels.get(key, f"setting {key}"))  # flags too
+                check_values(value, labels.get(key, f"setting {key}"))  # flags too
             _check_sections(schema, layer)
             config = OmegaConf.merge(config, OmegaConf.create(dict(layer)))
         value = OmegaConf.to_object(config)

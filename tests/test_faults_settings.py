@@ -107,3 +107,24 @@ def test_a_nan_weight_is_refused_in_one_line_before_sampling(tmp_path, capsys):
     code, line = run_cli(["convert", tmp_path / "llama", "--to", "eln", "--output", tmp_path / "out"], capsys)
     assert code == 2 and "model.layers.0.mlp.up_proj.weight holds NaN or infinite values" in line
     assert not (tmp_path / "out").exists()
+
+
+def test_an_output_below_a_file_names_the_file(tmp_path, capsys):
+    """``--output FILE/sub`` said "permission denied"."""
+    (tmp_path / "file").write_text("mine")
+    code, line = run_cli(["convert", tmp_path / "no-such-model", "--to", "eln", "--output", tmp_path / "file" / "sub"],
+                         capsys)
+    assert code == 2 and f"{tmp_path / 'file'} is a file, not a folder; choose another --output" in line
+    assert (tmp_path / "file").read_text() == "mine"
+
+
+def test_a_list_longer_than_any_setting_is_one_short_line(tmp_path, capsys):
+    """A 120,000-entry train_data gave a 1.3 MB error line after 57 s (OmegaConf merging the list)."""
+    (tmp_path / "config.yaml").write_text("train_data: [" + ",".join(f"f{i}" for i in range(120_000)) + "]\n")
+    err = recipe_refusal(["--config", tmp_path / "config.yaml", f"output_dir={tmp_path / 'run'}"], capsys)
+    assert "train_data: 120,000 entries; a setting holds at most 1,000" in err and len(err) < 300
+
+
+def test_a_calibration_tokenizer_is_refused_not_ignored(tmp_path, capsys):
+    err = recipe_refusal([f"output_dir={tmp_path / 'run'}", "calibration.tokenizer=gpt2"], capsys)
+    assert "calibration.tokenizer is not a setting of the recipe" in err and list(tmp_path.iterdir()) == []

@@ -158,6 +158,8 @@ def check_output_dir(path: str | os.PathLike, overwrite: bool = False, into_exis
     ancestor = real
     while not ancestor.exists():
         ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise OutputExistsError(f"output {path}: {ancestor} is a file, not a folder; choose another --output")
     writable_in = ancestor if ancestor != real else ancestor.parent
     if not os.access(writable_in, os.W_OK | os.X_OK):
         raise OutputExistsError(f"output {path}: cannot write in {writable_in} (permission denied); choose another --output")
@@ -194,9 +196,8 @@ def _merge(target: Path, staging: Path) -> None:
 
 @contextmanager
 def _commit_lock(parent: Path):
-    """Saves into one folder commit one at a time: whether the target may be replaced is decided and acted on
-    under an exclusive lock of its folder (released by the kernel when a process dies); without ``flock`` (Windows)
-    the no-replace rename of :func:`_commit` alone decides."""
+    """Saves into one folder commit one at a time, under a lock of the folder that a killed process releases;
+    without ``flock`` (Windows) the no-replace rename of :func:`_commit` alone decides."""
     try:
         import fcntl
     except ImportError:
@@ -211,8 +212,7 @@ def _commit_lock(parent: Path):
 
 
 def _commit(path, target: Path, staging: Path, overwrite: bool, into_existing: bool) -> None:
-    """Put ``staging`` at ``target``, deciding now whether what is there may be replaced: a checkpoint that another
-    save put there while this one ran is replaced only with ``overwrite``."""
+    """Put ``staging`` at ``target``; what another save put there meanwhile is replaced only with ``overwrite``."""
     if target.exists() and any(target.iterdir()):
         if not (overwrite or into_existing):
             raise OutputExistsError(f"output directory {path} was filled by another save while this one ran; pass "

@@ -108,7 +108,8 @@ class SamplingSettings:
             try:
                 values[key] = kind(value)
             except ValueError:
-                raise ValueError(f"generated: {key}={value!r} is not a {kind.__name__}") from None
+                written = "an integer (digits, e.g. 64)" if kind is int else "a number"
+                raise ValueError(f"generated: {key}={value!r} is not {written}") from None
         return cls(**values)
 
     def check_model(self, model: nn.Module) -> None:

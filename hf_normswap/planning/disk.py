@@ -4,7 +4,6 @@ this machine has free): the rest of its weights stays on disk and calibration br
 
 from __future__ import annotations
 
-from .plan import gb
 from .recipe_memory import conversion_phases
 from .recipe_plan import calibration_settings
 from .plan_settings import PlanSettings
@@ -35,6 +34,6 @@ def weights_in_memory(model, calibration, limit: int) -> int | None:
         return None
     beside = beside_the_weights(sizes, settings)
     if beside >= limit:
-        raise PlanError(f"a host memory of {gb(limit)} is below what calibration needs beside the weights "
-                        f"({gb(beside)}): allow more, or calibrate on fewer or shorter sequences")
+        raise PlanError(f"a host memory of {limit / 2**20:,.1f} MiB is not above what calibration needs beside the "
+                        f"weights ({beside / 2**20:,.1f} MiB): allow more, or calibrate on fewer or shorter sequences")
     return limit - beside

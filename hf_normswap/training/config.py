@@ -245,6 +245,9 @@ class RecipeConfig:
         _at_least(self.max_minutes, "max_minutes", 0)
         _at_least(self.head_chunk, "head_chunk", 0, whole=True)
         _at_least(self.seed, "seed", 0, whole=True)
+        if self.calibration.tokenizer is not None:  # the recipe calibrates with the model's own tokenizer
+            raise ValidationError("calibration.tokenizer is not a setting of the recipe: it calibrates with the "
+                                  "model's own tokenizer; remove calibration.tokenizer")
         try:  # the strategy, precision, device and cache limit, before the model loads
             self.calibration.resolved()
         except ValueError as error:

@@ -99,7 +99,7 @@ def test_the_budget_leaves_room_for_the_block_pass(sharded):
     assert block_pass < whole - sizes.parameter_bytes()  # the end-to-end steps' logits are left out
     assert disk.weights_in_memory(str(sharded), config, whole) is None
     assert disk.weights_in_memory(str(sharded), config, whole - 1) == whole - 1 - block_pass
-    with pytest.raises(disk.PlanError, match="below what calibration needs beside the weights"):
+    with pytest.raises(disk.PlanError, match="not above what calibration needs beside the weights"):
         disk.weights_in_memory(str(sharded), config, block_pass)
 
 
@@ -119,8 +119,9 @@ def test_the_command_line_keeps_weights_on_disk_within_the_limit(sharded, tmp_pa
     in_memory, on_disk = (hf_normswap.load(tmp_path / name).config.normswap["calibration"]
                           for name in ("memory", "disk"))
     assert (in_memory["tune_steps"], on_disk["tune_steps"]) == (30, 0)  # the block strategy's end-to-end steps
-    assert run_cli(["convert", sharded, *flags, "--max-host-memory", "1MiB", "--output", tmp_path / "x"],
-                   capsys)[1].endswith("allow more, or calibrate on fewer or shorter sequences")
+    line = run_cli(["convert", sharded, *flags, "--max-host-memory", "1MiB", "--output", tmp_path / "x"], capsys)[1]
+    assert "a host memory of 1.0 MiB is not above what calibration needs beside the weights (1.0 MiB)" in line
+    assert line.endswith("allow more, or calibrate on fewer or shorter sequences")
     assert run_cli(["convert", sharded, *flags, "--max-host-memory", "lots", "--output", tmp_path / "x"],
                    capsys)[1].endswith("is not a size: write it as e.g. 80GB, 80GiB or 512MB")
     assert not (tmp_path / "x").exists()

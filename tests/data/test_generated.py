@@ -95,7 +95,8 @@ def test_two_processes_draw_different_shares_of_one_text(tmp_path):
     ("generated:top_p=1.5", "top_p must be in (0, 1]"),
     ("generated:length=0", "length must be a whole number of at least 1"),
     ("generated:tempreature=1", "is not one of temperature=..."),
-    ("generated:length=abc", "length='abc' is not a int"),
+    ("generated:length=abc", "length='abc' is not an integer (digits, e.g. 64)"),
+    ("generated:batch_size=1e9", "batch_size='1e9' is not an integer (digits, e.g. 64)"),
     ("generated:length=65", "length 65 is longer than the context of the model (64 tokens)"),
 ])
 def test_bad_settings_are_one_line(spec, message):
