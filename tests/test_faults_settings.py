@@ -128,3 +128,22 @@ def test_a_list_longer_than_any_setting_is_one_short_line(tmp_path, capsys):
 def test_a_calibration_tokenizer_is_refused_not_ignored(tmp_path, capsys):
     err = recipe_refusal([f"output_dir={tmp_path / 'run'}", "calibration.tokenizer=gpt2"], capsys)
     assert "calibration.tokenizer is not a setting of the recipe" in err and list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("hidden_size", "64", "hidden_size is '64'; it must be a positive integer"),
+    ("num_attention_heads", 0, "num_attention_heads is 0; it must be a positive integer"),
+    ("hidden_size", 2**40, "hidden_size is 1,099,511,627,776; no model has more than 16,777,216"),
+    ("num_hidden_layers", 10**7, "num_hidden_layers is 10,000,000; no model has more than 10,000")])
+@pytest.mark.parametrize("verb", ["plan", "inspect"])
+def test_absurd_config_values_are_one_line_in_plan_and_inspect(tmp_path, capsys, key, value, message, verb):
+    """``plan`` gave tracebacks where ``inspect`` refused in one line; 10**7 layers hung both."""
+    import json
+
+    from tiny_models import tiny_model
+
+    tiny_model("llama").save_pretrained(tmp_path / "llama")
+    config = json.loads((tmp_path / "llama" / "config.json").read_text())
+    (tmp_path / "llama" / "config.json").write_text(json.dumps({**config, key: value}))
+    code, line = run_cli([verb, tmp_path / "llama"], capsys)
+    assert code == 2 and f"config.json {message}" in line

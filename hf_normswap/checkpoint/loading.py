@@ -67,11 +67,14 @@ SIZE_KEYS = ("hidden_size", "intermediate_size", "vocab_size", "num_hidden_layer
              "num_key_value_heads", "head_dim", "n_embd", "n_layer", "n_head", "d_model", "max_position_embeddings")
 
 
+# above these a config describes no model that could be built: 2**40 wide, or 10**7 blocks to instantiate (a hang)
+MAX_SIZE, MAX_LAYERS, LAYER_KEYS = 1 << 24, 10_000, ("num_hidden_layers", "n_layer")
 EPS_SUFFIXES = ("_eps", "epsilon")  # rms_norm_eps, layer_norm_eps, layer_norm_epsilon
 
 
-def _check_config_file(path: Path, spec: str) -> None:
-    """A local config.json must be a JSON object whose sizes are positive: one line instead of a traceback."""
+def check_config_file(path: Path, spec: str) -> None:
+    """A local config.json must be a JSON object whose sizes are positive and buildable: one line instead of a
+    traceback or a hang (``load``, ``inspect``, ``plan``)."""
     if not path.is_file():
         return
     try:
@@ -84,6 +87,9 @@ def _check_config_file(path: Path, spec: str) -> None:
         value = config.get(key)
         if value is not None and not (isinstance(value, int) and not isinstance(value, bool) and value > 0):
             raise ModelLoadError(f"{spec}: config.json {key} is {value!r}; it must be a positive integer")
+        limit = MAX_LAYERS if key in LAYER_KEYS else MAX_SIZE
+        if value is not None and key != "max_position_embeddings" and value > limit:
+            raise ModelLoadError(f"{spec}: config.json {key} is {value:,}; no model has more than {limit:,}")
     for key, value in config.items():  # 1e309 reads as inf: the norm then outputs 0 and passes for a LayerNorm
         if key.endswith(EPS_SUFFIXES) and isinstance(value, float) and not (math.isfinite(value) and value > 0):
             raise ModelLoadError(f"{spec}: config.json {key} is {value!r}; it must be a small positive number")
@@ -122,7 +128,7 @@ def load_model(spec: str, dtype=None, with_tokenizer: bool = True, device=None, 
     kwargs = dict(extra, **cache_only, dtype=dtype) if dtype is not None else dict(extra, **cache_only)
     if device is not None and "gguf_file" not in extra:
         kwargs["device_map"] = str(device)
-    _check_config_file(Path(location) / "config.json", spec)
+    check_config_file(Path(location) / "config.json", spec)
     folder = None
     if weights_memory is not None:
         folder = offload.new_folder(spec)

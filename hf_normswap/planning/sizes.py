@@ -55,7 +55,7 @@ def read_config(model) -> "transformers.PretrainedConfig":  # noqa: F821
 
     if isinstance(model, PretrainedConfig):
         return model
-    from ..checkpoint.loading import ModelLoadError, resolve
+    from ..checkpoint.loading import ModelLoadError, check_config_file, resolve
     from ..checkpoint.packaged import PackagedModelMissing
 
     spec = str(model)
@@ -67,6 +67,7 @@ def read_config(model) -> "transformers.PretrainedConfig":  # noqa: F821
     file = path if path.is_file() and path.suffix == ".json" else path / "config.json"
     try:
         if file.is_file():  # a converted checkpoint's config names its remote code: build its architecture's own
+            check_config_file(file, spec)  # sizes positive and buildable: one line, not a traceback or a hang
             values = json.loads(file.read_text())
             values.pop("auto_map", None)
             if "model_type" not in values:
@@ -75,6 +76,8 @@ def read_config(model) -> "transformers.PretrainedConfig":  # noqa: F821
         return AutoConfig.from_pretrained(location, trust_remote_code=False, **extra)
     except PlanError:
         raise
+    except ModelLoadError as error:
+        raise PlanError(str(error)) from None
     except (OSError, ValueError, KeyError) as error:
         first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise PlanError(f"cannot read a config for {spec} ({first}): give a Hub id, a model directory or its "
