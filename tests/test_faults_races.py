@@ -247,3 +247,31 @@ def test_a_damaged_trainer_checkpoint_is_named_with_the_fix(llama, tmp_path, cap
     assert f"{checkpoint} is damaged: optimizer.pt cannot be read" in err
     assert f"delete {checkpoint} to resume from the one before, or set resume=false" in err
     assert not (tmp_path / "ran").exists()
+
+
+def test_an_output_dir_inside_the_models_folder_is_refused(llama, tmp_path, capsys):
+    from cli_runs import recipe_refusal
+
+    before = file_tree(llama)
+    err = recipe_refusal([f"model={llama}", f"output_dir={llama / 'run'}"], capsys)
+    assert f"output_dir {llama / 'run'} is inside model" in err and file_tree(llama) == before
+    assert not (llama / "run").exists()
+
+
+def test_a_tokenizers_auto_map_is_not_carried_into_a_saved_checkpoint(tmp_path):
+    """The code an input tokenizer's auto_map names is never run; the recipe's output named it and failed on load."""
+    import json
+
+    from hf_normswap.checkpoint.loading import load_model
+    from tiny_models import tiny_tokenizer
+
+    tiny_model("llama").save_pretrained(tmp_path / "llama")
+    tiny_tokenizer().save_pretrained(tmp_path / "llama")
+    settings = json.loads((tmp_path / "llama" / "tokenizer_config.json").read_text())
+    settings["auto_map"] = {"AutoTokenizer": ["tokenization_mine.MyTokenizer", None]}
+    (tmp_path / "llama" / "tokenizer_config.json").write_text(json.dumps(settings))
+    model, tokenizer = load_model(str(tmp_path / "llama"))
+    hf_normswap.convert(model, to="eln", calibration=None)
+    hf_normswap.save_pretrained(model, tmp_path / "out", tokenizer=tokenizer)
+    assert "auto_map" not in json.loads((tmp_path / "out" / "tokenizer_config.json").read_text())
+    load_model(str(tmp_path / "out"))

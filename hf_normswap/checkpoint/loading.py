@@ -170,6 +170,8 @@ def load_model(spec: str, dtype=None, with_tokenizer: bool = True, device=None, 
             converted = {"config": base_config(location)} if converted_config(location) else {}
             tokenizer = AutoTokenizer.from_pretrained(location, **extra, **cache_only, **converted,
                                                       trust_remote_code=False)
+            # the code an auto_map names was not run: a save would name code its checkpoint does not hold
+            getattr(tokenizer, "init_kwargs", {}).pop("auto_map", None)
         except (OSError, ValueError, TypeError):
             tokenizer = None  # vision and audio models have processors instead
         finally:

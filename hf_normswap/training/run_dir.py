@@ -153,6 +153,13 @@ def check_run_dir(config) -> None:
     model or other parameters than the run recorded there."""
     out = Path(config.output_dir)
     check_path_length(out, "output_dir")
+    inside = Path(os.path.realpath(out.expanduser()))
+    for key in ("model", "original"):  # rotation and resumes would delete and read beside the model's own files
+        spec = getattr(config, key)
+        source = Path(os.path.realpath(Path(spec).expanduser())) if spec and not spec.startswith(PACKAGED) else None
+        if source is not None and source.is_dir() and source in (inside, *inside.parents):
+            raise ValidationError(f"output_dir {out} is inside {key} {shown(spec)}, which the recipe reads: name an "
+                                  "output_dir outside it")
     if not out.exists():
         return
     if not out.is_dir():
