@@ -275,3 +275,11 @@ def test_a_tokenizers_auto_map_is_not_carried_into_a_saved_checkpoint(tmp_path):
     hf_normswap.save_pretrained(model, tmp_path / "out", tokenizer=tokenizer)
     assert "auto_map" not in json.loads((tmp_path / "out" / "tokenizer_config.json").read_text())
     load_model(str(tmp_path / "out"))
+
+
+def test_the_card_says_the_remote_code_does_not_check_the_record(converted):
+    """Remote code loads a checkpoint of format_version 99, or with a changed method or a dropped norm, which the
+    package's loader refuses: the card says which loader checks."""
+    root, _ = converted
+    card = (root / "eln" / "README.md").read_text()
+    assert "refuses a checkpoint edited since it\nwas saved; the remote code builds what the record says without those checks" in card

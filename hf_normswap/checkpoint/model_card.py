@@ -231,7 +231,9 @@ model, tokenizer = load_model("REPO_OR_PATH")  # with the tokenizer
 
 Without `trust_remote_code=True` the stock loaders refuse this checkpoint (its `model_type` is
 `{config["model_type"]}`): the original `{base.architecture}` class would drop the
-`{method_class.shape_name}` parameters.
+`{method_class.shape_name}` parameters. The package's loader also checks the `normswap` record against the
+weights (its format version, each module's method, the norms converted) and refuses a checkpoint edited since it
+was saved; the remote code builds what the record says without those checks.
 
 ## Citation
 
