@@ -3,9 +3,9 @@ dataclasses that declare them (the recipe's ``RecipeConfig``, ``CalibrationConfi
 configs. OmegaConf checks each value against its field's type (``lr.base=1e-3`` is a float, ``block_len=abc`` is
 refused), merges the layers and builds the dataclass, whose ``__post_init__`` checks ranges.
 
-What is checked here, before OmegaConf sees the text: the file's size and encoding, YAML anchors and aliases (an
-alias bomb expands to gigabytes), interpolations (``${oc.env:HF_TOKEN}`` would copy a secret into the settings)
-and a key given twice in one file. Every refusal is one :class:`ValidationError` line naming the file, the override
+What is checked here, before OmegaConf sees the values: the file's size and encoding, YAML anchors and aliases (an
+alias bomb expands to gigabytes), interpolations in any value as read (``"\\x24{oc.env:HF_TOKEN}"`` would copy a
+secret into the settings), lists too long to be settings, and (by OmegaConf's own YAML loader) a key given twice. Every refusal is one :class:`ValidationError` line naming the file, the override
 or the setting, with the nearest known key suggested for an unknown one.
 """
 
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import re
 import typing
 from collections.abc import Callable, Mapping
@@ -33,30 +34,49 @@ def unknown_setting(key, known, prefix: str = "") -> ValidationError:
     return ValidationError(f"unknown setting {prefix}{key}: {hint}")
 
 
-class _Loader(yaml.SafeLoader):
-    """PyYAML's safe loader without anchors, aliases or a key given twice (YAML 1.1 reads them; we refuse them)."""
+@functools.cache
+def _loader():
+    """The YAML loader of settings (built on first use: omegaconf is imported only where settings are read)."""
+    from omegaconf._yaml import get_yaml_loader
 
-    def compose_node(self, parent, index):
-        if self.check_event(yaml.AliasEvent) or getattr(self.peek_event(), "anchor", None):
-            mark = self.peek_event().start_mark
-            raise ValidationError(f"YAML anchors and aliases (&name, *name) are not read (line {mark.line + 1}); "
-                                  "write the value out")
-        return super().compose_node(parent, index)
+    class _Loader(get_yaml_loader(max_yaml_expanded_nodes=None)):
+        """OmegaConf's own YAML loader: libyaml's parser (its nesting limit too), YAML 1.2 floats (``1e-3``, ``5E4``;
+        YAML 1.1 reads them as strings), no timestamps, a key given twice refused. Kept by hand: aliases refused
+        outright (settings never need one); so OmegaConf's expansion bound, which also counts plain nodes and
+        refuses a long list in words about aliases, is off."""
 
-    def construct_mapping(self, node, deep=False):
-        seen = set()
-        for key_node, _ in node.value:
-            key = self.construct_object(key_node, deep=True)
-            if key in seen:
-                raise ValidationError(f"{shown(key)} is given twice (line {key_node.start_mark.line + 1}); keep one")
-            seen.add(key)
-        return super().construct_mapping(node, deep)
+        def construct_document(self, node):
+            seen, repeated, stack = set(), [], [node]
+            while stack:  # an alias is a node met twice in the composed document (a loop: nesting may be deep)
+                current = stack.pop()
+                if id(current) in seen:
+                    repeated.append(current.start_mark.line + 1)
+                    continue
+                seen.add(id(current))
+                if isinstance(current, yaml.SequenceNode):
+                    stack.extend(current.value)
+                elif isinstance(current, yaml.MappingNode):
+                    stack.extend(n for pair in current.value for n in pair)
+            if repeated:
+                raise ValidationError(f"YAML anchors and aliases (&name, *name) are not read (line {min(repeated)}); "
+                                      "write the value out")
+            return super().construct_document(node)
+
+    # kept by hand: OmegaConf's float pattern misses a signed float without a leading digit (-.5, +.5e-3)
+    _Loader.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(r"^[-+]\.[0-9_]+(?:[eE][-+]?[0-9]+)?$"),
+                                  list("-+"))
+    return _Loader
 
 
-# YAML 1.2 floats: 1e-3 and 5E4 as well as 1.0e-3 (YAML 1.1 reads the first two as strings)
-_Loader.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(
-    r"^[-+]?(?:[0-9][0-9_]*)?(?:\.[0-9_]*)?[eE][-+]?[0-9]+$|^[-+]?[0-9][0-9_]*\.[0-9_]*$|^[-+]?\.[0-9_]+$"
-    r"|^[-+]?\.(?:inf|Inf|INF)$|^\.(?:nan|NaN|NAN)$"), list("-+0123456789."))
+def _yaml_problem(error: yaml.YAMLError) -> str:
+    """A YAML error in one line: the problem and its line (OmegaConf's duplicate key in the package's words)."""
+    problem, mark = getattr(error, "problem", None), getattr(error, "problem_mark", None)
+    if not problem or mark is None:
+        return first_line(error)
+    duplicate = re.fullmatch(r"found duplicate key (.*)", problem)
+    if duplicate:
+        return f"{shown(duplicate.group(1))} is given twice (line {mark.line + 1}); keep one"
+    return f"{problem} (line {mark.line + 1})"
 
 
 def check_values(layer, where: str) -> None:
@@ -84,11 +104,11 @@ def check_values(layer, where: str) -> None:
 
 def _parse(text: str, where: str):
     try:
-        loaded = yaml.load(text, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
+        loaded = yaml.load(text, Loader=_loader())  # noqa: S506 - OmegaConf's safe loader
     except ValidationError as error:
         raise ValidationError(f"{where}: {error}") from None
     except yaml.YAMLError as error:
-        raise ValidationError(f"{where}: {first_line(error)}") from None
+        raise ValidationError(f"{where}: {_yaml_problem(error)}") from None
     except RecursionError:
         raise ValidationError(f"{where}: nested deeper than a settings file is; write it flat") from None
     check_values(loaded, where)

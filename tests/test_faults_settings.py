@@ -69,7 +69,7 @@ def test_a_dollar_brace_in_a_yaml_comment_is_only_a_comment(tmp_path, capsys):
 def test_settings_nested_thousands_deep_are_one_line(tmp_path, capsys):
     (tmp_path / "config.yaml").write_text("a: " + "[" * 20000 + "]" * 20000 + "\n")
     err = recipe_refusal(["--config", tmp_path / "config.yaml"], capsys)
-    assert "nested deeper than a settings file is" in err
+    assert "exceeded maximum nesting depth (line 1)" in err or "nested deeper than a settings file is" in err
 
 
 @pytest.mark.parametrize("setting, message", [
@@ -147,3 +147,12 @@ def test_absurd_config_values_are_one_line_in_plan_and_inspect(tmp_path, capsys,
     (tmp_path / "llama" / "config.json").write_text(json.dumps({**config, key: value}))
     code, line = run_cli([verb, tmp_path / "llama"], capsys)
     assert code == 2 and f"config.json {message}" in line
+
+
+@pytest.mark.parametrize("text, value", [("1e-3", 1e-3), ("5E4", 5e4), (".5", 0.5), ("-.5", -0.5), ("+.5e-3", 5e-4),
+                                         ("1_000.5", 1000.5), ("2026-11-29", "2026-11-29")])
+def test_settings_read_yaml_1_2_numbers_and_no_dates(value, text):
+    """OmegaConf's YAML loader reads the floats YAML 1.2 does (YAML 1.1 reads 1e-3 as a string) and no dates."""
+    from hf_normswap.settings import read_overrides
+
+    assert read_overrides([f"a={text}"]) == {"a": value}

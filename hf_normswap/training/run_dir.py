@@ -156,8 +156,11 @@ def check_run_dir(config) -> None:
     inside = Path(os.path.realpath(out.expanduser()))
     for key in ("model", "original"):  # rotation and resumes would delete and read beside the model's own files
         spec = getattr(config, key)
-        source = Path(os.path.realpath(Path(spec).expanduser())) if spec and not spec.startswith(PACKAGED) else None
-        if source is not None and source.is_dir() and source in (inside, *inside.parents):
+        if not spec or spec.startswith(PACKAGED):
+            continue
+        check_path_length(spec, key)  # a name too long to be a path or a Hub id is refused here
+        source = Path(os.path.realpath(Path(spec).expanduser()))
+        if source.is_dir() and source in (inside, *inside.parents):
             raise ValidationError(f"output_dir {out} is inside {key} {shown(spec)}, which the recipe reads: name an "
                                   "output_dir outside it")
     if not out.exists():
