@@ -11,8 +11,10 @@ from pathlib import Path
 import pytest
 
 import hf_normswap
-from hf_normswap.checkpoint import model_card, save_load
+from hf_normswap.checkpoint import directory, model_card
+from hf_normswap.checkpoint.record import ConversionRecord
 from cli_runs import file_tree, run_cli as _cli
+from file_modules import import_file
 from tiny_models import tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -33,8 +35,8 @@ def converted(tmp_path_factory):
     return root, models
 
 
-def _method(directory: Path) -> str:
-    return save_load.read_config(directory)["normswap"]["method"]
+def _method(folder: Path) -> str:
+    return ConversionRecord.read(folder).method
 
 
 def test_a_checkpoint_another_save_put_there_meanwhile_is_not_replaced(converted, tmp_path, monkeypatch):
@@ -49,7 +51,7 @@ def test_a_checkpoint_another_save_put_there_meanwhile_is_not_replaced(converted
         return render(config)                                                # leftovers are not its
 
     monkeypatch.setattr(model_card, "render", render_while_another_save_completes)
-    with pytest.raises(save_load.OutputExistsError, match="filled by another save while this one ran; pass --overwrite"):
+    with pytest.raises(directory.OutputExistsError, match="filled by another save while this one ran; pass --overwrite"):
         hf_normswap.save_pretrained(models["eln"], out)
     assert file_tree(out) == file_tree(root / "dyt")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["x"]  # no staging folder left
@@ -69,7 +71,7 @@ def test_an_empty_folder_filled_meanwhile_is_not_replaced(converted, tmp_path, m
         return rename(source, destination)
 
     monkeypatch.setattr(os, "rename", filled_just_before_the_rename)
-    with pytest.raises(save_load.OutputExistsError, match="created by another save"):
+    with pytest.raises(directory.OutputExistsError, match="created by another save"):
         hf_normswap.save_pretrained(models["eln"], out)
     monkeypatch.undo()
     assert file_tree(out) == {"mine.txt": b"mine"}
@@ -85,7 +87,7 @@ def _save_in_child(model, out: Path, start: float, kill_at_card: bool = False) -
             model_card.render = (lambda config: os.kill(os.getpid(), signal.SIGKILL)) if kill_at_card else RENDER
             time.sleep(max(0.0, start - time.time()))
             hf_normswap.save_pretrained(model, out)
-        except save_load.OutputExistsError:
+        except directory.OutputExistsError:
             code = 3
         except BaseException:
             code = 1
@@ -109,7 +111,7 @@ def test_two_saves_at_once_end_with_one_checkpoint_and_one_refusal(converted, tm
         assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL or os.WEXITSTATUS(status) == 3
         assert sorted(codes.values()) == [0, 3], codes
         winner = next(method for method, code in codes.items() if code == 0)
-        save_load.recover_interrupted(out)  # what the next save into the same place runs first
+        directory.recover_interrupted(out)  # what the next save into the same place runs first
         assert _method(out) == winner and file_tree(out) == file_tree(root / winner), round
         assert [p.name for p in tmp_path.iterdir() if p.name.startswith(f".x{round}.")] == []
 
@@ -119,9 +121,9 @@ def test_two_saves_at_once_end_with_one_checkpoint_and_one_refusal(converted, tm
 
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("llama") / "llama"
-    tiny_model("llama").save_pretrained(directory)
-    return directory
+    folder = tmp_path_factory.mktemp("llama") / "llama"
+    tiny_model("llama").save_pretrained(folder)
+    return folder
 
 
 @pytest.mark.parametrize("name", ["calibrated", "final", "summary.json"])
@@ -185,7 +187,8 @@ def test_a_push_refuses_a_file_linked_out_of_the_checkpoint(converted, tmp_path,
     """A checkpoint whose tokenizer_config.json links to a file outside it uploaded that file's content."""
     import shutil
 
-    from hf_normswap.hub_mirror import TOKEN, HubMirror
+    hub_mirror = import_file("scripts/hub_mirror.py")
+    TOKEN, HubMirror = hub_mirror.TOKEN, hub_mirror.HubMirror
 
     checkpoint = tmp_path / "ckpt"
     shutil.copytree(converted[0] / "eln", checkpoint)

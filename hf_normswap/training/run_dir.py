@@ -13,9 +13,9 @@ import os
 import re
 from pathlib import Path
 
+from ..atomic_write import atomic_write
 from ..checkpoint.loading import resolve
 from ..checkpoint.packaged import PREFIX as PACKAGED
-from ..atomic_write import atomic_write
 from ..checkpoint.directory import check_output_dir
 from ..validation import ValidationError, check_path_length, first_line, shown
 
@@ -108,7 +108,7 @@ def finished_run(config) -> str | None:
     """Where a finished run stands, when a relaunch would train nothing: its last checkpoint reached
     ``train_tokens`` (else ``training.max_steps``) and the final checkpoint was saved from it; None otherwise. (The
     Trainer, resumed from a checkpoint at ``max_steps``, would train one more step and replace ``final``.)"""
-    from ..checkpoint.record import read_config
+    from ..checkpoint.record import ConversionRecord
 
     out = Path(config.output_dir)
     last = last_checkpoint(out) if config.resume and out.is_dir() else None
@@ -116,7 +116,10 @@ def finished_run(config) -> str | None:
     if not state:
         return None
     step, tokens = state.get("global_step") or 0, state.get("num_input_tokens_seen") or 0
-    saved = ((read_config(config.save_path) or {}).get("normswap") or {}).get("training") or {}
+    try:
+        saved = ConversionRecord.read(config.save_path).training
+    except ValidationError:  # no final checkpoint yet, or not one this package saved
+        saved = None
     if not isinstance(saved, dict) or saved.get("steps") != step:
         return None  # stopped before its final checkpoint was saved: the relaunch finishes it
     if config.train_tokens is not None:
