@@ -105,10 +105,10 @@ def recipe_by_phase(recipe_args: list[str], during: str, after: str, timeline: l
     """``recipe.main(recipe_args)`` and this process's largest resident set in each phase: ``load`` until training
     starts, ``during`` while ``NormSwapTrainer.train`` runs, ``after`` once it returns (:func:`phase_sampler`); with
     ``stop_at_training``, the run ends where training would start (the load phase alone, exit code 0)."""
-    from hf_normswap.training import distill, recipe, sharding
+    from hf_normswap.training import recipe, sharding, trainer
 
     phase, peaks, done = ["load"], {}, threading.Event()
-    train = distill.NormSwapTrainer.train
+    train = trainer.NormSwapTrainer.train
 
     def marked_train(self, *args, **kwargs):
         if stop_at_training:  # the shard units stated as training would (sharding.ShardingLog)
@@ -121,7 +121,7 @@ def recipe_by_phase(recipe_args: list[str], during: str, after: str, timeline: l
         finally:
             phase[0] = after
 
-    distill.NormSwapTrainer.train = marked_train
+    trainer.NormSwapTrainer.train = marked_train
     sampler = phase_sampler(phase, peaks, done, timeline)
     try:
         code = recipe.main(recipe_args)
@@ -130,7 +130,7 @@ def recipe_by_phase(recipe_args: list[str], during: str, after: str, timeline: l
     finally:
         done.set()
         sampler.join()
-        distill.NormSwapTrainer.train = train
+        trainer.NormSwapTrainer.train = train
     return code, peaks
 
 

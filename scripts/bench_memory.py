@@ -73,7 +73,7 @@ def runtime_worker() -> dict:
     from transformers import Trainer  # noqa: F401
 
     import hf_normswap.calibration.calibrate  # noqa: F401
-    import hf_normswap.training.distill  # noqa: F401
+    import hf_normswap.training.trainer  # noqa: F401
     return {"peak": peak_rss()}
 
 

@@ -188,11 +188,13 @@ def recipe_overrides(args, norm: str, method: str, budget: int, run_dir: Path) -
 def other_text(args, norm: str, method: str, run_dir: Path, checkpoint: Path) -> dict:
     """A point on ``--other-data``, text that neither calibration nor training read: ``normswap eval`` of the
     checkpoint against the original, on as many tokens in windows as long as the recipe's final evaluation."""
+    from hf_normswap.planning.recovery_run import resolve_run
     from hf_normswap.training.config import read_recipe_config
 
-    config = read_recipe_config(args.config, recipe_overrides(args, norm, method, 1, run_dir))
+    run = resolve_run(read_recipe_config(args.config, recipe_overrides(args, norm, method, 1, run_dir)))
+    config = run.settings
     command = [sys.executable, "-c", "import sys; from hf_normswap.cli import main; sys.exit(main())", "eval",
-               str(checkpoint), "--against", config.original or config.model, "--data", args.other_data,
+               str(checkpoint), "--against", run.original, "--data", args.other_data,
                "--max-tokens", str(config.final_eval.max_tokens), "--max-length", str(config.final_eval.max_length),
                "--json"]
     result = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS":

@@ -47,7 +47,7 @@ def head_inputs(args):
 
 def head_steps(hidden, weight, teacher_hidden, teacher_weight, labels) -> dict:
     """Forward + backward of 0.5 CE + 0.5 KD: from full logits (the recipe's former loss), and chunked."""
-    from hf_normswap.training.distill import distillation_loss
+    from hf_normswap.training.losses import distillation_loss
     from hf_normswap.training.head_loss import head_loss
 
     def full():
@@ -121,7 +121,9 @@ def train_steps(variants, student, teacher, inputs, directory: str, precision: s
     memory takes the parent's choice)."""
     from transformers import Trainer, TrainingArguments
 
-    from hf_normswap.training.distill import NormSwapTrainer, freeze_embeddings, head_chunk_for, training_loss
+    from hf_normswap.training.losses import head_chunk_for, training_loss
+    from hf_normswap.training.trainable import freeze_embeddings
+    from hf_normswap.training.trainer import NormSwapTrainer
     from hf_normswap.precision import choose_precision
 
     optimizer = torch.optim.AdamW(student.parameters(), lr=1e-5)

@@ -81,6 +81,9 @@ class Package:
         if name in found.functions or name in found.classes:
             return module, name
         target = found.names.get(name)
+        if target and target[1] is None and "." in target[0]:  # ``from .planning import recipe_settings``: the
+            parent, _, attribute = target[0].rpartition(".")  # package's own name (a function it re-exports)
+            return self.lookup(parent, attribute, depth + 1) if parent != module else None  # shadows its module
         return self.lookup(target[0], target[1], depth + 1) if target and target[1] else None
 
     def node(self, key: tuple[str, str]) -> ast.FunctionDef | None:
@@ -102,10 +105,19 @@ FIELD = ("", "a field")  # the class of a carrier that is a field of the config 
 
 
 def walk(package: Package, start: tuple[str, str], parameter: str, config_class: tuple[str, str],
-         fields: bool = False) -> Walk:
-    """The stops and returns of the object passed as ``parameter`` to the function ``start``; with ``fields``, of
-    its fields too (``config.data`` carries, and so does each attribute of a carrier that is a field)."""
+         fields: bool = False, entry: tuple[tuple[str, str], ...] = (),
+         also: dict[str, tuple[str, str]] | None = None) -> Walk:
+    """The stops and returns of the object passed as ``parameter`` to the function ``start`` (or, where ``start``
+    makes the object itself, held by its name ``parameter`` there); with ``fields``, of its fields too
+    (``config.data`` carries, and so does each attribute of a carrier that is a field). ``entry``: the calls that
+    lead to ``start`` before the object exists (a verb's ``run``), each counted as a stop and, across files, a
+    return. ``also``: other names of ``start`` that carry an object made from it (``run = resolve(config)``: the run
+    holds the settings), each with its class; a call passing one is followed as a call passing the config."""
     result, stack, expanded = Walk(), [start], set()
+    for depth, (caller, callee) in enumerate(zip(entry, (*entry[1:], start))):
+        result.calls.append(f"{'  ' * depth}{caller[0]}.{caller[1]} -> {callee[0]}.{callee[1]}")
+        result.files.add(package.modules[callee[0]].path)
+        result.returns += package.modules[caller[0]].path != package.modules[callee[0]].path
     held: dict[tuple[str, str], dict[str, tuple[str, str]]] = {}  # a class -> its attributes holding a carrier
 
     def constructed(key) -> bool:
@@ -239,7 +251,7 @@ def walk(package: Package, start: tuple[str, str], parameter: str, config_class:
             if package.modules[callee[0]].path != here.path:
                 result.returns += 1
 
-    visit(start, {parameter: config_class})
+    visit(start, {parameter: config_class, **(also or {})})
     return result
 
 
@@ -249,12 +261,29 @@ def calibration_walk(root: Path, fields: bool = False) -> Walk:
                 ("hf_normswap.calibration.calibrate", "CalibrationConfig"), fields=fields)
 
 
+RECOVERY_START = ("hf_normswap.training.recipe", "main")  # where the settings are read: ``config = load_config()``
+RECOVERY_CLASS = ("hf_normswap.training.config", "RecipeConfig")
+RESOLVED = {"run": ("hf_normswap.planning.recovery_run", "RecoveryRun")}  # the run resolved from the settings
+
+
+def recovery_walk(root: Path, fields: bool = False) -> Walk:
+    """The recovery settings' walk, from ``normswap recover`` (``cli/recover.py:run``) through the recipe's
+    ``main``, where the settings object is read, to the Trainer and the save: the settings and the run resolved
+    from them (which holds them) are followed alike."""
+    return walk(Package(root, "hf_normswap"), RECOVERY_START, "config", RECOVERY_CLASS, fields=fields,
+                entry=(("hf_normswap.cli.recover", "run"),), also=RESOLVED)
+
+
+WALKS = {"calibration": calibration_walk, "recovery": recovery_walk}
+
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description="The calibration config's walk from convert, a line per call.")
+    parser = argparse.ArgumentParser(description="A config object's walk (calibration from convert, or the recovery "
+                                                 "settings from `normswap recover`), a line per call.")
     parser.add_argument("root", nargs="?", type=Path, default=Path(__file__).resolve().parents[1],
                         help="the folder holding hf_normswap/ (default: this checkout)")
     parser.add_argument("--fields", action="store_true", help="follow the config's fields too")
+    parser.add_argument("--object", choices=sorted(WALKS), default="calibration", help="which walk (default: calibration)")
     args = parser.parse_args()
-    found = calibration_walk(args.root, fields=args.fields)
+    found = WALKS[args.object](args.root, fields=args.fields)
     print("\n".join(found.calls))
     print(f"{len(found.stops)} stops ({len(found.calls)} calls) in {len(found.files)} files, {found.returns} returns")

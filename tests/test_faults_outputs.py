@@ -30,6 +30,14 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 TEXT = "The model reads the text. The norm of the data is the scale of the model.\n" * 40
 
 
+def check_settled(config):
+    """``recipe_data.check_data`` as the recipe calls it, once the run is resolved."""
+    from hf_normswap.planning.recovery_run import converted_checkpoint
+    from hf_normswap.training import recipe_data
+
+    recipe_data.check_data(config, converted_checkpoint(config) is None)
+
+
 @pytest.fixture(scope="module")
 def source(tmp_path_factory):
     """A tiny Llama (64 positions) with a tokenizer, and a text file."""
@@ -371,7 +379,7 @@ def test_a_large_text_file_is_read_only_up_to_the_token_budget(tmp_path, monkeyp
     line = "the norm of the data is the scale of the model and the text reads the block\n"
     big.write_text(line * (data.LAZY_BYTES // len(line) + 1000))
     monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: pytest.fail("the whole file was loaded"))
-    texts = data.load_texts(str(big), max_tokens=64)
+    texts = hf_normswap.data.load_texts(str(big), max_tokens=64)
     assert len(texts) == 1 and len(texts[0]) <= 64 * data.CHARS_PER_TOKEN and texts[0].endswith("\n")
     model = tiny_model("llama")
     report = hf_normswap.convert(model, "eln", calibration=CalibrationConfig(
@@ -385,13 +393,13 @@ def test_the_recipe_checks_a_large_text_file_without_reading_it_whole(tmp_path, 
     import datasets
 
     from hf_normswap.data import texts as data
-    from hf_normswap.training import recipe_data, recipe_settings
+    from hf_normswap.training import recipe_settings
 
     big = tmp_path / "big.txt"
     line = "the norm of the data is the scale of the model and the text reads the block\n"
     big.write_text(line * (data.LAZY_BYTES // len(line) + 1000))
     monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: pytest.fail("the whole file was loaded"))
-    recipe_data.check_data(recipe_settings.load_config([f"calibration.data={big}", f"train_data={big}", f"eval_data={big}",
+    check_settled(recipe_settings.load_config([f"calibration.data={big}", f"train_data={big}", f"eval_data={big}",
                                           f"output_dir={tmp_path / 'run'}"]))
 
 
@@ -428,7 +436,7 @@ def test_a_null_text_row_reads_as_a_blank_line_streamed_or_whole(monkeypatch):
 
     rows = datasets.Dataset.from_dict({"text": [" = Title = ", "", " the model of the norm", None, " the data", ""]})
     monkeypatch.setattr(data, "hub_dataset", lambda spec, split, streaming=False: (rows, "text"))
-    [whole] = data.load_texts("someone/lines")
+    [whole] = hf_normswap.data.load_texts("someone/lines")
     assert whole == " = Title = \n\n the model of the norm\n\n the data\n"
     streamed = list(streaming._documents(rows.to_iterable_dataset(), "text"))
     assert "".join(text for text, _ in streamed) == whole and streamed[-1][1]

@@ -9,12 +9,14 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
 from cli_runs import file_tree, recipe_refusal
+from hf_normswap.planning.recovery_run import resolve_run
 from hf_normswap.training import recipe_models, recipe_settings, run_dir
 from tiny_models import tiny_model
 
@@ -180,7 +182,7 @@ def test_the_save_never_replaces_the_model_it_reads_or_a_checkpoint_it_did_not_s
     config = recipe_settings.load_config([*run, f"save_dir={tmp_path / 'new'}"])
     run_dir.claim_run_dir(config)
     shutil.copytree(converted, tmp_path / "new")  # what the first launch saved
-    run_dir.record_save(config)
+    run_dir.record_save(Path(config.output_dir), config.save_path)
     recipe_settings.load_config([*run, f"save_dir={tmp_path / 'new'}"])  # the next launch replaces its own save
     recipe_settings.load_config([*run, f"save_dir={tmp_path / 'run' / 'final'}"])  # inside output_dir: the run's own
 
@@ -268,7 +270,7 @@ def test_each_setting_past_the_models_context_is_refused_before_calibration(llam
     config = recipe_settings.load_config([f"model={model}", f"output_dir={tmp_path / 'run'}",
                                           *_within(PAST_THE_CONTEXT[setting])])
     with pytest.raises(SystemExit) as exit:
-        recipe_models.load_models(config, ONE_PROCESS)  # where main loads the models, then calibrates
+        recipe_models.load_models(resolve_run(config), ONE_PROCESS)  # where main loads the models, then calibrates
     err = capsys.readouterr().err
     assert exit.value.code == 2 and "Traceback" not in err, err
     named = setting if setting.endswith(("len", "length")) else f"{setting} generated: length"
@@ -284,7 +286,7 @@ def test_a_sample_cache_that_cannot_be_written_stops_the_recipe_in_one_line(llam
     config = recipe_settings.load_config([f"model={llama_with_tokenizer}", f"output_dir={tmp_path / 'run'}", *WITHIN,
                                           "calibration.data=generated:length=16,batch_size=2"])
     with pytest.raises(SystemExit) as exit:
-        recipe_models.load_models(config, ONE_PROCESS)
+        recipe_models.load_models(resolve_run(config), ONE_PROCESS)
     err = capsys.readouterr().err
     assert "Traceback" not in err and str(exit.value.code).startswith("finetune: calibration.data: generated: cannot "
                                                                       "write the sample cache"), err
@@ -317,7 +319,7 @@ def test_lora_targets_the_model_lacks_are_refused_before_calibration(llama_with_
     config = recipe_settings.load_config([f"model={llama_with_tokenizer}", f"output_dir={tmp_path / 'run'}",
                                           *WITHIN, "trainable=lora", f"lora.target_modules={targets}"])
     with pytest.raises(SystemExit) as exit:
-        recipe_models.load_models(config, ONE_PROCESS)
+        recipe_models.load_models(resolve_run(config), ONE_PROCESS)
     assert exit.value.code == 2 and message in capsys.readouterr().err.strip().splitlines()[-1]
     recipe_models.check_lora_targets(recipe_settings.load_config(["trainable=lora",
                                                                   "lora.target_modules=[q_proj, v_proj]"]),

@@ -17,7 +17,7 @@ except ModuleNotFoundError:  # Python 3.10: import-linter brings tomli
 from pathlib import Path
 
 import hf_normswap
-from static_package import Package, calibration_walk, walk
+from static_package import Package, calibration_walk, recovery_walk, walk
 
 PACKAGE = Path(hf_normswap.__file__).parent
 
@@ -58,6 +58,18 @@ def test_the_calibration_config_stays_in_convert_and_calibration():
     found = calibration_walk(PACKAGE.parent)
     assert {stop.split(".")[1] for stop in found.stops} == {"convert", "calibration"}, "\n".join(found.calls)
     assert len(found.stops) <= 20 and found.returns <= 8, "\n".join(found.calls)
+
+
+RECOVERY_WALK_BEFORE = (30, 19)  # stops, returns of the recovery settings' walk on d961173 (the object rule)
+
+
+def test_the_recovery_settings_walk_from_the_verb_to_the_trainer():
+    """The recipe's settings object and the run resolved from it, from ``normswap recover`` to the Trainer and the
+    save: at most half of the stops and returns before the run was resolved once."""
+    found = recovery_walk(PACKAGE.parent)
+    stops, returns = RECOVERY_WALK_BEFORE
+    assert found.calls[0] == "hf_normswap.cli.recover.run -> hf_normswap.training.recipe.main"
+    assert len(found.stops) <= stops / 2 and found.returns <= returns / 2, "\n".join(found.calls)
 
 
 WALKED = {

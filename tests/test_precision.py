@@ -136,7 +136,7 @@ def test_recipe_rejects_an_unknown_precision_before_any_work(capsys):
 ])
 def test_auto_probes_the_training_step_of_decoders_and_encoders(model_type, settings, bf16_matmuls):
     from hf_normswap import convert
-    from hf_normswap.training.distill import training_step_precision
+    from hf_normswap.training.step_precision import training_step_precision
 
     student, teacher = tiny_model(model_type), tiny_model(model_type)
     if model_type == "bert":  # the encoder alone, ending in hidden states as a sentence encoder does

@@ -92,11 +92,12 @@ def warn(message: str | None) -> None:
 
 def calibration_overlap(calib_spec, recorded, data: str, texts) -> str | None:
     """Warning text when the evaluation data overlaps the calibration data (given, or recorded in the model)."""
-    from ..data import is_generated, load_texts, same_sample
+    from ..data import load_texts, same_sample
+    from ..data.sources import source
     from ..evaluation.perplexity import overlap_warning
 
     recorded_spec = recorded.get("data") if isinstance(recorded, dict) else None
-    if is_generated(calib_spec) or is_generated(recorded_spec):
+    if any(isinstance(spec, str) and source(spec).samples_original for spec in (calib_spec, recorded_spec)):
         if same_sample(calib_spec, data) or same_sample(recorded_spec, data):
             return (f"the evaluation text {data} is the calibration's own sample (the same settings draw the same "
                     "batches): set another seed, e.g. generated:seed=1")
@@ -114,7 +115,7 @@ def check_context_lengths(args, model, lengths: dict, sources: dict) -> None:
     """The lengths given, and the sequence length of each ``generated`` source, within the model's context, before
     any work (``model_inputs.check_context``): calibration cut a longer --calib-len silently, and an evaluation's
     samples failed only after the conversion."""
-    from ..data.texts import sample_length
+    from ..data import sample_length
     from ..model_inputs import check_context
 
     sampled = {f"{flag} generated: length": sample_length(spec) for flag, spec in sources.items()}

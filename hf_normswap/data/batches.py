@@ -1,6 +1,6 @@
 """Model inputs from a text source: the one call that calibration (and the sensitivity map) make to get batches.
 
-The source is a text spec (``builtin``, files, a Hub dataset, ``generated``: resolved by :func:`.texts.load_texts`),
+The source is a text spec (``builtin``, files, a Hub dataset, ``generated``: resolved by :func:`.sources.load_texts`),
 a LongTensor ``(N, L)`` of token ids, or a dict with ``input_ids`` and ``attention_mask``. A causal LM gets
 ``num_blocks`` contiguous blocks of ``block_len`` tokens (packed, no padding); any other model ``num_blocks``
 padded paragraphs of at most ``block_len`` tokens, one a row, as an encoder reads sentences.
@@ -13,7 +13,8 @@ from torch import nn
 
 from ..model_inputs import is_causal_lm
 from ..placement import model_device
-from .texts import DataError, fingerprint, load_texts, token_blocks
+from .sources import load_texts
+from .texts import DataError, fingerprint, token_blocks
 
 MIN_PARAGRAPH_WORDS = 8
 

@@ -15,17 +15,16 @@ the batches a second time.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from ..validation import first_line
-from .generated import is_generated
-from .texts import DataError, hub_dataset, is_builtin, local_paths, row_text
+from .texts import DataError, hub_dataset, row_text
 
 LINE_PROBE_ROWS = 1000  # rows read to tell a dataset of lines from one of documents
 PIECE_CHARS = 1 << 16  # characters a dataset of lines is tokenized in at a time (about)
 
 
 def _source(spec: str, default_split: str):
-    if is_builtin(spec) or is_generated(spec) or local_paths(spec) is not None:
-        raise DataError(f"streaming reads a Hub dataset NAME[:config][:split], not {spec!r}: set streaming=false")
     source, column = hub_dataset(spec, default_split, streaming=True)
     try:
         first = next(iter(source.take(1)), None)
@@ -57,15 +56,52 @@ def _documents(source, column: str):
     yield "\n".join(piece), True
 
 
-def _packed(source, column: str, tokenizer, block_len: int):
-    """Blocks of the source's documents, in order, remainders carried from one to the next."""
+def packed(documents, tokenizer, block_len: int):
+    """Blocks of ``(text, ends a document)`` pairs, in order, remainders carried from one to the next: the blocks
+    that ``texts.token_blocks`` cuts from the same documents read whole."""
     separator = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     buffer: list[int] = []
-    for text, ends in _documents(source, column):
+    for text, ends in documents:
         buffer.extend(tokenizer(text, add_special_tokens=False)["input_ids"] + (separator if ends else []))
         while len(buffer) >= block_len:
             block, buffer = buffer[:block_len], buffer[block_len:]
             yield {"input_ids": block, "labels": block}
+
+
+def _packed(source, column: str, tokenizer, block_len: int):
+    yield from packed(_documents(source, column), tokenizer, block_len)
+
+
+def file_documents(files) -> "Iterator[tuple[str, bool]]":
+    """Local text files read a line at a time, each one document (as ``sources.load_texts`` reads it whole), handed
+    on in pieces of about :data:`PIECE_CHARS` cut where a paragraph begins after a blank line (as
+    :func:`_documents` cuts a dataset of lines): a file of any size is never in memory whole."""
+    for file in files:
+        piece, size, after_blank, begun = [], 0, False, False
+        with open(file, encoding="utf-8") as handle:
+            for line in handle:
+                if after_blank and line.strip() and size >= PIECE_CHARS:
+                    yield "".join(piece), False
+                    piece, size, begun = [], 0, True
+                piece.append(line)
+                size += len(line)
+                after_blank = not line.strip()
+        text = "".join(piece)
+        if text.strip() or begun:  # a blank file is no document, as read whole
+            yield text, True
+
+
+def _file_blocks(files: list, tokenizer, block_len: int):
+    yield from packed(file_documents(files), tokenizer, block_len)
+
+
+def file_stream(files, tokenizer, block_len: int):
+    """The training blocks of local text files, read lazily (:func:`file_documents`) as a ``datasets`` stream (the
+    files a tuple: ``datasets`` would read a list as shards, each packed apart)."""
+    import datasets
+
+    return datasets.IterableDataset.from_generator(
+        _file_blocks, gen_kwargs={"files": tuple(map(str, files)), "tokenizer": tokenizer, "block_len": block_len})
 
 
 def packed_stream(spec: str, tokenizer, block_len: int, default_split: str = "train"):

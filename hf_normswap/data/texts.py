@@ -9,6 +9,9 @@ Spec forms (``--calib`` and ``--data`` take the same):
 - a Hub dataset ``name[:config][:split]``, e.g. ``wikitext:wikitext-2-raw-v1:test`` (split defaults to ``train``
   for calibration; callers pass their own default).
 - ``generated[:key=value,...]``: the original model's own samples (``generated.py``).
+
+Each kind is a class of :mod:`.sources`, which also holds the calls that take a spec (``load_texts``,
+``check_spec``); this module reads the texts they name and packs them into blocks.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import torch
 from huggingface_hub import constants, get_session
 
 from ..validation import first_line
-from .generated import DEFAULT_TOKENS, SamplingSettings, is_generated, sample_texts
+from .generated import SamplingSettings
 
 BUILTIN = "builtin"
 BUILTIN_SPLITS = ("calibration", "evaluation")
@@ -41,7 +44,7 @@ def is_builtin(spec: str | None) -> bool:
     return isinstance(spec, str) and (spec == BUILTIN or spec.startswith(BUILTIN + ":"))
 
 
-def _builtin(split: str) -> list[str]:
+def read_builtin(split: str) -> list[str]:
     if split not in BUILTIN_SPLITS:
         raise DataError(f"unknown builtin split {split!r}: use builtin:calibration or builtin:evaluation")
     from pydoc_data.topics import topics
@@ -80,11 +83,16 @@ def _prefix(files: list[Path], chars: int) -> list[str]:
     return texts
 
 
-def _local(paths: list[Path], max_tokens: int | None = None) -> list[str]:
+def files_under(paths: list[Path]) -> list[Path]:
+    """The files that paths name: a file itself, a directory's files in sorted order."""
+    return [f for p in paths for f in (sorted(x for x in p.rglob("*") if x.is_file()) if p.is_dir() else [p])]
+
+
+def read_local(paths: list[Path], max_tokens: int | None = None) -> list[str]:
     """The texts of local files: one per text file, read directly (as ``datasets``' text loader with
     ``sample_by="document"`` reads them, so a machine without ``datasets`` reads them too); json/jsonl and parquet
     through ``datasets``."""
-    files = [f for p in paths for f in (sorted(x for x in p.rglob("*") if x.is_file()) if p.is_dir() else [p])]
+    files = files_under(paths)
     if not files:
         raise DataError(f"no files under {', '.join(map(str, paths))}")
     loaders = {LOADERS.get(f.suffix.lower(), "text") for f in files}
@@ -143,7 +151,7 @@ def row_text(value) -> str:
     return "" if value is None else value
 
 
-def _hub(spec: str, default_split: str) -> list[str]:
+def read_hub(spec: str, default_split: str) -> list[str]:
     dataset, column = hub_dataset(spec, default_split)
     rows = [row_text(value) for value in dataset[column]]
     if "" in rows:  # one line per row, blank lines kept (WikiText): the split is one text, as its raw file reads
@@ -159,75 +167,19 @@ def generation_settings(spec: str) -> SamplingSettings:
         raise DataError(str(error)) from None
 
 
-def sample_length(spec: str | None) -> int | None:
-    """The tokens of a sequence of a ``generated`` spec (to check against the model's context), else None."""
-    return generation_settings(spec).length if is_generated(spec) else None
-
-
-def check_spec(spec: str) -> list[Path] | None:
-    """What a text spec can be checked for before a model loads (local files exist, sampling settings are valid);
-    returns the local files it names, None for other sources."""
-    if is_generated(spec):
-        prompt = generation_settings(spec).prompt
-        if prompt != "bos":
-            check_spec(prompt)
-        return None
-    return local_paths(spec)
-
-
-def same_sample(spec: str | None, other: str | None) -> bool:
-    """Whether two specs name the same samples of the original (same settings: the same batches)."""
-    return is_generated(spec) and is_generated(other) and generation_settings(spec) == generation_settings(other)
-
-
-def _generated(spec: str, model, tokenizer, max_tokens: int | None, rank: int, world_size: int) -> list[str]:
-    try:  # a bad setting, a model that cannot sample: one DataError line
-        settings = SamplingSettings.from_spec(spec)
-        prompts = None if settings.prompt == "bos" else load_texts(settings.prompt, "calibration")
-        return sample_texts(model, tokenizer, settings, max_tokens or DEFAULT_TOKENS, prompt_texts=prompts, rank=rank,
-                            world_size=world_size, progress=rank == 0)
-    except ValueError as error:
-        raise DataError(str(error)) from None
-
-
-def local_paths(spec: str) -> list[Path] | None:
-    """The files a spec names, ``None`` for builtin and Hub specs; ``DataError`` for a path that does not exist.
-
-    Cheap, so the CLI can refuse a mistyped path before loading a model.
-    """
-    if is_builtin(spec) or is_generated(spec):
-        return None
-    return _named_paths(spec)
-
-
-def _named_paths(spec: str) -> list[Path] | None:
-    """:func:`local_paths` of a spec known to be neither builtin nor generated."""
+def names_paths(spec: str) -> bool:
+    """Whether a spec names local paths: one exists, or it reads as a path (``./``, ``/``, ``~``, a suffix)."""
     paths = [Path(p).expanduser() for p in spec.split(",")]
-    if all(p.exists() for p in paths):
-        return paths
-    if any(p.exists() for p in paths) or spec.startswith((".", "/", "~")) or Path(spec).suffix:
-        missing = ", ".join(str(p) for p in paths if not p.exists())
+    return any(p.exists() for p in paths) or spec.startswith((".", "/", "~")) or bool(Path(spec).suffix)
+
+
+def named_paths(spec: str) -> list[Path]:
+    """The paths a spec names; DataError for one that does not exist."""
+    paths = [Path(p).expanduser() for p in spec.split(",")]
+    missing = ", ".join(str(p) for p in paths if not p.exists())
+    if missing:
         raise DataError(f"data file not found: {missing}")
-    return None
-
-
-def load_texts(spec: str | None, default_split: str = "calibration", *, model=None, tokenizer=None,
-               max_tokens: int | None = None, rank: int = 0, world_size: int = 1) -> list[str]:
-    """Documents of a text source. ``default_split`` picks the builtin half (and the Hub split, as train/test).
-    ``generated`` text is sampled from ``model`` (the original) with ``tokenizer``, at least ``max_tokens`` tokens
-    (default: :data:`generated.DEFAULT_TOKENS`);
-    process ``rank`` of ``world_size`` draws its share and reads the others'. A large local text file is read only
-    up to ``max_tokens`` (:data:`LAZY_BYTES`)."""
-    spec = spec or BUILTIN
-    if is_generated(spec):
-        return _generated(spec, model, tokenizer, max_tokens, rank, world_size)
-    if is_builtin(spec):
-        return _builtin(spec.partition(":")[2] or default_split)
-    paths = _named_paths(spec)
-    if paths is not None:
-        return _local(paths, max_tokens)
-    hub_split = {"calibration": "train", "evaluation": "test"}.get(default_split, default_split)
-    return _hub(spec, hub_split)
+    return paths
 
 
 def fingerprint(texts: list[str]) -> str:

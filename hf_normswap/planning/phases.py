@@ -1,7 +1,7 @@
 """What one phase of a run holds, term by term, on the host (the main process and each other one) and on each
 accelerator; and the sizes of the tensors those terms are made of.
 
-The terms follow the code: ``training/sharding.py`` (what FSDP2 shards and gathers), ``training/distill.py`` and
+The terms follow the code: ``training/sharding.py`` (what FSDP2 shards and gathers), ``training/losses.py`` and
 ``training/head_loss.py`` (the teacher's hidden states, the head's logits ``head_chunk`` tokens at a time),
 ``calibration/block_pass.py`` and ``activation_cache.py`` (one block on the compute device, the hidden states
 between blocks), ``calibration/end_to_end.py`` (the original's logits on the tuning rows, kept for every step).

@@ -1,9 +1,12 @@
 """Training: recovery of a converted model against its frozen original.
 
-- ``recipe.py``: the recovery recipe (``normswap recover``, ``recipes/finetune.py``): train, from the pieces below.
+- ``recipe.py``: the recovery recipe (``normswap recover``, ``recipes/finetune.py``): resolve the run
+  (``planning.recovery_run``), load, evaluate, train, evaluate and save, from the pieces below.
 - ``recipe_settings.py``, ``recipe_models.py``, ``recipe_data.py``, ``recipe_results.py``: its settings checked
   before any load, its models, its training text, its final evaluation and save.
-- ``distill.py``: :class:`NormSwapTrainer` (cross-entropy, logit KL, layer-wise and embedding terms) and helpers.
+- ``trainer.py``: :class:`NormSwapTrainer`; ``losses.py``: cross-entropy, logit KL, layer-wise and embedding terms;
+  ``trainable.py``: what trains and its optimizer groups; ``step_precision.py``: fp32 or bf16 for the step;
+  ``wall_clock.py``: a stop on the wall clock.
 - ``head_loss.py``: the logit KL computed in chunks through the output head.
 - ``layerwise.py``: every block's output pulled toward the original's.
 - ``progressive.py``: converting norms a few at a time during training.

@@ -14,7 +14,7 @@ read as YAML), checked before anything loads (``recipe_settings``, ``recipe_data
    ``OUTPUT/calibrated`` so a resumed run does not calibrate again (it refuses a cache calibrated otherwise;
    ``resume=false`` calibrates anew) (``recipe_models``);
 2. evaluate the calibrated model against the original (main process);
-3. train with :class:`~hf_normswap.training.distill.NormSwapTrainer`: cross-entropy plus optional distillation from
+3. train with :class:`~hf_normswap.training.trainer.NormSwapTrainer`: cross-entropy plus optional distillation from
    the frozen original (its logits and / or every block's output; a sentence encoder trains on the blocks' outputs
    alone), norm-only / full / LoRA training, optional progressive conversion, ``train_tokens`` in total over every
    launch (it sets ``max_steps``); resumes from the last checkpoint, so a long run can be done in chunks;
@@ -33,8 +33,8 @@ from pathlib import Path
 import torch
 
 from ..checkpoint.record import ConversionRecord
-from .recipe_data import check_data, recipe_datasets, steps_for
-from .recipe_models import ensure_pad_token, load_models, original_spec
+from .recipe_data import check_data, recipe_datasets, sentence_steps
+from .recipe_models import ensure_pad_token, load_models
 from .recipe_results import final_evaluation, finish
 from .recipe_settings import COMMAND, fail, load_config, stopped
 
@@ -55,66 +55,70 @@ class TrainingRun:
     resumed: dict
 
 
-def log_memory_plan(config, state, log) -> None:
-    """What the run is about to need (``normswap plan``), before anything loads; a model the plan cannot read
-    (remote code, a config it does not know) is said in one line and the run goes on."""
-    if not state.is_main_process:
-        return
-    from ..planning import PlanError, recipe_plan
-    from .sharding import fsdp2_requested, loads_once
-
-    device_memory = torch.cuda.get_device_properties(state.device).total_memory if state.device.type == "cuda" else None
-    try:
-        memory = recipe_plan(config, processes=state.num_processes, sharded=fsdp2_requested(),
-                             device_memory=device_memory, load_once=loads_once())
-    except (PlanError, OSError, ValueError) as error:
-        log(f"memory plan: not available ({error})")
-        return
-    log(f"memory plan:\n{memory.describe()}")
-
-
 def main(argv: list[str] | None = None, command: str = "finetune") -> int:
-    """Run the recipe on ``argv`` (``--config FILE`` and ``key=value`` overrides; None: the command line).
-    ``command``: what the user ran, named by every error and log line."""
-    COMMAND.set(command)
-    config = load_config(argv)
-    check_data(config)
-    if config.threads:
-        torch.set_num_threads(int(config.threads))
+    """Run the recipe on ``argv`` (``--config FILE`` and ``key=value`` overrides; None: the command line): resolve
+    the run, load (calibrating or loading the converted model), evaluate, train, evaluate and save. ``command``:
+    what the user ran, named by every error and log line."""
     from accelerate import PartialState
     from transformers import set_seed
 
+    from ..planning.recovery_run import RecoveryRunError, resolve_run
     from .run_dir import claim_run_dir, finished_run, read_json
+    from .sharding import fsdp2_requested, loads_once
 
+    COMMAND.set(command)
+    config = load_config(argv)
+    if config.threads:
+        torch.set_num_threads(int(config.threads))
     # On a machine without GPU, `accelerate launch --multi_gpu --num_processes N` starts N CPU processes; they
     # join with gloo only when the state is created with cpu=True (accelerate's --cpu starts a single process).
     cpu = bool(config.training.get("use_cpu")) or not torch.cuda.is_available()
-    config.training["use_cpu"] = cpu
     state = PartialState(cpu=cpu)
+    try:
+        run = resolve_run(config, processes=state.num_processes, is_main=state.is_main_process,
+                          device=str(state.device), cpu=cpu, sharded=fsdp2_requested(), load_once=loads_once())
+    except RecoveryRunError as error:
+        raise stopped(str(error)) from None
+    check_data(config, run.calibrates)
     set_seed(config.seed)
     done = finished_run(config)
     if done:
         if state.is_main_process:
-            print(f"[finetune] {done}", flush=True)
+            print(f"[{command}] {done}", flush=True)
         return 0
     if state.is_main_process:
         claim_run_dir(config)
-    summary = (read_json(Path(config.output_dir) / "summary.json") or {}) if config.resume else {}
+    summary = (read_json(run.output_dir / "summary.json") or {}) if config.resume else {}
     summary["config"] = config.to_dict()
     log = (lambda *a: print(f"[{command}]", *a, flush=True)) if state.is_main_process else (lambda *a: None)
-    log_memory_plan(config, state, log)
+    log_memory_plan(run, state, log)
 
-    student, original, tokenizer = load_models(config, state)
+    student, original, tokenizer = load_models(run, state)
     ensure_pad_token(tokenizer)
     original.eval().requires_grad_(False)
     record = ConversionRecord.of(student)
-    log(f"{len(record.converted)} {record.method.upper()} norms; "
-        f"original {original_spec(config)}")
+    log(f"{len(record.converted)} {record.method.upper()} norms; original {run.original}")
     eval_texts = evaluate_calibrated(config, student, original, tokenizer, summary, state, log)
-    run = train(config, student, original, tokenizer, state, log)
-    finish(config, state, run, original, tokenizer, eval_texts, summary, log)
+    trained = train(run, student, original, tokenizer, state, log)
+    finish(config, state, trained, original, tokenizer, eval_texts, summary, log)
     state.wait_for_everyone()
     return 0
+
+
+def log_memory_plan(run, state, log) -> None:
+    """What the run is about to need (``normswap plan``), before anything loads; a model the plan cannot read
+    (remote code, a config it does not know) is said in one line and the run goes on."""
+    if not state.is_main_process:
+        return
+    from ..planning import PlanError, plan, recipe_settings
+
+    device_memory = torch.cuda.get_device_properties(state.device).total_memory if state.device.type == "cuda" else None
+    try:
+        memory = plan(run.original, recipe_settings(run, device_memory))
+    except (PlanError, OSError, ValueError) as error:
+        log(f"memory plan: not available ({error})")
+        return
+    log(f"memory plan:\n{memory.describe()}")
 
 
 def evaluate_calibrated(config, student, original, tokenizer, summary: dict, state, log):
@@ -136,7 +140,8 @@ def evaluate_calibrated(config, student, original, tokenizer, summary: dict, sta
     eval_texts = texts() if state.is_main_process else None
     if state.is_main_process and "calibrated" not in summary:
         start = time.time()
-        before = final_evaluation(student, original, tokenizer, eval_texts, config, "calibrated")
+        before = final_evaluation(student, original, tokenizer, eval_texts, config.eval_data, config.final_eval,
+                                  "calibrated")
         summary["calibrated"] = before.to_dict()
         write_json(Path(config.output_dir) / "summary.json", summary)
         log(f"after calibration ({time.time() - start:.0f}s):\n{before.table()}")
@@ -146,34 +151,39 @@ def evaluate_calibrated(config, student, original, tokenizer, summary: dict, sta
     return eval_texts  # weights to sample the original's from)
 
 
-def train(config, student, original, tokenizer, state, log) -> TrainingRun:
+def train(run, student, original, tokenizer, state, log) -> TrainingRun:
     """Step 3: the training rows, the trainable parameters (norms, all, LoRA; progressive conversion), the
     precision, then :class:`NormSwapTrainer` from the last checkpoint when resuming."""
     from transformers import TrainingArguments
 
     from ..model_inputs import ends_in_hidden_states
-    from .distill import NormSwapTrainer, WallClockStop
+    from .trainer import NormSwapTrainer
+    from .wall_clock import WallClockStop
     from .progressive import ProgressiveSwapCallback
     from .recipe_models import skeleton_to_gather
     from .run_dir import last_checkpoint, read_json
 
+    config = run.settings
     encoder = ends_in_hidden_states(original)
     distill = config.distill
     if encoder and not (distill.weight == 1 and not distill.logits and (distill.hidden or distill.embedding)):
         fail("a sentence encoder has no logits: train it on hidden states alone, distill.weight=1 "
              "distill.logits=false and distill.hidden or distill.embedding > 0 (recipes/configs/minilm-eln.yaml)")
-    train_set, eval_set = recipe_datasets(config, tokenizer, original, state, encoder)
-    if config.train_tokens is not None:  # takes precedence over max_steps
-        config.training["max_steps"] = steps_for(config, train_set, state.num_processes)
-    swap = progressive_swap(config, student, original, state, log)
+    train_set, eval_set = recipe_datasets(run, tokenizer, original, state, encoder)
+    steps = (sentence_steps(config.train_tokens, run.tokens_per_step // config.block_len, train_set)
+             if encoder and config.train_tokens is not None else run.steps)
+    if steps <= 0 and not hasattr(train_set, "__len__"):
+        fail(f"train_data {config.train_data} is read as a stream, which has no epochs: set train_tokens or "
+             "training.max_steps")
+    swap = progressive_swap(config.progressive, run.original_read_once, student, original, state, log)
     student = choose_trainable(config, student, train_set, encoder, log)
     precision = training_precision(config, student, original, train_set, tokenizer, state)
-    config.training["bf16"] = precision.bf16
     log(precision.describe())
     args = TrainingArguments(output_dir=str(Path(config.output_dir)), seed=config.seed, learning_rate=config.lr.base,
                              prediction_loss_only=True, eval_on_start=not encoder,
                              **{"include_num_input_tokens_seen": "non_padding" if encoder else "all",
-                                **config.training})
+                                **own_share(train_set, config.streaming),
+                                **config.training, "use_cpu": run.cpu, "max_steps": steps, "bf16": precision.bf16})
     callbacks = [WallClockStop(config.max_minutes)] if config.max_minutes else []
     if swap is not None:
         callbacks.append(ProgressiveSwapCallback(swap))
@@ -196,16 +206,24 @@ def train(config, student, original, tokenizer, state, log) -> TrainingRun:
                        eval_set=eval_set, encoder=encoder, wall=time.time() - start, last=last, resumed=resumed)
 
 
-def progressive_swap(config, student, original, state, log):
-    """The :class:`ProgressiveSwap` of ``progressive.enabled`` (None when off): the converted norms swapped in a few
-    at a time, the original's norms standing in for the others (the main process's, where the others hold the
-    original on the meta device)."""
+def own_share(train_set, hub_stream: bool) -> dict:
+    """Every process reads a stream of ours whole and the Trainer gives each its slice of every global batch
+    (accelerate's ``dispatch_batches`` off), so each draws its own share of the original's samples; a Hub stream
+    is read by the main process and dispatched (accelerate's default for a stream)."""
+    import datasets
+
+    ours = isinstance(train_set, datasets.IterableDataset) and not hub_stream
+    return {"accelerator_config": {"dispatch_batches": False}} if ours else {}
+
+
+def progressive_swap(progressive, from_main: bool, student, original, state, log):
+    """The :class:`ProgressiveSwap` of the ``progressive`` settings (None when off): the converted norms swapped in
+    a few at a time, the original's norms standing in for the others (the main process's, ``from_main``, where the
+    others hold the original on the meta device)."""
     from accelerate.utils import broadcast_object_list
 
     from .progressive import ProgressiveSwap, schedule
-    from .recipe_models import original_read_once
 
-    progressive = config.progressive
     if not progressive.enabled:
         return None
     converted = ConversionRecord.of(student).converted
@@ -213,7 +231,7 @@ def progressive_swap(config, student, original, state, log):
                       every=progressive.every, ramp=progressive.ramp, order=progressive.order,
                       role_order=progressive.role_order, group=progressive.group)
     norms = {n: original.get_submodule(n) for n in converted}
-    if original_read_once(config, state):
+    if from_main:
         weights = broadcast_object_list([{n: m.state_dict() for n, m in norms.items()}
                                          if state.is_main_process else None])[0]
         for name, module in norms.items():  # a copy: the original is sharded on the meta device
@@ -227,7 +245,7 @@ def progressive_swap(config, student, original, state, log):
 def choose_trainable(config, student, train_set, encoder: bool, log):
     """Dropout off, then the parameters ``trainable`` names (norms, all, or LoRA adapters), the embeddings frozen if
     asked; returns the student (LoRA wraps it)."""
-    from .distill import apply_lora, disable_dropout, freeze_embeddings, set_trainable
+    from .trainable import apply_lora, disable_dropout, freeze_embeddings, set_trainable
 
     dropout = disable_dropout(student)  # before LoRA, whose own dropout is the lora config's
     if dropout:
@@ -241,7 +259,7 @@ def choose_trainable(config, student, train_set, encoder: bool, log):
         trainable = freeze_embeddings(student)
     rows = f"sentences (at most {config.block_len} tokens)" if encoder else f"blocks of {config.block_len} tokens"
     log(f"training {trainable:,} parameters ({config.trainable}) on "
-        + (f"{config.train_data} streamed in {rows}" if config.streaming else
+        + (f"{config.train_data} streamed in {rows}" if not hasattr(train_set, "__len__") else
            f"{len(train_set)} {rows}" + (f", a mix of {' + '.join(config.train_sources)}"
                                           if len(config.train_sources) > 1 else "")))
     return student
@@ -251,15 +269,17 @@ def training_precision(config, student, original, train_set, tokenizer, state):
     """fp32 or bf16 autocast (``precision``); ``auto`` times the recipe's own step (forward, loss, backward; one
     batch of training rows) in both on the main process, and every process takes its answer."""
     from accelerate.utils import broadcast_object_list
+    from datasets import IterableDataset
 
-    from .distill import training_step_precision
+    from .step_precision import training_step_precision
 
-    choice = [None]
+    choice, count = [None], config.training["per_device_train_batch_size"]
+    # a stream's first rows are read by every process: each draws its own batches of the original's samples, and
+    # one process reading alone would wait for the others' while they wait for its answer
+    rows = ([row["input_ids"] for row in train_set.take(count)] if isinstance(train_set, IterableDataset)
+            else train_set[:count]["input_ids"])
     if state.is_main_process or config.precision != "auto":
         distill = config.distill
-        count = config.training["per_device_train_batch_size"]
-        rows = ([row["input_ids"] for row in train_set.take(count)] if config.streaming
-                else train_set[:count]["input_ids"])
         batch = tokenizer.pad({"input_ids": rows}, return_tensors="pt")  # sentences differ in length
         choice = [training_step_precision(config.precision, student, original, dict(batch), device=state.device,
                                           head_chunk=config.head_chunk, distill_weight=distill.weight,

@@ -5,37 +5,36 @@ from __future__ import annotations
 
 import math
 
-from .recipe_settings import converted_checkpoint, fail, stopped
+from .recipe_settings import fail, stopped
 
 
-def check_data(config) -> None:
+def check_data(config, calibrates: bool) -> None:
     """Read every text source before any model loads, so a missing file or an unreachable Hub dataset stops the
-    run at once with one line naming the key that overrides it."""
-    from ..data import DataError, check_spec, is_generated, load_texts, packed_stream, same_sample
+    run at once with one line naming the key that overrides it (``Source.preflight``)."""
+    from ..data import DataError, hub_stream
+    from ..data.sources import source
 
     training = [("train_data", spec, "calibration") for spec in config.train_sources]
     sources = [*training, ("eval_data", config.eval_data, "evaluation")]
-    if converted_checkpoint(config) is None:  # a converted checkpoint is calibrated already
+    if calibrates:  # a converted checkpoint is calibrated already
         sources.insert(0, ("calibration.data", config.calibration.data, "calibration"))
     if config.streaming:  # one row read: the stream is opened, not downloaded
         sources = [s for s in sources if s[0] != "train_data"]
         try:
-            packed_stream(config.train_data, None, config.block_len)
+            hub_stream(config.train_data, None, config.block_len)
         except DataError as error:
             fail(f"train_data: {error}")
     for key, spec, split in sources:
         try:
-            if is_generated(spec):
-                check_spec(spec)  # sampled once the original is loaded; its prompt file must exist
-            else:  # a token budget of 1: a large local file is opened, not read whole (data.LAZY_BYTES)
-                load_texts(spec, split, max_tokens=1)
+            source(spec).preflight(split)
         except DataError as error:
             fail(f"{key}: {error} ({key}=PATH)")
-    if any(same_sample(spec, config.eval_data) for spec in (*config.train_sources, config.calibration.data)):
+    same = lambda a, b: source(a).same_sample(source(b))  # noqa: E731
+    if any(same(spec, config.eval_data) for spec in (*config.train_sources, config.calibration.data or "builtin")):
         fail(f"eval_data {config.eval_data} samples the same text as the training or calibration data: give it "
              "another seed, e.g. eval_data=generated:seed=1")
     mixed = config.train_sources
-    if any(a == b or same_sample(a, b) for i, a in enumerate(mixed) for b in mixed[i + 1:]):
+    if any(a == b or same(a, b) for i, a in enumerate(mixed) for b in mixed[i + 1:]):
         fail(f"train_data {mixed} names the same text twice: mix different sources (generated samples with another "
              "seed, e.g. generated:seed=1)")
 
@@ -49,11 +48,12 @@ def block_dataset(tokenizer, spec: str, split: str, block_len: int, max_tokens: 
     import datasets
     from accelerate.utils import broadcast_object_list
 
-    from ..data import DataError, is_generated, load_texts, token_blocks
+    from ..data import DataError, load_texts, token_blocks
+    from ..data.sources import source
 
     limits = [n for n in (max_blocks, None if max_tokens is None else max_tokens // block_len) if n is not None]
     share = {"rank": state.process_index, "world_size": state.num_processes} if state is not None else {}
-    from_main = from_main and is_generated(spec)
+    from_main = from_main and source(spec).samples_original
     try:
         texts = None
         if not from_main or state.is_main_process:
@@ -75,22 +75,51 @@ def mixed(parts: list):
     return parts[0] if len(parts) == 1 else datasets.interleave_datasets(parts, stopping_strategy="all_exhausted")
 
 
-def training_blocks(config, tokenizer, original, state):
-    """``train_data`` packed into blocks, each source of a mix up to its share (``training_budget``)."""
-    from .recipe_models import original_read_once
+def training_blocks(run, tokenizer, original, state):
+    """``train_data`` packed into blocks, a mix in equal shares. The original's samples and local text files are
+    streams read as the run trains (:func:`training_stream`); where the original is sharded as the teacher under
+    FSDP2 it cannot sample between steps, and its samples are drawn before training, each source up to its share
+    (``training_budget``)."""
+    import datasets
 
-    return mixed([block_dataset(tokenizer, spec, "calibration", config.block_len,
-                                training_budget(config, spec, state.num_processes), original=original, state=state,
-                                from_main=original_read_once(config, state))
-                  for spec in config.train_sources])
+    from ..data.sources import source
+
+    config = run.settings
+    if run.sharded and run.teacher_sharded and any(source(s).samples_original for s in config.train_sources):
+        return mixed([block_dataset(tokenizer, spec, "calibration", config.block_len,
+                                    training_budget(config, spec, state.num_processes), original=original,
+                                    state=state, from_main=run.original_read_once)
+                      for spec in config.train_sources])
+    parts = [training_stream(config, spec, tokenizer, original, state) for spec in config.train_sources]
+    if any(isinstance(part, datasets.IterableDataset) for part in parts):  # a mix is of one kind
+        parts = [part if isinstance(part, datasets.IterableDataset) else part.to_iterable_dataset() for part in parts]
+    return mixed(parts)
+
+
+def training_stream(config, spec: str, tokenizer, original, state):
+    """One training source as the run reads it: its stream (``Source.stream``: the original's samples drawn as the
+    run reads them, this process drawing its own batches; a local text file read lazily), or, for a source read
+    whole, a ``datasets.Dataset``; ``max_train_tokens`` caps each source's share."""
+    from ..data import DataError
+    from ..data.sources import source
+
+    cap = training_budget(config, spec, state.num_processes) if config.max_train_tokens else None
+    try:
+        stream = source(spec).stream(tokenizer, config.block_len, original=original, rank=state.process_index,
+                                     world_size=state.num_processes, seed=config.seed)
+    except DataError as error:
+        raise stopped(f"{spec}: {error}") from None
+    if stream is None:
+        return block_dataset(tokenizer, spec, "calibration", config.block_len, cap, state=state)
+    return stream if cap is None else stream.take(max(1, cap // config.block_len))
 
 
 def streamed_dataset(config, tokenizer):
     """``train_data`` streamed from the Hub, packed into blocks on the fly (``hf_normswap.data.streaming``)."""
-    from ..data import DataError, packed_stream
+    from ..data import DataError, hub_stream
 
     try:
-        return packed_stream(config.train_data, tokenizer, config.block_len)
+        return hub_stream(config.train_data, tokenizer, config.block_len)
     except DataError as error:
         raise stopped(f"{config.train_data}: {error}") from None
 
@@ -99,7 +128,7 @@ def training_budget(config, spec: str, world_size: int) -> int | None:
     """Tokens to read of one training source: its share of ``max_train_tokens`` (None: all of it); for the
     original's samples, which have no end, its share of what the run trains on over every launch (``train_tokens``,
     else ``training.max_steps`` global batches) within that cap. A share is at least a block."""
-    from ..data import is_generated
+    from ..data.sources import source
 
     def share(tokens):
         return None if tokens is None else max(tokens // len(config.train_sources), config.block_len)
@@ -109,7 +138,7 @@ def training_budget(config, spec: str, world_size: int) -> int | None:
     run = config.train_tokens or (steps * training["per_device_train_batch_size"] * world_size * config.block_len
                                   * training.get("gradient_accumulation_steps", 1) if steps > 0 else None)
     cap = share(config.max_train_tokens)
-    if not is_generated(spec) or run is None:
+    if not source(spec).samples_original or run is None:
         return cap
     return min(share(run), cap or share(run))
 
@@ -139,27 +168,22 @@ def tokens_per_row(dataset) -> float:
     return sum(map(len, rows)) / len(rows)
 
 
-def recipe_datasets(config, tokenizer, original, state, encoder: bool):
+def recipe_datasets(run, tokenizer, original, state, encoder: bool):
     """(training rows, eval blocks): a sentence encoder's sentences and no eval blocks (it is evaluated by embedding
     cosine after training), else packed or streamed blocks of ``train_data`` and the eval blocks of ``eval_data``."""
+    config = run.settings
     if encoder:
         return mixed([sentence_dataset(tokenizer, spec, config.block_len,
                                        training_budget(config, spec, state.num_processes))
                       for spec in config.train_sources]), None
-    from .recipe_models import original_read_once
-
     train_set = (streamed_dataset(config, tokenizer) if config.streaming
-                 else training_blocks(config, tokenizer, original, state))
+                 else training_blocks(run, tokenizer, original, state))
     return train_set, block_dataset(tokenizer, config.eval_data, "evaluation", config.block_len,
                                     max_blocks=config.eval_blocks, original=original, state=state,
-                                    from_main=original_read_once(config, state))
+                                    from_main=run.original_read_once)
 
 
-def steps_for(config, train_set, world_size: int) -> int:
-    """The ``max_steps`` that trains on ``train_tokens`` in all: tokens of a global batch counted in training rows
-    (``block_len`` each when streamed, the mean row otherwise)."""
-    training = config.training
-    per_step = ((config.block_len if config.streaming else tokens_per_row(train_set))
-                * training["per_device_train_batch_size"]
-                * training.get("gradient_accumulation_steps", 1) * world_size)
-    return max(1, math.ceil(int(config.train_tokens) / per_step))
+def sentence_steps(train_tokens: int, rows_per_step: int, train_set) -> int:
+    """The ``max_steps`` that trains a sentence encoder on ``train_tokens`` in all: a global batch's rows counted at
+    the mean sentence's tokens (packed blocks are of ``block_len`` tokens: ``RecoveryRun.steps``)."""
+    return max(1, math.ceil(int(train_tokens) / (rows_per_step * tokens_per_row(train_set))))

@@ -6,35 +6,18 @@ from __future__ import annotations
 import copy
 import dataclasses
 import time
-from pathlib import Path
 
-from ..checkpoint.record import ConversionRecord
-from .recipe_settings import COMMAND, converted_checkpoint, fail, stopped
+from .recipe_settings import COMMAND, fail, stopped
 
 
-def original_spec(config) -> str:
-    """The original the converted model is trained toward (teacher and reference)."""
-    converted = converted_checkpoint(config)
-    if converted is None:
-        return config.model
-    spec = config.original or ConversionRecord.in_config(converted).base_model
-    if not spec:
-        raise stopped("the checkpoint does not name its original; set original: in the config")
-    return spec
-
-
-def place_for_training(model, config, state):
-    """``model`` on the device accelerate trains on, so that calibration, the original's samples and the evaluations
-    run there too (each runs where the model is). Under FSDP2 the model stays in CPU memory for accelerate to shard,
-    and calibration's blocks visit the device one at a time (``calibration.device``)."""
-    from .sharding import fsdp2_requested
-
-    if state.device.type == "cpu":
+def place_for_training(model, device, sharded: bool):
+    """``model`` on the ``device`` accelerate trains on, so that calibration, the original's samples and the
+    evaluations run there too (each runs where the model is). Under FSDP2 (``sharded``) the model stays in CPU
+    memory for accelerate to shard, and calibration's blocks visit the device one at a time (the run's
+    ``calibration.device``)."""
+    if device.type == "cpu" or sharded:
         return model
-    if fsdp2_requested():
-        config.calibration.device = config.calibration.device or str(state.device)
-        return model
-    return model.to(state.device)
+    return model.to(device)
 
 
 # The settings that must fit in the model's context: token lengths, and each generated source's sequence length.
@@ -42,11 +25,10 @@ CONTEXT_SETTINGS = ("block_len", "calibration.block_len", "final_eval.max_length
                     "eval_data")
 
 
-def context_settings(config) -> dict[str, int | None]:
+def context_settings(config, calibrating: bool) -> dict[str, int | None]:
     """Each of :data:`CONTEXT_SETTINGS` with the tokens it asks of the model's context (None: unset or unused)."""
-    from ..data.texts import sample_length
+    from ..data import sample_length
 
-    calibrating = converted_checkpoint(config) is None
     lengths = {"block_len": config.block_len, "final_eval.max_length": config.final_eval.max_length,
                "calibration.block_len": config.calibration.block_len if calibrating else None,
                "calibration.data": sample_length(config.calibration.data) if calibrating else None,
@@ -56,7 +38,7 @@ def context_settings(config) -> dict[str, int | None]:
             for key in CONTEXT_SETTINGS}
 
 
-def check_context_settings(config, models: dict) -> None:
+def check_context_settings(config, calibrating: bool, models: dict) -> None:
     """Every setting of :data:`CONTEXT_SETTINGS` within the context of each model, once it is loaded and before
     calibration: a longer one failed (an IndexError, a DataError) or was cut silently after the calibration and the
     first evaluation."""
@@ -64,7 +46,7 @@ def check_context_settings(config, models: dict) -> None:
 
     for name, model in models.items():
         try:
-            check_context(context_settings(config), model, name)
+            check_context(context_settings(config, calibrating), model, name)
         except ValueError as error:
             fail(str(error))
     check_lora_targets(config, next(iter(models.values())))
@@ -90,9 +72,9 @@ def check_lora_targets(config, model) -> None:
              "q_proj, v_proj) or all-linear")
 
 
-def load_models(config, state):
+def load_models(run, state):
     """(student, original, tokenizer), on the training device (:func:`place_for_training`). The main process
-    calibrates and caches; the others load its result, or, loading once a node (:func:`loaded_by_main`), build it
+    calibrates and caches; the others load its result, or, loading once a node (``run.loaded_by_main``), build it
     on the meta device and receive their shards when it is sharded."""
     import hf_normswap
     from ..checkpoint.loading import load_model
@@ -100,34 +82,35 @@ def load_models(config, state):
     from ..data import DataError
     from .sharding import storage_for_optimizer
 
-    cache = Path(config.output_dir) / "calibrated"
-    empty = loaded_by_main(state)
-    empty_original = empty and teacher_sharded(config)  # else every process holds the original whole
-    if converted_checkpoint(config) is not None:
+    config, cache = run.settings, run.calibrated_cache
+    empty = run.loaded_by_main
+    empty_original = empty and run.teacher_sharded  # else every process holds the original whole
+    if not run.calibrates:
         student, tokenizer = load_model(config.model, empty=empty)
-        original, _ = load_model(original_spec(config), with_tokenizer=False, empty=empty_original)
-        check_context_settings(config, {config.model: student, original_spec(config): original})
+        original, _ = load_model(run.original, with_tokenizer=False, empty=empty_original)
+        check_context_settings(config, False, {config.model: student, run.original: original})
         match_main({"student": student, "original": original}, state)
         if empty:
             storage_for_optimizer(student)
-        return place_for_training(student, config, state), place_for_training(original, config, state), tokenizer
+        return (place_for_training(student, state.device, run.sharded),
+                place_for_training(original, state.device, run.sharded), tokenizer)
     original, tokenizer = load_model(config.model, empty=empty_original)
-    check_context_settings(config, {config.model: original})  # before calibration, the first slow step
-    original = place_for_training(original, config, state)
+    check_context_settings(config, True, {config.model: original})  # before calibration, the first slow step
+    original = place_for_training(original, state.device, run.sharded)
     with state.main_process_first():
         # the main process reuses the cache on a resume (check_calibration_cache: it matches the config); the others
         # come after it and load what it has just written (its config alone when the main process loads once)
         if converted_config(cache) is not None and (config.resume or not state.is_main_process):
             student = (load_model(str(cache), with_tokenizer=False, empty=True)[0] if empty
                        else hf_normswap.load(cache))
-            student = place_for_training(student, config, state)
+            student = place_for_training(student, state.device, run.sharded)
             print(f"[{COMMAND.get()}] calibrated model from {cache}", flush=True)
         else:
             student = copy.deepcopy(original)
             start = time.time()
             try:
                 report = hf_normswap.convert(student, to=config.method,
-                                             calibration=dataclasses.replace(config.calibration, tokenizer=tokenizer))
+                                             calibration=dataclasses.replace(run.calibration, tokenizer=tokenizer))
             except DataError as error:  # e.g. the original's samples cannot be cached
                 raise stopped(f"calibration.data: {error}") from None
             print(f"[{COMMAND.get()}] converted {len(report.converted)} norms to {config.method.upper()} with "
@@ -138,30 +121,6 @@ def load_models(config, state):
     if empty:
         storage_for_optimizer(student)
     return trainable_dense(student), original, tokenizer
-
-
-def loaded_by_main(state) -> bool:
-    """Whether this process reads no weights: under FSDP2 with ``fsdp_cpu_ram_efficient_loading``
-    (:func:`~hf_normswap.training.sharding.loads_once`), every process but the main one builds its models on the
-    meta device, and the shards reach it when they are sharded (accelerate's loading for the student,
-    ``sharding.shard_from_main`` for the teacher)."""
-    from .sharding import loads_once
-
-    return loads_once() and state.num_processes > 1 and not state.is_main_process
-
-
-def original_read_once(config, state) -> bool:
-    """Whether the processes but the main one hold the original on the meta device until it is sharded: what is
-    drawn from it before then (its samples, the progressive swap's norms) comes from the main process."""
-    from .sharding import loads_once
-
-    return loads_once() and state.num_processes > 1 and teacher_sharded(config)
-
-
-def teacher_sharded(config) -> bool:
-    """Whether the original is sharded as the teacher (distilled from, ``shard_teacher``); else each process holds
-    it whole, so each reads it, loading once a node or not."""
-    return bool(config.shard_teacher) and config.distill.weight > 0
 
 
 def match_main(models: dict, state) -> None:

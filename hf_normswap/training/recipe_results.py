@@ -12,17 +12,18 @@ from pathlib import Path
 import torch
 
 
-def final_evaluation(model, original, tokenizer, texts: list[str], config, name: str):
-    """The converted model against the original on ``texts``. Sharded models are evaluated on every process
-    alike (each forward gathers its units from all of them)."""
+def final_evaluation(model, original, tokenizer, texts: list[str], data: str, settings, name: str):
+    """The converted model against the original on ``texts`` (of the spec ``data``), with the ``final_eval``
+    ``settings``. Sharded models are evaluated on every process alike (each forward gathers its units from all of
+    them)."""
     from ..evaluation.perplexity import evaluate
     from ..evaluation.embeddings import evaluate_embeddings
     from ..model_inputs import ends_in_hidden_states
 
     if ends_in_hidden_states(original):  # the embedding its users consume: cosine, neighbours and rank correlation
-        return evaluate_embeddings(model, original, tokenizer, texts, data=config.eval_data, **config.final_eval.arguments())
-    return evaluate({name: model}, tokenizer, texts, against=original, data=config.eval_data, progress=False,
-                    **config.final_eval.arguments())
+        return evaluate_embeddings(model, original, tokenizer, texts, data=data, **settings.arguments())
+    return evaluate({name: model}, tokenizer, texts, against=original, data=data, progress=False,
+                    **settings.arguments())
 
 
 
@@ -109,7 +110,8 @@ def finish(config, state, run, original, tokenizer, eval_texts, summary: dict, l
     import hf_normswap
 
     from ..checkpoint.record import ConversionRecord
-    from .distill import merge_lora, without_autocast_wrapper
+    from .trainable import merge_lora
+    from .trainer import without_autocast_wrapper
     from .recipe_models import whole_student
     from .run_dir import launch_history, record_save, write_json
     from .sharding import is_sharded
@@ -119,7 +121,8 @@ def finish(config, state, run, original, tokenizer, eval_texts, summary: dict, l
     model = without_autocast_wrapper(trainer.accelerator.unwrap_model(trainer.model))
     sharded = skeleton is not None and is_sharded(model)
     if state.is_main_process or sharded:
-        after = final_evaluation(model, original, tokenizer, eval_texts, config, "finetuned")
+        after = final_evaluation(model, original, tokenizer, eval_texts, config.eval_data, config.final_eval,
+                                 "finetuned")
         original_block_ppl = None if encoder else block_perplexity(original, run.eval_set)
     model = whole_student(trainer, model, skeleton if sharded else None, original, state)
     if not state.is_main_process:
@@ -143,7 +146,7 @@ def finish(config, state, run, original, tokenizer, eval_texts, summary: dict, l
     expected = probe_logits(model, tokenizer)
     hf_normswap.save_pretrained(model, save_dir, tokenizer=tokenizer, overwrite=True,
                                 evaluation=None if encoder else after.card("finetuned"))
-    record_save(config)
+    record_save(out, save_dir)
     if sharded:  # the gathered copy (the skeleton filled) goes before the reloaded one comes; reference cycles
         del model, skeleton  # hold the module past ``del``, so they are collected here
         gc.collect()

@@ -10,6 +10,8 @@ import os
 import sys
 from pathlib import Path
 
+from ..planning.recovery_run import converted_checkpoint
+
 DESCRIPTION = "Fine-tune a converted model against its original: convert with calibration, train, evaluate, save."
 
 
@@ -92,12 +94,3 @@ def check_calibration_cache(config) -> None:
     if differ:
         raise ValidationError(f"{cache} was calibrated with {', '.join(differ)}: name another output_dir, or set "
                               "resume=false to calibrate again")
-
-
-
-def converted_checkpoint(config) -> dict | None:
-    """config.json of ``model`` when it is a checkpoint converted by hf_normswap (no calibration then), else None."""
-    from ..checkpoint.record import converted_config
-
-    return converted_config(config.model) if Path(config.model).is_dir() else None
-

@@ -234,11 +234,11 @@ def check_save_dir(config) -> None:
                               "replaces only its own: name a new or empty save_dir")
 
 
-def record_save(config) -> None:
-    """Note in run.json where the final checkpoint went, so that a later launch may replace it (check_save_dir)."""
-    out = Path(config.output_dir)
+def record_save(out: Path, save_path: Path) -> None:
+    """Note in ``out``'s run.json where the final checkpoint went, so that a later launch may replace it
+    (check_save_dir)."""
     record = read_json(out / RECORD) or {}
-    write_json(out / RECORD, {**record, "saved": os.path.realpath(config.save_path.expanduser())})
+    write_json(out / RECORD, {**record, "saved": os.path.realpath(save_path.expanduser())})
 
 
 def claim_run_dir(config) -> None:

@@ -5,6 +5,7 @@ import sys
 import datasets
 import pytest
 
+from hf_normswap.data import load_texts
 from hf_normswap.data import texts as data
 
 
@@ -15,7 +16,7 @@ from hf_normswap.data import texts as data
 def test_hub_rows_are_documents_unless_the_dataset_stores_lines(monkeypatch, rows, expected):
     monkeypatch.setattr(data, "hub_reachable", lambda: True)
     monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: datasets.Dataset.from_dict({"text": rows}))
-    assert data.load_texts("someone/text:config:test", "evaluation") == expected
+    assert load_texts("someone/text:config:test", "evaluation") == expected
 
 
 def test_an_unreachable_hub_fails_at_once_naming_the_offline_switch(monkeypatch):
@@ -26,7 +27,7 @@ def test_an_unreachable_hub_fails_at_once_naming_the_offline_switch(monkeypatch)
     monkeypatch.setattr(data, "hub_reachable", lambda: False)
     monkeypatch.setattr(datasets, "load_dataset", retried)
     with pytest.raises(data.DataError, match="unreachable.*HF_HUB_OFFLINE=1"):
-        data.load_texts("someone/text:config:test", "evaluation")
+        load_texts("someone/text:config:test", "evaluation")
 
 
 def test_local_text_files_read_as_datasets_documents_without_datasets(tmp_path, monkeypatch):
@@ -38,6 +39,6 @@ def test_local_text_files_read_as_datasets_documents_without_datasets(tmp_path, 
                                    split="train", sample_by="document", cache_dir=str(tmp_path / "cache"))
     expected = [t for t in theirs["text"] if t.strip()]
     monkeypatch.setitem(sys.modules, "datasets", None)  # import datasets now fails
-    assert data.load_texts(str(tmp_path / "a.txt"), "calibration") + data.load_texts(
+    assert load_texts(str(tmp_path / "a.txt"), "calibration") + load_texts(
         str(tmp_path / "b.txt"), "calibration") == expected == [" = Title = \n\n first line\n second line\n",
                                                                   "another document"]

@@ -157,18 +157,21 @@ def test_an_8b_config_plans_without_its_weights():
 
 
 def test_a_recipe_config_plans_as_the_recipe_runs(tmp_path):
-    from hf_normswap.planning import recipe_plan, recipe_settings
+    from hf_normswap.planning import plan, recipe_settings
+    from hf_normswap.planning.recovery_run import resolve_run
     from hf_normswap.training.config import read_recipe_config
 
     recipe = Path(__file__).parents[2] / "recipes" / "configs" / "smollm2-eln.yaml"
     config = read_recipe_config(str(recipe), ["trainable=all", "block_len=128",
                                               "training.gradient_checkpointing=true"])
-    settings = recipe_settings(config, processes=2, sharded=True)
+    settings = recipe_settings(resolve_run(config, processes=2, sharded=True))
     assert (settings.sharding, settings.trainable, settings.seq_len, settings.gradient_checkpointing) == \
         ("fsdp2", "all", 128, True)
     assert settings.calibration_blocks == config.calibration.num_blocks and settings.calibrate
     tiny_config("llama").save_pretrained(tmp_path)
     config.model = str(tmp_path)
-    result = recipe_plan(config, processes=2, sharded=True)
+    run = resolve_run(config, processes=2, sharded=True)
+    result = plan(run.original, recipe_settings(run))
     assert result.sizes.parameters == model_sizes(tiny_config("llama")).parameters
     assert result.recipe[-1].name == "final evaluation and save"
+

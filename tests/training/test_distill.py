@@ -15,7 +15,9 @@ from transformers import TrainingArguments
 
 import hf_normswap
 from hf_normswap.calibration.calibrate import CalibrationConfig
-from hf_normswap.training.distill import NormSwapTrainer, disable_dropout, distillation_loss, set_trainable
+from hf_normswap.training.losses import distillation_loss
+from hf_normswap.training.trainable import disable_dropout, set_trainable
+from hf_normswap.training.trainer import NormSwapTrainer
 from hf_normswap.training.layerwise import embedding_cosine_error, relative_hidden_error
 from hf_normswap.training.progressive import ProgressiveSwap, schedule
 from tiny_models import tiny_model

@@ -1,4 +1,4 @@
-"""recipes/finetune.py end to end on a tiny llama, and the library pieces it uses (distill.py, progressive.py).
+"""recipes/finetune.py end to end on a tiny llama, and the library pieces it uses (trainer, losses, progressive).
 
 The two-process test is marked ``distributed`` (select with ``-m distributed``, skip with ``-m "not distributed"``);
 it runs in the default suite. Two CPU processes join over gloo: on a machine without GPU,
@@ -24,11 +24,12 @@ import yaml
 
 import hf_normswap
 from hf_normswap.data.generated import is_generated
+from hf_normswap.planning.recovery_run import converted_checkpoint, resolve_run
 from hf_normswap.training import recipe_data, recipe_models, recipe_results, recipe_settings
-from hf_normswap.training.distill import (distillation_loss, group_learning_rates, norm_parameter_names, parameter_groups,
-                                 set_trainable)
+from hf_normswap.training.losses import distillation_loss
 from hf_normswap.training.progressive import ProgressiveSwap, schedule
 from hf_normswap.training.run_dir import claim_run_dir
+from hf_normswap.training.trainable import group_learning_rates, norm_parameter_names, parameter_groups, set_trainable
 from tiny_models import tiny_model
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -36,6 +37,11 @@ RECIPE = ROOT / "recipes" / "finetune.py"
 WORDS = ("the model layer norm scale token value input output weight train step loss small large first last "
          "position channel element wise function learn fit data text tiny network block head sum mean root "
          "square shape beta alpha gamma bias original converted").split()
+
+
+def check_settled(config):
+    """``recipe_data.check_data`` as the recipe calls it, once the run is resolved."""
+    recipe_data.check_data(config, converted_checkpoint(config) is None)
 
 
 def tiny_tokenizer(directory: Path, text: str):
@@ -198,9 +204,10 @@ def test_a_resumed_run_refuses_a_cached_calibration_the_config_does_not_describe
     from accelerate import PartialState
 
     state = PartialState(cpu=True)
-    resumed, _, _ = recipe_models.load_models(recipe_settings.load_config(base), state)  # the cache, as calibrated
+    resumed, _, _ = recipe_models.load_models(resolve_run(recipe_settings.load_config(base)), state)  # the cache, as calibrated
     assert resumed.config.normswap["method"] == "eln" and "calibrated model from" in capsys.readouterr().out
-    anew, _, _ = recipe_models.load_models(recipe_settings.load_config([*base, "method=dyt", "resume=false"]), state)
+    anew, _, _ = recipe_models.load_models(resolve_run(recipe_settings.load_config([*base, "method=dyt", "resume=false"])),
+                                       state)
     assert anew.config.normswap["method"] == "dyt" and "converted" in capsys.readouterr().out
 
 
@@ -238,8 +245,9 @@ def test_block_dataset_packs_blocks_within_the_limits(tiny_setup):
 
 
 def test_a_mix_trains_on_equal_shares_of_its_sources_in_turn(tiny_setup, tmp_path, monkeypatch):
-    """``train_data: [A, B]``: A's and B's blocks alternate, the shorter source read again until the longer ends; the
-    original's samples in a mix are drawn up to half the run's tokens, a corpus is read whole."""
+    """``train_data: [A, B]``: A's and B's blocks alternate, the shorter source read again; a local file streams its
+    blocks in a shuffled order, and the original's samples stream without end, the blocks its samples give."""
+    import itertools
     import types
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -254,21 +262,24 @@ def test_a_mix_trains_on_equal_shares_of_its_sources_in_turn(tiny_setup, tmp_pat
 
     def blocks(source, max_tokens=None, original=None):
         return recipe_data.block_dataset(tokenizer, source, "calibration", 32, max_tokens, original=original,
-                                    state=state)["input_ids"]
+                                         state=state)["input_ids"]
+
+    def first(rows, count):
+        return [row["input_ids"] for row in itertools.islice(iter(rows), count)]
 
     config = recipe_settings.load_config([f"model={model_dir}", f"train_data=[{corpus}, {short}]", "block_len=32"])
-    rows = recipe_data.training_blocks(config, tokenizer, None, state)["input_ids"]
     long, few = blocks(corpus), blocks(str(short))
-    assert len(few) == 2 < len(long) and len(rows) == 2 * len(long)
-    assert rows[0::2] == long and rows[1::2] == [few[i % len(few)] for i in range(len(long))]
+    rows = first(recipe_data.training_blocks(resolve_run(config), tokenizer, None, state), 2 * len(long))
+    assert len(few) == 2 < len(long) and rows[0::2] != long and sorted(rows[0::2]) == sorted(long)
+    assert all(row in few for row in rows[1::2]) and all(rows[1::2].count(row) >= len(long) // 2 - 1 for row in few)
 
     original = AutoModelForCausalLM.from_pretrained(model_dir)
     config = recipe_settings.load_config([f"model={model_dir}", f"train_data=['{spec}', {corpus}]", "block_len=32",
-                                 "train_tokens=256"])
-    rows = recipe_data.training_blocks(config, tokenizer, original, state)["input_ids"]
-    sampled = blocks(spec, 128, original)  # from the cache the mix filled
-    assert 0 < len(sampled) <= 4 and len(rows) == 2 * len(long)
-    assert rows[1::2] == long and rows[0::2] == [sampled[i % len(sampled)] for i in range(len(long))]
+                                          "train_tokens=256"])
+    rows = first(recipe_data.training_blocks(resolve_run(config), tokenizer, original, state), 2 * len(long))
+    sampled = blocks(spec, 32 * 8, original)  # from the cache the stream filled
+    assert len(sampled) >= 2 and rows[0::2][:len(sampled)] == sampled  # the samples' blocks in order, past 256
+    assert sorted(rows[1::2]) == sorted(long)
 
 
 def test_a_sentence_encoder_trains_on_sentences_with_its_special_tokens(tmp_path):
@@ -422,10 +433,10 @@ def test_configs_name_hub_or_builtin_data_and_local_files_override_them(config, 
     text = tmp_path / "text.txt"
     text.write_text(" ".join(WORDS))
     local = [f"calibration.data={text}", f"train_data={text}", "eval_data=builtin:evaluation"]
-    recipe_data.check_data(recipe_settings.load_config(["--config", str(config), *local]))
+    check_settled(recipe_settings.load_config(["--config", str(config), *local]))
     capsys.readouterr()
     with pytest.raises(SystemExit) as error:
-        recipe_data.check_data(recipe_settings.load_config(["--config", str(config), *local, f"eval_data={tmp_path}/missing.txt"]))
+        check_settled(recipe_settings.load_config(["--config", str(config), *local, f"eval_data={tmp_path}/missing.txt"]))
     assert error.value.code == 2
     assert re.fullmatch(r"finetune: error: eval_data: data file not found: .*missing.txt.*\(eval_data=PATH\)\n",
                         capsys.readouterr().err)
@@ -438,7 +449,7 @@ def test_smollm2_configs_need_no_data_argument_and_no_network(config, capsys):
     assert named.model.startswith("offline:")
     assert is_generated(named.calibration.data) and is_generated(named.train_data), named
     assert named.eval_data == "builtin:evaluation"
-    recipe_data.check_data(named)
+    check_settled(named)
     assert capsys.readouterr().err == ""
 
 
@@ -447,9 +458,9 @@ def test_a_converted_checkpoint_needs_no_calibration_data(tmp_path):
     model, _, _ = converted_tiny()
     hf_normswap.save_pretrained(model, tmp_path / "converted")
     unreadable = f"calibration.data={tmp_path}/missing.txt"
-    recipe_data.check_data(recipe_settings.load_config([f"model={tmp_path / 'converted'}", unreadable]))
+    check_settled(recipe_settings.load_config([f"model={tmp_path / 'converted'}", unreadable]))
     with pytest.raises(SystemExit):  # an original to convert still needs it
-        recipe_data.check_data(recipe_settings.load_config([f"model={tmp_path}", unreadable]))
+        check_settled(recipe_settings.load_config([f"model={tmp_path}", unreadable]))
 
 
 def test_a_strategy_set_to_no_stays_no(tmp_path):
@@ -499,22 +510,20 @@ def test_the_training_text_is_sized_by_the_run_only_for_the_originals_samples(tr
     assert [recipe_data.training_budget(config, spec, world_size=4) for spec in sources] == expected
 
 
-def test_the_models_go_to_the_training_device_and_under_fsdp2_only_the_blocks_do(monkeypatch):
+def test_the_models_go_to_the_training_device_and_under_fsdp2_only_the_blocks_do():
     """Calibration, sampling and evaluation run where the model is: on a GPU machine that is the GPU accelerate
     trains on (the meta device stands in for it here). Under FSDP2 accelerate shards from CPU memory, so the model
-    stays there and calibration's blocks visit the device."""
+    stays there and calibration's blocks visit the device (the run's calibration; the settings keep theirs)."""
     from types import SimpleNamespace
 
     from hf_normswap.placement import model_device
+    from hf_normswap.training.config import RecipeConfig
 
     gpu, cpu = SimpleNamespace(device=torch.device("meta")), SimpleNamespace(device=torch.device("cpu"))
-    for variable in ("ACCELERATE_USE_FSDP", "FSDP_VERSION"):
-        monkeypatch.delenv(variable, raising=False)
-    config = SimpleNamespace(calibration=SimpleNamespace(device=None))
-    assert model_device(recipe_models.place_for_training(tiny_model("llama"), config, cpu)).type == "cpu"
-    assert model_device(recipe_models.place_for_training(tiny_model("llama"), config, gpu)).type == "meta"
-    assert config.calibration.device is None
-    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
-    monkeypatch.setenv("FSDP_VERSION", "2")
-    assert model_device(recipe_models.place_for_training(tiny_model("llama"), config, gpu)).type == "cpu"
-    assert config.calibration.device == "meta"
+    config = RecipeConfig(output_dir="unused")
+    ddp, fsdp2 = resolve_run(config, device="meta"), resolve_run(config, device="meta", sharded=True)
+    assert model_device(recipe_models.place_for_training(tiny_model("llama"), cpu.device, ddp.sharded)).type == "cpu"
+    assert model_device(recipe_models.place_for_training(tiny_model("llama"), gpu.device, ddp.sharded)).type == "meta"
+    assert ddp.calibration.device is None
+    assert model_device(recipe_models.place_for_training(tiny_model("llama"), gpu.device, fsdp2.sharded)).type == "cpu"
+    assert fsdp2.calibration.device == "meta" and config.calibration.device is None

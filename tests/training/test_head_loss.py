@@ -6,8 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hf_normswap.training.distill import distillation_loss, distillation_step, freeze_embeddings, layerwise_step
 from hf_normswap.training.head_loss import head_bypassed, head_is_plain, head_loss
+from hf_normswap.training.losses import distillation_loss, distillation_step, layerwise_step
+from hf_normswap.training.trainable import freeze_embeddings
 from tiny_models import tiny_model
 
 
@@ -123,8 +124,8 @@ def test_the_trainer_keeps_the_chunked_head_loss_under_bf16_autocast(tmp_path, m
     from transformers import TrainingArguments
 
     from hf_normswap import convert
-    from hf_normswap.training import distill
-    from hf_normswap.training.distill import NormSwapTrainer
+    from hf_normswap.training import losses
+    from hf_normswap.training.trainer import NormSwapTrainer
 
     student, teacher = tiny_model("llama"), tiny_model("llama")
     convert(student, to="eln")
@@ -134,7 +135,7 @@ def test_the_trainer_keeps_the_chunked_head_loss_under_bf16_autocast(tmp_path, m
     trainer = NormSwapTrainer(model=student, args=args, teacher=teacher, distill_weight=1.0, head_chunk=8,
                               hidden_weight=hidden_weight, train_dataset=datasets.Dataset.from_dict({"input_ids": ids, "labels": ids}))
     chunks = []
-    monkeypatch.setattr(distill, "head_loss", lambda *a, **k: chunks.append(k["chunk"]) or head_loss(*a, **k))
+    monkeypatch.setattr(losses, "head_loss", lambda *a, **k: chunks.append(k["chunk"]) or head_loss(*a, **k))
     assert trainer.train().training_loss > 0
     assert chunks == [8, 8]  # both steps went through the chunked loss, with the layer-wise term or without
 
@@ -144,7 +145,7 @@ def test_taking_off_accelerate_s_autocast_wrapper_gives_back_the_plain_model(arc
     """After bf16 training the recipe evaluates and saves the model as it reloads: fp32, hidden states available."""
     from accelerate import Accelerator
 
-    from hf_normswap.training.distill import without_autocast_wrapper
+    from hf_normswap.training.trainer import without_autocast_wrapper
 
     from accelerate.state import AcceleratorState
 

@@ -1,0 +1,221 @@
+"""Text sources as classes: one class a kind of source, chosen once from the spec, as a method is one class of
+``modules.py``. A new kind is one class here, registered with :func:`register`: what calibration, evaluation, the
+CLI's checks and the recovery recipe ask of a source (its documents, a cheap check before any model loads, a
+training stream, whether it is the original's samples) is asked of the class.
+
+Kinds are tried in :data:`SOURCES` order; a spec that none takes names local files (:class:`LocalFiles`) or, when
+it names none, a Hub dataset (:class:`HubDataset`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from . import texts
+from .generated import DEFAULT_TOKENS, SamplingSettings, is_generated, sample_texts
+
+SOURCES: list[type["Source"]] = []
+
+
+def register(kind: type["Source"]) -> type["Source"]:
+    """Add a kind of source (a class decorator)."""
+    SOURCES.append(kind)
+    return kind
+
+
+class Source:
+    """A text source named by ``spec``. A kind overrides :meth:`matches` and :meth:`texts`; the rest has defaults
+    that fit a corpus read whole."""
+
+    samples_original = False  # drawn from the original model (a recipe must hold it to read the source)
+
+    def __init__(self, spec: str):
+        self.spec = spec
+
+    @classmethod
+    def matches(cls, spec: str) -> bool:
+        raise NotImplementedError
+
+    def texts(self, default_split: str = "calibration", *, model=None, tokenizer=None, max_tokens: int | None = None,
+              rank: int = 0, world_size: int = 1) -> list[str]:
+        """Its documents (``default_split``: the half or split read where the spec names none)."""
+        raise NotImplementedError
+
+    def check(self) -> list[Path] | None:
+        """What can be checked before a model loads, cheaply; the local files it names (None: no files)."""
+        return None
+
+    def preflight(self, split: str) -> None:
+        """Read before any model loads, so a source that cannot be read stops a run at once: a token's worth (a
+        large local file is opened, not read whole)."""
+        self.texts(split, max_tokens=1)
+
+    def stream(self, tokenizer, block_len: int, *, original=None, rank: int = 0, world_size: int = 1, seed: int = 0):
+        """Its training blocks as a ``datasets`` stream read as the run trains; None: read whole."""
+        return None
+
+    def sequence_length(self) -> int | None:
+        """Tokens of a sequence it holds where the model's context must fit them (None: any)."""
+        return None
+
+    def same_sample(self, other: "Source") -> bool:
+        """Whether ``other`` holds the very same sequences (two specs that draw the same samples)."""
+        return False
+
+
+@register
+class Generated(Source):
+    """``generated[:key=value,...]``: the original's own samples (``generated.py``), drawn once into the cache."""
+
+    samples_original = True
+
+    @classmethod
+    def matches(cls, spec: str) -> bool:
+        return is_generated(spec)
+
+    @property
+    def settings(self) -> SamplingSettings:
+        try:
+            return SamplingSettings.from_spec(self.spec)
+        except ValueError as error:
+            raise texts.DataError(str(error)) from None
+
+    def prompt_texts(self) -> list[str] | None:
+        prompt = self.settings.prompt
+        return None if prompt == "bos" else source(prompt).texts("calibration")
+
+    def texts(self, default_split="calibration", *, model=None, tokenizer=None, max_tokens=None, rank=0,
+              world_size=1):
+        try:  # a bad setting, a model that cannot sample: one DataError line
+            return sample_texts(model, tokenizer, self.settings, max_tokens or DEFAULT_TOKENS,
+                                prompt_texts=self.prompt_texts(), rank=rank, world_size=world_size,
+                                progress=rank == 0)
+        except ValueError as error:
+            raise texts.DataError(str(error)) from None
+
+    def check(self):
+        prompt = self.settings.prompt
+        if prompt != "bos":
+            source(prompt).check()
+        return None
+
+    def preflight(self, split):  # sampled once the original is loaded; its prompt file must exist
+        self.check()
+
+    def stream(self, tokenizer, block_len, *, original=None, rank=0, world_size=1, seed=0):
+        from .sample_stream import sample_stream
+
+        return sample_stream(original, tokenizer, self.settings, block_len, prompt_texts=self.prompt_texts(),
+                             rank=rank, world_size=world_size)
+
+    def sequence_length(self):
+        return self.settings.length
+
+    def same_sample(self, other):
+        return isinstance(other, Generated) and self.settings == other.settings
+
+
+@register
+class Builtin(Source):
+    """``builtin`` or ``builtin:calibration`` / ``builtin:evaluation``: the Python reference shipped with Python."""
+
+    @classmethod
+    def matches(cls, spec: str) -> bool:
+        return texts.is_builtin(spec)
+
+    def texts(self, default_split="calibration", **_):
+        return texts.read_builtin(self.spec.partition(":")[2] or default_split)
+
+
+class LocalFiles(Source):
+    """Local files and directories, joined by commas: text, json/jsonl or parquet. A text file is streamed for
+    training, shuffled :data:`SHUFFLE_BLOCKS` blocks at a time (the Trainer shuffles a whole dataset's rows)."""
+
+    SHUFFLE_BLOCKS = 1024
+
+    @classmethod
+    def matches(cls, spec: str) -> bool:
+        return texts.names_paths(spec)
+
+    def texts(self, default_split="calibration", *, max_tokens=None, **_):
+        return texts.read_local(texts.named_paths(self.spec), max_tokens)
+
+    def check(self):
+        return texts.named_paths(self.spec)
+
+    def stream(self, tokenizer, block_len, *, original=None, rank=0, world_size=1, seed=0):
+        from .streaming import file_stream
+
+        files = texts.files_under(texts.named_paths(self.spec))
+        if not files or any(f.suffix.lower() in texts.LOADERS for f in files):
+            return None  # json / parquet: read whole through datasets
+        return file_stream(files, tokenizer, block_len).shuffle(seed=seed, buffer_size=self.SHUFFLE_BLOCKS)
+
+
+class HubDataset(Source):
+    """``name[:config[:split]]``: a Hub dataset, read whole (``streaming: true`` streams it for training); what a
+    spec names when no kind of :data:`SOURCES` takes it."""
+
+    @classmethod
+    def matches(cls, spec: str) -> bool:
+        return True
+
+    def texts(self, default_split="calibration", **_):
+        split = {"calibration": "train", "evaluation": "test"}.get(default_split, default_split)
+        return texts.read_hub(self.spec, split)
+
+
+FALLBACKS = (LocalFiles, HubDataset)  # tried after every registered kind: paths, then any other name
+
+
+def source(spec: str | None) -> Source:
+    """The source a spec names (none: ``builtin``); DataError for a local path that does not exist."""
+    spec = spec or texts.BUILTIN
+    return next(kind for kind in (*SOURCES, *FALLBACKS) if kind.matches(spec))(spec)
+
+
+def sample_length(spec: str | None) -> int | None:
+    """The tokens of a sequence a spec holds where the model's context must fit them (the original's samples),
+    else None."""
+    return source(spec).sequence_length() if spec else None
+
+
+def check_spec(spec: str) -> list[Path] | None:
+    """What a text spec can be checked for before a model loads (local files exist, sampling settings are valid);
+    returns the local files it names, None for other sources."""
+    return source(spec).check()
+
+
+def same_sample(spec: str | None, other: str | None) -> bool:
+    """Whether two specs name the same samples of the original (same settings: the same batches)."""
+    return bool(spec and other) and source(spec).same_sample(source(other))
+
+
+def local_paths(spec: str) -> list[Path] | None:
+    """The files a spec names, ``None`` for other sources; ``texts.DataError`` for a path that does not exist.
+
+    Cheap, so the CLI can refuse a mistyped path before loading a model.
+    """
+    found = source(spec)
+    return found.check() if isinstance(found, LocalFiles) else None
+
+
+def load_texts(spec: str | None, default_split: str = "calibration", *, model=None, tokenizer=None,
+               max_tokens: int | None = None, rank: int = 0, world_size: int = 1) -> list[str]:
+    """Documents of a text source (``sources.source``). ``default_split`` picks the builtin half (and the Hub
+    split, as train/test). ``generated`` text is sampled from ``model`` (the original) with ``tokenizer``, at least
+    ``max_tokens`` tokens (default: :data:`generated.DEFAULT_TOKENS`); process ``rank`` of ``world_size`` draws its
+    share and reads the others'. A large local text file is read only up to ``max_tokens`` (:data:`.texts.LAZY_BYTES`)."""
+    return source(spec).texts(default_split, model=model, tokenizer=tokenizer, max_tokens=max_tokens, rank=rank,
+                              world_size=world_size)
+
+
+def hub_stream(spec: str, tokenizer, block_len: int, default_split: str = "train"):
+    """The training blocks of a streamed Hub dataset (``streaming.packed_stream``); DataError for a spec that names
+    another kind of source."""
+    from .streaming import packed_stream
+
+    if not isinstance(source(spec), HubDataset):
+        raise texts.DataError(f"streaming reads a Hub dataset NAME[:config][:split], not {spec!r}: set "
+                              "streaming=false")
+    return packed_stream(spec, tokenizer, block_len, default_split)
