@@ -151,8 +151,9 @@ def calibration_settings(args, method: str) -> list[str]:
 def share_calibration(args, norm: str, method: str, run_dir: Path) -> None:
     """Start from another run's calibrated model when the calibration settings are the same: the same start for
     every method and budget (the curves then differ by the recovery alone) and one calibration instead of one per
-    run. The other run's record (``run.json``: the model it calibrated) comes along, or the recipe would refuse a
-    directory it did not write."""
+    run. The files are hard links (no copy of the weights; the recipe refuses a symbolic link in its output_dir, and
+    its saves replace files, never write into them). The other run's record (``run.json``: the model it calibrated)
+    comes along, or the recipe would refuse a directory it did not write."""
     cache = run_dir / "calibrated"
     if cache.exists():
         return
@@ -162,7 +163,7 @@ def share_calibration(args, norm: str, method: str, run_dir: Path) -> None:
         other = head if budget.isdigit() and head in METHODS else other  # NORM-METHOD-BUDGET (--run-per-budget)
         if other in METHODS and calibration_settings(args, other) == calibration_settings(args, method):
             run_dir.mkdir(parents=True, exist_ok=True)
-            cache.symlink_to(source.parent.resolve(), target_is_directory=True)
+            shutil.copytree(source.parent, cache, copy_function=os.link)
             record = source.parent.parent / RECORD
             if record.exists() and not (run_dir / RECORD).exists():
                 shutil.copyfile(record, run_dir / RECORD)

@@ -161,7 +161,7 @@ def _finished_run(converted, llama, out: Path, steps: int, tokens: int, *setting
     saved = json.loads((out / "final" / "config.json").read_text())
     saved["normswap"]["training"] = {"steps": steps, "tokens_seen": tokens}
     (out / "final" / "config.json").write_text(json.dumps(saved))
-    run_dir.record_save(config)
+    run_dir.record_save(out, config.save_path)
     return run
 
 

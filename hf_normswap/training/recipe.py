@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None, command: str = "finetune") -> int:
         raise stopped(str(error)) from None
     check_data(config, run.calibrates)
     set_seed(config.seed)
-    done = finished_run(config)
+    done = finished_run(run.output_dir, run.save_path, config.resume, config.train_tokens, run.steps)
     if done:
         if state.is_main_process:
             print(f"[{command}] {done}", flush=True)

@@ -104,29 +104,26 @@ def last_checkpoint(output_dir: Path) -> Path | None:
     return None
 
 
-def finished_run(config) -> str | None:
+def finished_run(output_dir: Path, save_path: Path, resume: bool, train_tokens: int | None,
+                 steps: int) -> str | None:
     """Where a finished run stands, when a relaunch would train nothing: its last checkpoint reached
-    ``train_tokens`` (else ``training.max_steps``) and the final checkpoint was saved from it; None otherwise. (The
+    ``train_tokens`` (else the run's ``steps``) and the final checkpoint was saved from it; None otherwise. (The
     Trainer, resumed from a checkpoint at ``max_steps``, would train one more step and replace ``final``.)"""
     from ..checkpoint.record import ConversionRecord
 
-    out = Path(config.output_dir)
-    last = last_checkpoint(out) if config.resume and out.is_dir() else None
+    last = last_checkpoint(output_dir) if resume and output_dir.is_dir() else None
     state = read_json(last / "trainer_state.json") if last else None
     if not state:
         return None
     step, tokens = state.get("global_step") or 0, state.get("num_input_tokens_seen") or 0
     try:
-        saved = ConversionRecord.read(config.save_path).training
+        saved = ConversionRecord.read(save_path).training
     except ValidationError:  # no final checkpoint yet, or not one this package saved
         saved = None
     if not isinstance(saved, dict) or saved.get("steps") != step:
         return None  # stopped before its final checkpoint was saved: the relaunch finishes it
-    if config.train_tokens is not None:
-        done = tokens >= config.train_tokens
-    else:
-        done = 0 < (config.training.get("max_steps") or -1) <= step
-    return (f"finished at {step} steps / {tokens:,} tokens: nothing to train (final checkpoint {config.save_path}); "
+    done = tokens >= train_tokens if train_tokens is not None else 0 < steps <= step
+    return (f"finished at {step} steps / {tokens:,} tokens: nothing to train (final checkpoint {save_path}); "
             "raise train_tokens or training.max_steps to continue") if done else None
 
 
