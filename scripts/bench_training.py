@@ -46,7 +46,7 @@ def head_inputs(args):
 
 
 def head_steps(hidden, weight, teacher_hidden, teacher_weight, labels) -> dict:
-    """Forward + backward of 0.5 CE + 0.5 KD: from full logits (the recipe's former loss), and chunked."""
+    """Forward + backward of 0.5 CE + 0.5 KD: from full logits, and chunked (Liger-Kernel's fused linear JSD)."""
     from hf_normswap.training.losses import distillation_loss
     from hf_normswap.training.head_loss import head_loss
 

@@ -5,53 +5,62 @@
 #   bash scripts/gpu_check.sh OUT_DIR [--dry-run] [--work DIR] [--steps a,b,...]
 #
 # Steps, in order, each under its own time limit (`timeout`); a failing step is recorded and the next one runs:
-#   imports        every dependency in pyproject.toml imports, then hf_normswap.cli, the recipe and the benchmarks
+#   imports        every dependency in pyproject.toml (and the [gpu] extra) imports, then hf_normswap.cli, the recipe
+#                  and the benchmarks
+#   recovery       recipes/configs/smollm2-NORM.yaml for each NORM of RECOVERY_NORMS (default: eln; "eln,dyt" runs
+#                  DyT after it), bf16, the blocks compiled, 65,536 tokens a step: calibration on WikiText-2
+#                  validation (RECOVERY_CALIB: the block pass's batched rows, default 120 steps of 8 sequences a
+#                  block against the configs' 240 of one; on the CPU, 16 x 256 tokens, 64 x 1 started at 25.0x,
+#                  32 x 4 at 30.6x, 16 x 4 at 37.1x: fewer steps lose), then training on the mix (the original's samples, drawn 512 a batch with the static
+#                  cache and the compiled decode step, and that text) to RECOVERY_TOKENS (default 30,000,000, the cosine
+#                  schedule's length) or RECOVERY_MINUTES of training (default 6, from the first step), evaluated on
+#                  WikiText-2 test every 5,000,000 tokens. Its curve (the Trainer's eval lines) goes to
+#                  OUT_DIR/curve-NORM.txt and the log's last 40 lines to OUT_DIR/recovery-NORM.tail every 20 s, so a
+#                  call cut short still returns its points; calibration's seconds and the step's tokens/s to
+#                  metrics-recovery-NORM.json. Needs SmolLM2 (offline:smollm2, or SMOLLM2_DIR, a folder in
+#                  transformers' format) and WikiText-2 (WIKITEXT_DIR, else the one .gpu/call2 carried, else
+#                  ../shared/data/wikitext-2)
+#   sample         the sampler alone on SmolLM2: 512 x 512 tokens a batch, the first batch (the compile) then 4 timed
+#                  (metrics-sample.json)
+#   convert        normswap convert SmolLM2 --to eln with the default calibration (on CUDA: 128 samples at 80 / 240
+#                  steps), evaluated on 2,048 offline tokens: its seconds and ratio (convert.log)
+#   bench_train    the recipe's training step against a plain bf16 Trainer step, SmolLM2's shapes, 32 sequences of
+#                  512 a step (bench_train-32.json)
 #   pytest         pytest -m cuda (junit xml: pytest-cuda.xml)
 #   bench_kernels  scripts/bench_kernels.py: DyT / ELN forward and forward+backward, bf16, 8192 x 576 and 8192 x 4096,
 #                  Triton and compiled paths and the plain formula against x.clone() and nn.LayerNorm (CUDA events),
 #                  and one call's time on a decode step's input (bench_kernels.json)
 #   bench_model    scripts/bench_decode.py: SmolLM2-135M's and Llama-3-8B's shapes with random weights, bf16, the
 #                  original, converted (ELN) and folded: forward at 8 x 2048, generation at batch 1 and 32
-#                  (bench_model.json)
-#   bench_train    the recipe's training step against a plain bf16 Trainer step, SmolLM2's shapes, at 16 and at 32
-#                  sequences of 512 a step (bench_train-16.json, bench_train-32.json); recovery takes the faster
-#   recovery       recipes/configs/smollm2-NORM.yaml for each NORM of RECOVERY_NORMS (default: eln; "eln,dyt" runs
-#                  DyT after it), bf16, on the mix (calibration on WikiText-2 validation, training on the original's
-#                  samples and that text), evaluated on WikiText-2 test every 500,000 training tokens, up to
-#                  RECOVERY_TOKENS (default 3,000,000; the cosine schedule's length) or RECOVERY_MINUTES of training
-#                  (default 4, counted from the first step). The samples, half the tokens, are all drawn before the
-#                  first step. Its curve (the Trainer's eval lines) is copied to OUT_DIR/curve-NORM.txt and the log's
-#                  last 40 lines to OUT_DIR/recovery-NORM.tail every 20 s, so a call cut short still returns its
-#                  points and where it stood. Needs SmolLM2 (offline:smollm2, or SMOLLM2_DIR, a
-#                  folder in transformers' format) and WikiText-2 (WIKITEXT_DIR, else the one .gpu/call2 carried,
-#                  else ../shared/data/wikitext-2)
 #   bench_smollm2  bench_decode.py on SmolLM2's real weights, when they load (bench_smollm2.json)
 #   fsdp           3 recipe steps under recipes/accelerate_configs/fsdp2.yaml on the one GPU (a smoke test)
 # OUT_DIR/summary.json, rewritten after every step: each step's status ("passed", "failed: exit N", "timed out: after
-# N s", "skipped: REASON") and seconds.
+# N s", "skipped: REASON") and seconds, and at its top level calibration_s, step_tokens_per_s (tokens seen over the
+# training's wall seconds, evaluations included) and sample_tokens_per_s (null: not measured). The Python of each
+# job is scripts/gpu_check_steps.py.
 #
 # The GPU machine has no network, sends at most 64 MiB a call and returns at most 8 files from OUT_DIR, no more than
 # 2 folders down. So:
 # * --prepare splits the packaged GGUF (98 MB) into .gpu/call1 and .gpu/call2 (a half each, with its sha256), puts
-#   the wheels of the dependencies the GPU image lacks (GPU_WHEELS) beside each half and WikiText-2 into .gpu/call2.
-#   Each call carries its folder; the check gathers what .gpu/ holds into GPU_CHECK_STASH (default
-#   /tmp/hf_normswap_gpu, kept while the machine stays warm: make the second call within its 30 s), joins the halves
-#   once both are there (checking the sha256), installs each wheel once and puts the package folder and the installed
-#   wheels on PYTHONPATH.
+#   the wheels of the dependencies the GPU image lacks (GPU_WHEELS) beside each half and WikiText-2 (wiki.test.raw
+#   and wiki.valid.tokens, 1.7 MB) into .gpu/call2. Each call carries its folder; the check gathers what .gpu/ holds
+#   into GPU_CHECK_STASH (default /tmp/hf_normswap_gpu, kept while the machine stays warm: make the next call within
+#   its 30 s), joins the halves once both are there (checking the sha256), installs each wheel once and puts the
+#   package folder and the installed wheels on PYTHONPATH.
 # * --work DIR keeps the logs and outputs in DIR; OUT_DIR then gets only summary.json, work.tgz (DIR's logs and
 #   results, refreshed after each step) and the live curve-NORM.txt and recovery-NORM.tail.
-#   With 15 minutes of device time in all (a start of 1-2 minutes included), in order of value, sized by the step
-#   times in BENCHMARKS.md ("On a GPU"); the recovery, the one result no loan has brought back, comes first:
-#   Call 1 (carry .gpu/call1, under a minute): --work /tmp/gc --steps imports
-#   Call 2 (carry .gpu/call2, about 10 minutes, within 30 s of the first, timeout 590): RECOVERY_MINUTES=4 ...
-#     --work /tmp/gc --steps recovery (batch 32 unless bench_train measured)
-#   then bench_kernels, pytest, bench_model (its JSON after each model: SmolLM2's shapes, then Llama-3-8B's),
-#   bench_train and bench_smollm2 with what is left
+# The 15 minutes of device time (900 s, the machine's start of 60-120 s included), the recovery first:
+#   Call 1 (carry .gpu/call1; about 2 min with the start): --work /tmp/gc --steps imports      (imports: about 20 s)
+#   Call 2 (carry .gpu/call2, within 30 s of the first, timeout 590): --work /tmp/gc --steps recovery
+#     load 20 s, calibration <= 60 s, samples and training 360 s (30M tokens at >= 83,000 tok/s), 6 evaluations
+#     and the final one 40 s: about 500 s
+#   Call 3 (no carry, within 30 s, timeout 300): --work /tmp/gc --steps sample,convert,bench_train
+#   then, with what is left (status's budget_left_s), pytest, bench_model, bench_smollm2, fsdp.
 #
-# --dry-run: the same steps on the CPU (any GPU hidden) at toy sizes, so that the script is checked without a GPU (the
-# CUDA tests skip and are recorded as skipped; Triton's kernels run under its interpreter, which is no timing; one
-# training batch size; the recovery writes the command it would run to recovery-NORM.cmd). PYTHON: the interpreter
-# (default: python).
+# --dry-run: the same steps on the CPU (any GPU hidden) at toy sizes, so that the script is checked without a GPU:
+# the recovery runs the recipe on SmolLM2 with a few tokens of the offline text (calibration, samples, two steps),
+# the sampler on SmolLM2's first block; the CUDA tests skip and are recorded as skipped; Triton's kernels run under
+# its interpreter, which is no timing. PYTHON: the interpreter (default: python).
 set -u
 
 usage() { echo "usage: bash scripts/gpu_check.sh OUT_DIR [--dry-run] [--work DIR] [--steps a,b,...] | --prepare" >&2; exit 2; }
@@ -62,7 +71,7 @@ GGUF_NAME=SmolLM2-135M-Instruct.Q4_1.gguf
 # the project's dependencies that the GPU machine's image lacks, carried as wheels of the versions installed here (the
 # image has datasets' own: pyarrow, pandas, xxhash, fsspec); multiprocess ships one wheel per Python, GPU_PYTHON is the
 # image's
-GPU_WHEELS="gguf omegaconf datasets dill multiprocess"
+GPU_WHEELS="gguf omegaconf datasets dill multiprocess liger-kernel"
 GPU_PYTHON=${GPU_PYTHON:-3.12}
 
 if [ "$1" = --prepare ]; then  # .gpu/call1 and .gpu/call2: each call's carried folder
@@ -76,18 +85,7 @@ print(packaged_path('offline:smollm2'))") || exit 2
     echo "gpu_check: no WikiText-2 in $WIKI: set WIKITEXT_DIR to a folder with wiki.valid.tokens and wiki.test.raw" >&2
     exit 2; }
   # shellcheck disable=SC2086
-  PINS=$("$PYTHON" - $GPU_WHEELS <<'EOF'
-import importlib.metadata as m, sys
-missing = []
-for name in sys.argv[1:]:
-    try:
-        print(f"{name}=={m.version(name)}")
-    except m.PackageNotFoundError:
-        missing.append(name)
-if missing:
-    sys.exit(f"gpu_check: {', '.join(missing)} not installed here: pip install {' '.join(missing)}")
-EOF
-) || exit 2
+  PINS=$("$PYTHON" scripts/gpu_check_steps.py pins $GPU_WHEELS) || exit 2
   rm -rf .gpu.tmp && mkdir -p .gpu.tmp/call1/wheels .gpu.tmp/call2/wikitext-2 || exit 2
   # shellcheck disable=SC2086
   "$PYTHON" -m pip download -q --no-deps --only-binary=:all: --python-version "$GPU_PYTHON" $PINS \
@@ -104,7 +102,7 @@ fi
 OUT=$1; shift
 DRY=0
 WORK=
-STEPS=imports,pytest,bench_kernels,bench_model,bench_train,recovery,bench_smollm2,fsdp
+STEPS=imports,recovery,sample,convert,bench_train,pytest,bench_kernels,bench_model,bench_smollm2,fsdp
 while [ $# -gt 0 ]; do
   case $1 in
     --dry-run) DRY=1 ;;
@@ -150,30 +148,8 @@ fi
 DEVICE_NAME=$("$PYTHON" -c "import torch; print(torch.cuda.get_device_name() if torch.cuda.is_available() and '$DRY' == '0' else 'cpu')")
 TORCH_VERSION=$("$PYTHON" -c "import torch; print(torch.__version__)")
 
-summarize() {  # OUT/summary.json from steps.tsv; the CUDA tests' counts from their junit xml; work.tgz with --work
-  "$PYTHON" - "$WORK" "$OUT" $DRY "$DEVICE_NAME" "$TORCH_VERSION" <<'EOF'
-import json, sys, xml.etree.ElementTree as ET
-from pathlib import Path
-
-work, out, dry, device, torch_version = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3] == "1", *sys.argv[4:6]
-steps = {}
-for line in (work / "steps.tsv").read_text().splitlines():
-    name, status, seconds = line.split("\t")
-    steps[name] = {"status": status, "seconds": int(seconds)}
-    if (work / f"{name}.log").is_file():
-        steps[name]["log"] = f"{name}.log"
-junit = work / "pytest-cuda.xml"
-if "pytest" in steps and junit.is_file():
-    root = ET.parse(junit).getroot()
-    suite = root if root.tag == "testsuite" else root.find("testsuite")
-    counts = {key: int(suite.get(key, 0)) for key in ("tests", "failures", "errors", "skipped")}
-    steps["pytest"].update(counts)
-    if steps["pytest"]["status"] == "passed" and counts["tests"] == counts["skipped"]:
-        steps["pytest"]["status"] = f"skipped: all {counts['tests']} cuda tests skipped (no GPU)"
-summary = {"dry_run": dry, "device": device, "torch": torch_version, "steps": steps}
-(out / "summary.json.tmp").write_text(json.dumps(summary, indent=1) + "\n")
-(out / "summary.json.tmp").replace(out / "summary.json")
-EOF
+summarize() {  # OUT/summary.json from steps.tsv and the steps' metrics; work.tgz with --work
+  "$PYTHON" scripts/gpu_check_steps.py summarize "$WORK" "$OUT" $DRY "$DEVICE_NAME" "$TORCH_VERSION"
   if [ "$WORK" != "$OUT" ]; then
     (cd "$WORK" && find . -maxdepth 2 -type f \( -name '*.log' -o -name '*.json' -o -name '*.xml' -o -name '*.tsv' \
       -o -name '*.cmd' -o -name '*.png' \) -size -4M -print0 | tar czf "$OUT/work.tgz.tmp" --null -T - &&
@@ -204,120 +180,109 @@ skip() {  # NAME REASON
   case ",$STEPS," in *",${1%%-*},"*) record "$1" "skipped: $2" 0 ;; *) record "$1" "skipped: not in --steps" 0 ;; esac
 }
 
+# SmolLM2 from the packaged GGUF (joined from the calls' halves) or SMOLLM2_DIR; loadable: the files are there and the
+# reader for them is installed (a real load is the recipe's first step)
+SPEC=${SMOLLM2_DIR:-offline:smollm2}
+if REASON=$("$PYTHON" scripts/gpu_check_steps.py loadable "$SPEC" 2>&1 >/dev/null); then REASON=""
+else REASON=$(echo "$REASON" | tail -n 1); fi
+if [ -n "${WIKITEXT_DIR:-}" ]; then WIKI=$WIKITEXT_DIR
+elif [ -f "$STASH/wikitext-2/wiki.test.raw" ]; then WIKI=$STASH/wikitext-2
+else WIKI=../shared/data/wikitext-2; fi
+
 if [ $DRY = 1 ]; then
   export CUDA_VISIBLE_DEVICES=""  # the CPU, also on a machine with a GPU
   DEVICE=cpu
   # no compiled path (its compiles take minutes on a CPU; tests/test_kernels.py checks it), one batch size
   KERNELS=(--sizes 64 --tokens 8 --host-shape 1,64 --calls 2 --warmup 1 --reps 2 --paths triton,eager)
   MODEL=(--models smollm2-random --layers 1 --batch 1 --seq 16 --gen-batches 1,2 --prompt 4 --new-tokens 2 --reps 1)
-  TRAIN=(--layers 1 --seq 32 --train-reps 1)
-  BATCHES=(2)
+  TRAIN=(--layers 1 --seq 32 --train-reps 1 --train-batch 2)
+  BATCH=2
   TRAIN_LIMIT=600  # a shared CPU under load: the toy step and its two memory runs can take minutes
+  SAMPLE=(--device cpu --layers 1 --batch 4 --length 16 --batches 1)
+  CONVERT=(--calib-blocks 2 --calib-len 16 --block-steps 1)
+  CONVERT_LIMIT=600
+  # the recipe at toy sizes on the offline text: a few calibration steps, two training steps, one evaluation each
+  RECOVERY=(calibration.data=builtin calibration.num_blocks=2 calibration.block_len=32 calibration.block_steps=2
+    calibration.block_rows=2 calibration.batch_size=2 calibration.tune_steps=0 eval_data=builtin:evaluation
+    "train_data=['generated:length=32,batch_size=4', builtin:calibration]" block_len=32 step_tokens=128
+    train_tokens=256 max_minutes=5 threads=1 eval_blocks=1 final_eval.max_tokens=64 final_eval.max_length=32
+    training.eval_steps=1)
+  RECOVERY_LIMIT=900
 else
   DEVICE=cuda
   KERNELS=(--sizes 576,4096 --tokens 8192 --host-shape 1,4096 --calls 20 --warmup 5 --reps 7)
   MODEL=(--models smollm2-random,llama3-8b-random --batch 8 --seq 2048 --gen-batches 1,32 --new-tokens 128 --reps 3)
-  TRAIN=(--seq 512 --train-reps 5)
-  BATCHES=(16 32)
+  TRAIN=(--seq 512 --train-reps 5 --train-batch 32)
+  BATCH=32
   TRAIN_LIMIT=150
+  SAMPLE=(--device cuda --batch 512 --length 512 --batches 4)
+  CONVERT=(--eval builtin:evaluation --eval-max-tokens 2048 --eval-max-length 512)
+  CONVERT_LIMIT=180
+  STEP_TOKENS=65536
+  EVAL_STEPS=$(( (5000000 + STEP_TOKENS - 1) / STEP_TOKENS ))
+  # shellcheck disable=SC2206
+  RECOVERY=(calibration.data="$WIKI/wiki.valid.tokens" ${RECOVERY_CALIB:-calibration.block_steps=120
+    calibration.block_rows=8} eval_data="$WIKI/wiki.test.raw"
+    "train_data=[generated:batch_size=512, $WIKI/wiki.valid.tokens]" step_tokens=$STEP_TOKENS
+    train_tokens="${RECOVERY_TOKENS:-30000000}" max_minutes="${RECOVERY_MINUTES:-6}" threads=4 eval_blocks=16
+    training.eval_steps=$EVAL_STEPS compile=true)
+  RECOVERY_LIMIT=560
 fi
 
-# every dependency in pyproject.toml (a missing one is named with the fix), then the CLI, the recipe and the benchmarks
-step imports 120 "$PYTHON" -c "import importlib, runpy, sys, tomllib
-from packaging.requirements import Requirement
-names = [Requirement(spec).name for spec in tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']]
-missing = []
-for name in names:
-    try:
-        importlib.import_module({'pyyaml': 'yaml'}.get(name, name).replace('-', '_'))
-    except ImportError as error:
-        missing.append(f'{name} ({error})')
-if missing:
-    sys.exit('gpu_check: not importable: ' + '; '.join(missing) + ': carry its wheel (GPU_WHEELS, --prepare)')
-sys.path.insert(0, 'scripts')  # as python puts a script's folder first: the benchmarks import _common
-import hf_normswap.cli, hf_normswap.training.recipe
-for script in ('bench_speed', 'bench_kernels', 'bench_decode'):
-    runpy.run_path(f'scripts/{script}.py', run_name='imported')"
+step imports 120 "$PYTHON" scripts/gpu_check_steps.py imports
+
+# recovery_out NORM: the run's eval lines to OUT/curve-NORM.txt and its last lines (progress bars split) to
+# OUT/recovery-NORM.tail, each replaced whole
+recovery_out() {
+  local log=$WORK/recovery-$1.log
+  grep -E "eval_perplexity|perplexity|tokens/s|calibration in" "$log" >"$OUT/curve-$1.txt.tmp" 2>/dev/null
+  mv "$OUT/curve-$1.txt.tmp" "$OUT/curve-$1.txt"
+  tr '\r' '\n' <"$log" 2>/dev/null | grep -v '^ *$' | tail -n 40 >"$OUT/recovery-$1.tail.tmp"
+  mv "$OUT/recovery-$1.tail.tmp" "$OUT/recovery-$1.tail"
+}
+for NORM in $(echo "${RECOVERY_NORMS:-eln}" | tr , ' '); do
+  CONFIG=recipes/configs/smollm2-$NORM.yaml
+  COMMAND=("$PYTHON" recipes/finetune.py --config "$CONFIG" output_dir="$WORK/recovery-$NORM" model="$SPEC"
+    precision=bf16 "${RECOVERY[@]}" training.logging_steps=10 training.save_strategy=no training.disable_tqdm=true)
+  if [[ ",$STEPS," != *",recovery,"* ]]; then
+    skip recovery-$NORM "not in --steps"
+  elif [ ! -f "$CONFIG" ]; then
+    skip recovery-$NORM "$CONFIG does not exist"
+  elif [ -n "$REASON" ]; then
+    skip recovery-$NORM "$REASON"
+  elif [ $DRY = 0 ] && [ ! -f "$WIKI/wiki.test.raw" ]; then
+    skip recovery-$NORM "no WikiText-2 in $WIKI: set WIKITEXT_DIR or run --prepare"
+  else  # the Trainer's eval lines and the log's end copied out every 20 s while it runs
+    printf '%q ' "${COMMAND[@]}" >"$WORK/recovery-$NORM.cmd"
+    ( while sleep 20; do recovery_out "$NORM"; done ) &
+    WATCH=$!
+    HF_NORMSWAP_CACHE="$WORK/cache-$NORM" step recovery-$NORM $RECOVERY_LIMIT "${COMMAND[@]}"
+    kill $WATCH 2>/dev/null
+    recovery_out "$NORM"
+    "$PYTHON" scripts/gpu_check_steps.py recovery-metrics "$WORK/recovery-$NORM.log" "$WORK/recovery-$NORM" \
+      --json "$WORK/metrics-recovery-$NORM.json" && summarize
+  fi
+done
+if [ -n "$REASON" ]; then
+  skip sample "$REASON"
+else
+  step sample 240 "$PYTHON" scripts/gpu_check_steps.py sample-speed --model "$SPEC" "${SAMPLE[@]}" \
+    --cache "$WORK/cache-sample" --json "$WORK/metrics-sample.json"
+fi
+if [ -n "$REASON" ]; then
+  skip convert "$REASON"
+else  # the default calibration (no --calib), as a user types it first; on CUDA its larger budget
+  HF_NORMSWAP_CACHE="$WORK/cache-convert" step convert $CONVERT_LIMIT "$PYTHON" -m hf_normswap.cli convert "$SPEC" --to eln \
+    --device $DEVICE --output "$WORK/convert-eln" "${CONVERT[@]}"
+fi
+step bench_train-$BATCH $TRAIN_LIMIT "$PYTHON" scripts/bench_training.py --device $DEVICE --sections train \
+  --models smollm2-random --train-precision bf16 --no-model-calib "${TRAIN[@]}" --json "$WORK/bench_train-$BATCH.json"
 step pytest 300 "$PYTHON" -m pytest -m cuda -q -p no:cacheprovider -rs --junitxml="$WORK/pytest-cuda.xml" tests
 # the Triton kernels under the interpreter on the CPU (a check of the code, not a timing)
 TRITON_INTERPRET=$DRY step bench_kernels 150 "$PYTHON" scripts/bench_kernels.py --device $DEVICE --dtype bf16 \
   "${KERNELS[@]}" --json "$WORK/bench_kernels.json"
 step bench_model 300 "$PYTHON" scripts/bench_decode.py --device $DEVICE --dtype bf16 "${MODEL[@]}" \
   --json "$WORK/bench_model.json"
-for BATCH in "${BATCHES[@]}"; do
-  step bench_train-$BATCH $TRAIN_LIMIT "$PYTHON" scripts/bench_speed.py --device $DEVICE --sections train --models smollm2-random \
-    --train-precision bf16 --no-model-calib --train-batch "$BATCH" "${TRAIN[@]}" --json "$WORK/bench_train-$BATCH.json"
-done
-
-# SmolLM2 from the packaged GGUF (joined from the calls' halves) or SMOLLM2_DIR; loadable: the files are there and the
-# reader for them is installed (a real load is the recipe's first step)
-SPEC=${SMOLLM2_DIR:-offline:smollm2}
-if REASON=$("$PYTHON" - "$SPEC" <<'EOF' 2>&1 >/dev/null
-import importlib, sys
-from pathlib import Path
-from hf_normswap.checkpoint.loading import resolve
-try:
-    location, extra = resolve(sys.argv[1])
-except Exception as error:
-    sys.exit(f"{sys.argv[1]} cannot load ({error})")
-for package in ("datasets", "omegaconf") + (("gguf",) if "gguf_file" in extra else ()):  # what the recipe imports
-    try:
-        importlib.import_module(package)
-    except ImportError as error:
-        sys.exit(f"the recipe needs the {package} package ({error}): pip install {package} (offline: --prepare)")
-if not extra and not (Path(location) / "config.json").is_file():
-    sys.exit(f"{sys.argv[1]} holds no config.json")
-EOF
-); then REASON=""; else REASON=$(echo "$REASON" | tail -n 1); fi
-if [ -n "${WIKITEXT_DIR:-}" ]; then WIKI=$WIKITEXT_DIR
-elif [ -f "$STASH/wikitext-2/wiki.test.raw" ]; then WIKI=$STASH/wikitext-2
-else WIKI=../shared/data/wikitext-2; fi
-[ -z "$REASON" ] && [ ! -f "$WIKI/wiki.test.raw" ] && REASON="no WikiText-2 in $WIKI: set WIKITEXT_DIR or run --prepare"
-# the batch size: the faster per token of the two measured (the recipe's row), else 32
-BATCH=$("$PYTHON" - "$WORK" "${BATCHES[@]}" <<'EOF'
-import json, sys
-from pathlib import Path
-speed = {}
-for batch in sys.argv[2:]:
-    path = Path(sys.argv[1]) / f"bench_train-{batch}.json"
-    rows = json.loads(path.read_text())["rows"] if path.is_file() else []
-    speed.update({batch: row["tokens_per_s"] for row in rows if row.get("variant") == "recipe" and "tokens_per_s" in row})
-print(max(speed, key=speed.get) if speed else sys.argv[-1])
-EOF
-)
-# recovery_out NORM: the run's eval lines to OUT/curve-NORM.txt and its last lines (progress bars split) to
-# OUT/recovery-NORM.tail, each replaced whole
-recovery_out() {
-  local log=$WORK/recovery-$1.log
-  grep -E "eval_perplexity|perplexity|tokens/s" "$log" >"$OUT/curve-$1.txt.tmp" 2>/dev/null
-  mv "$OUT/curve-$1.txt.tmp" "$OUT/curve-$1.txt"
-  tr '\r' '\n' <"$log" 2>/dev/null | grep -v '^ *$' | tail -n 40 >"$OUT/recovery-$1.tail.tmp"
-  mv "$OUT/recovery-$1.tail.tmp" "$OUT/recovery-$1.tail"
-}
-EVAL_STEPS=$(( (500000 + BATCH * 512 - 1) / (BATCH * 512) ))
-for NORM in $(echo "${RECOVERY_NORMS:-eln}" | tr , ' '); do
-  CONFIG=recipes/configs/smollm2-$NORM.yaml
-  COMMAND=("$PYTHON" recipes/finetune.py --config "$CONFIG" output_dir="$WORK/recovery-$NORM" model="$SPEC"
-    calibration.data="$WIKI/wiki.valid.tokens" eval_data="$WIKI/wiki.test.raw"
-    "train_data=[generated:batch_size=512, $WIKI/wiki.valid.tokens]" precision=bf16
-    train_tokens="${RECOVERY_TOKENS:-3000000}" max_minutes="${RECOVERY_MINUTES:-4}" threads=4 eval_blocks=16
-    training.per_device_train_batch_size="$BATCH" training.eval_steps="$EVAL_STEPS" training.logging_steps=20
-    training.save_strategy=no training.disable_tqdm=true)
-  if [ ! -f "$CONFIG" ]; then
-    skip recovery-$NORM "$CONFIG does not exist"
-  elif [ $DRY = 1 ]; then
-    printf '%q ' "${COMMAND[@]}" >"$WORK/recovery-$NORM.cmd"
-    skip recovery-$NORM "dry run: left to the GPU (recovery-$NORM.cmd: the command, batch $BATCH)"
-  elif [ -n "$REASON" ]; then
-    skip recovery-$NORM "$REASON"
-  else  # the Trainer's eval lines and the log's end copied out every 20 s while it runs
-    ( while sleep 20; do recovery_out "$NORM"; done ) &
-    WATCH=$!
-    HF_NORMSWAP_CACHE="$WORK/cache-$NORM" step recovery-$NORM 590 "${COMMAND[@]}"
-    kill $WATCH 2>/dev/null
-    recovery_out "$NORM"
-  fi
-done
 if [ $DRY = 1 ]; then
   skip bench_smollm2 "dry run: left to the GPU (bench_model runs the same code on SmolLM2's shapes)"
 elif [ -n "$REASON" ]; then
@@ -334,13 +299,8 @@ else  # a few recipe steps under accelerate's FSDP2 plugin on the one GPU; the l
   step fsdp 300 "$PYTHON" -m accelerate.commands.launch --config_file recipes/accelerate_configs/fsdp2.yaml \
     --num_processes 1 recipes/finetune.py --config recipes/configs/smollm2-eln.yaml output_dir="$WORK/fsdp" \
     model="$SPEC" calibration.data=builtin calibration.strategy=fast calibration.num_blocks=4 \
-    train_data=builtin:calibration eval_data=builtin:evaluation training.max_steps=3 training.eval_strategy=no \
+    train_data=builtin:calibration eval_data=builtin:evaluation compile=false training.max_steps=3 training.eval_strategy=no \
     training.save_strategy=no
 fi
 
-"$PYTHON" - "$OUT" <<'EOF'
-import json, sys
-from pathlib import Path
-for name, entry in json.loads((Path(sys.argv[1]) / "summary.json").read_text())["steps"].items():
-    print(f"gpu_check: {name:<15} {entry['status']} ({entry['seconds']} s)")
-EOF
+"$PYTHON" scripts/gpu_check_steps.py report "$OUT"

@@ -223,3 +223,20 @@ def test_the_originals_samples_on_cuda_use_the_preallocated_cache(tmp_path):
     cache = SampleCache(model, SamplingSettings(length=16, batch_size=4, precision="bf16"), tmp_path)
     assert draw(model, tokenizer, cache, [0], progress=False) == "bf16"
     assert [len(row) for row in cache.read(0)] == [16] * 4
+
+
+def test_the_compiled_static_cache_draws_the_preallocated_caches_tokens_on_cuda(tmp_path):
+    """The sampler's CUDA branch (static cache, decode step compiled with CUDA graphs) against the eager
+    preallocated path, fp32 weights: the same seed gives the same tokens."""
+    from transformers import CompileConfig
+
+    from hf_normswap.data.generated import SampleCache, SamplingSettings, draw
+
+    model, tokenizer = tiny_model("llama").to("cuda").eval(), full_length_tokenizer()
+    settings = SamplingSettings(length=16, batch_size=8, precision="fp32")
+    drawn = []
+    for name, compiled in (("eager", None), ("graphs", CompileConfig(mode="reduce-overhead"))):
+        cache = SampleCache(model, settings, tmp_path / name)
+        draw(model, tokenizer, cache, [0, 1], progress=False, compiled=compiled)
+        drawn.append([cache.read(0), cache.read(1)])
+    assert drawn[0] == drawn[1]

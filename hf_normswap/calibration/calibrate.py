@@ -287,8 +287,10 @@ def calibrate_and_replace(model: nn.Module, selected: list[NormInfo], config: Ca
         logger.warning("weights on disk: calibrating block by block, without the end-to-end steps")
         config = dataclasses.replace(config, tune_steps=0)
     torch.manual_seed(config.seed)
+    # a block-tuning step reads its block_rows sequences from one batch
+    batch_size = max(config.batch_size, config.block_rows if config.block_steps else 1)
     batches, fingerprint = model_batches(model, config.data, config.tokenizer, num_blocks=config.num_blocks,
-                                         block_len=config.block_len, batch_size=config.batch_size)
+                                         block_len=config.block_len, batch_size=batch_size)
     device, probe_start = placement.model_device(model), time.perf_counter()
     probe_params = [] if on_disk else [p for info in selected for p in model.get_submodule(info.name).parameters()
                                        if p.requires_grad]  # on disk: a forward probe, in one layer's memory

@@ -20,6 +20,7 @@ and processes of one launch each draw the batches ``i`` with ``i % world_size ==
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import itertools
@@ -32,7 +33,7 @@ from pathlib import Path
 import torch
 from torch import nn
 from tqdm.auto import tqdm
-from transformers import DynamicCache, GenerationConfig, LogitsProcessor, LogitsProcessorList
+from transformers import CompileConfig, DynamicCache, GenerationConfig, LogitsProcessor, LogitsProcessorList
 from transformers.cache_utils import DynamicLayer
 from transformers.generation import TemperatureLogitsWarper, TopPLogitsWarper
 
@@ -43,6 +44,7 @@ from .packed_linear import packed_linears
 from .sample_cache import DamagedBatch, SampleCache, wait_for
 PREFIX = "generated"
 DEFAULT_TOKENS = 8192  # tokens sampled where the caller names no budget (an evaluation without --max-tokens)
+COMPILE_TOKENS = 2**20  # a CUDA draw of at least this many tokens compiles its decode step (a compile: about a minute)
 MAX_BATCH = 4096  # sequences a generate call: each step holds this many rows of vocabulary-wide fp32 scores
 WEIGHT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -276,9 +278,16 @@ def sampling_config(settings: SamplingSettings, eos: int | None) -> tuple[Genera
 
 @torch.no_grad()
 def draw(model: nn.Module, tokenizer, cache: SampleCache, indices: list[int], *,
-         prompts: Prompts | None = None, progress: bool = True, redraw: bool = False) -> str | None:
+         prompts: Prompts | None = None, progress: bool = True, redraw: bool = False,
+         compiled: CompileConfig | None = None) -> str | None:
     """Sample and cache the batches ``indices`` that are not cached yet (``redraw``: all of them, over what is
-    there; the settings are the cache's); returns the precision they were drawn in, None when nothing was missing."""
+    there; the settings are the cache's); returns the precision they were drawn in, None when nothing was missing.
+
+    A CUDA draw of :data:`COMPILE_TOKENS` or more (or ``compiled``, on any device) runs on transformers' static
+    cache with the decode step compiled (``mode="reduce-overhead"``: CUDA graphs): the Python cost of eager steps
+    bounds a GPU (BENCHMARKS.md, "On a GPU"). Elsewhere :class:`PreallocatedLayer` and eager steps: a CPU, or a
+    short draw, would not earn the compile back. Both draw the same uniform variates: the same tokens up to
+    rounding."""
     settings = cache.settings
     missing = [i for i in indices if redraw or not cache.has(i)]
     if not missing:
@@ -288,22 +297,29 @@ def draw(model: nn.Module, tokenizer, cache: SampleCache, indices: list[int], *,
     eos = tokenizer.eos_token_id
     precision = sampling_precision(model, settings.precision)
     generation_config, sampler = sampling_config(settings, eos)
+    if compiled is None and device.type == "cuda" and len(missing) * settings.batch_size * settings.length >= \
+            COMPILE_TOKENS:
+        compiled = CompileConfig(mode="reduce-overhead")
+    if compiled is not None:  # generate makes the static cache and compiles its decode step once per shape
+        generation_config.cache_implementation, generation_config.compile_config = "static", compiled
     kept_config, was_training = model.generation_config, model.training
     model.generation_config = generation_config  # generate fills what a passed config leaves unset from this one
     model.eval()
     bar = tqdm(total=len(missing) * settings.batch_size * settings.length, unit="tok", unit_scale=True,
                desc="sampling the original", disable=not progress)
     try:
-        with weights_in(model, WEIGHT_DTYPES[precision]), packed_linears(model, settings.batch_size) as packed:
+        # a compiled step runs the weights as they are (packing is a CPU eager path)
+        packing = packed_linears(model, settings.batch_size) if compiled is None else contextlib.nullcontext(False)
+        with weights_in(model, WEIGHT_DTYPES[precision]), packing as packed:
             bar.set_postfix_str(f"{precision} weights{', packed' if packed else ''}", refresh=False)
             for index in missing:
                 starts = _prompts(settings, tokenizer, prompts, settings.batch_size, index * settings.batch_size)
                 starts = starts.to(device)
                 with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
                     torch.manual_seed(settings.seed * 1_000_003 + index)
+                    own_cache = {} if compiled else {cache_argument(model): preallocated_cache(model, settings.length)}
                     out = model.generate(input_ids=starts, attention_mask=torch.ones_like(starts),
-                                         logits_processor=sampler,
-                                         **{cache_argument(model): preallocated_cache(model, settings.length)})
+                                         logits_processor=sampler, **own_cache)
                 cache.write(index, out.cpu(), _lengths(out, starts.shape[1], eos).cpu(), precision)
                 bar.update(settings.batch_size * settings.length)
     finally:

@@ -18,7 +18,7 @@ def recipe_settings(run, device_memory: int | None = None) -> PlanSettings:
         precision="bf16" if config.precision == "bf16" else "fp32", shard_teacher=config.shard_teacher,
         load_once=run.load_once,
         gradient_checkpointing=bool(training.get("gradient_checkpointing", False)),
-        batch_size=int(training.get("per_device_train_batch_size", 1)), seq_len=config.block_len,
+        batch_size=run.batch_size, seq_len=config.block_len,
         hidden_distill=bool(config.distill.hidden or config.distill.embedding), head_chunk=config.head_chunk,
         calibrate=run.calibrates, eval_len=config.final_eval.max_length or 512,
         **calibration_settings(run.calibration))

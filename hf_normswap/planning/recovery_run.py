@@ -37,10 +37,17 @@ class RecoveryRun:
     sharded: bool  # FSDP2
     load_once: bool  # under FSDP2 with ``fsdp_cpu_ram_efficient_loading``: the main process alone reads weights
     teacher_sharded: bool  # the original sharded as the teacher (distilled from, ``shard_teacher``)
+    batch_size: int  # sequences a process a micro-batch (``per_device_train_batch_size``)
+    accumulation: int  # micro-batches a step (``gradient_accumulation_steps``)
     tokens_per_step: int  # tokens of a global batch of packed blocks
     steps: int  # ``max_steps``: ``train_tokens`` over ``tokens_per_step`` where given, else ``training.max_steps``
     output_dir: Path
     save_path: Path
+
+    def with_step(self, batch_size: int, accumulation: int) -> "RecoveryRun":
+        """The run at another micro-batch and accumulation (a step sized from the memory plan), its tokens a step
+        and steps resolved again."""
+        return _stepped(dataclasses.replace(self, batch_size=batch_size, accumulation=accumulation))
 
     @property
     def calibrates(self) -> bool:
@@ -87,12 +94,20 @@ def resolve_run(config, *, processes: int = 1, is_main: bool = True, device: str
     if sharded and device != "cpu" and calibration.device is None:  # the model stays in CPU memory for FSDP2 to
         calibration = dataclasses.replace(calibration, device=device)  # shard: its blocks visit the device in turn
     training = config.training
-    tokens_per_step = (config.block_len * training["per_device_train_batch_size"]
-                       * training.get("gradient_accumulation_steps", 1) * processes)
+    return _stepped(RecoveryRun(
+        settings=config, converted=converted, original=original, calibration=calibration, cpu=bool(cpu),
+        device=str(device), processes=processes, is_main=is_main, sharded=sharded, load_once=load_once,
+        teacher_sharded=bool(config.shard_teacher) and config.distill.weight > 0,
+        batch_size=training["per_device_train_batch_size"],
+        accumulation=training.get("gradient_accumulation_steps", 1), tokens_per_step=0, steps=0,
+        output_dir=Path(config.output_dir), save_path=config.save_path))
+
+
+def _stepped(run: RecoveryRun) -> RecoveryRun:
+    """``run`` with its tokens a step and its steps (``train_tokens`` over the tokens a step where given, else
+    ``training.max_steps``) from its batch, accumulation and processes."""
+    config = run.settings
+    tokens_per_step = config.block_len * run.batch_size * run.accumulation * run.processes
     steps = (max(1, math.ceil(config.train_tokens / tokens_per_step)) if config.train_tokens is not None
-             else training.get("max_steps", -1))
-    return RecoveryRun(settings=config, converted=converted, original=original, calibration=calibration,
-                       cpu=bool(cpu), device=str(device), processes=processes, is_main=is_main, sharded=sharded, load_once=load_once,
-                       teacher_sharded=bool(config.shard_teacher) and config.distill.weight > 0,
-                       tokens_per_step=tokens_per_step, steps=steps, output_dir=Path(config.output_dir),
-                       save_path=config.save_path)
+             else config.training.get("max_steps", -1))
+    return dataclasses.replace(run, tokens_per_step=tokens_per_step, steps=steps)

@@ -7,7 +7,8 @@
 - ``trainer.py``: :class:`NormSwapTrainer`; ``losses.py``: cross-entropy, logit KL, layer-wise and embedding terms;
   ``trainable.py``: what trains and its optimizer groups; ``step_precision.py``: fp32 or bf16 for the step;
   ``wall_clock.py``: a stop on the wall clock.
-- ``head_loss.py``: the logit KL computed in chunks through the output head.
+- ``head_loss.py``: the logit KL computed in chunks through the output head (Liger-Kernel's fused loss).
+- ``gpu_scale.py``: the step at a GPU's scale: tokens a step from the memory plan, each block compiled.
 - ``layerwise.py``: every block's output pulled toward the original's.
 - ``progressive.py``: converting norms a few at a time during training.
 """

@@ -205,6 +205,8 @@ class RecipeConfig:
     distill: DistillSettings = field(default_factory=DistillSettings)
     precision: str = "auto"  # auto | fp32 | bf16 (autocast, fp32 master weights); auto times both here
     head_chunk: int = 256  # tokens per chunk through the output head in the distillation loss (0: all at once)
+    step_tokens: int | None = None  # tokens a step over all processes, batch from the memory plan (CUDA: 65,536)
+    compile: bool | None = None  # compile each block of the student and the original (None: on CUDA)
     freeze_embeddings: bool = False
     shard_teacher: bool = True  # under FSDP2, shard the frozen original too (false: each process reads it, whole)
     lr: LearningRates = field(default_factory=LearningRates)
@@ -244,6 +246,7 @@ class RecipeConfig:
                                   f"{self.threads}")
         _at_least(self.max_minutes, "max_minutes", 0)
         _at_least(self.head_chunk, "head_chunk", 0, whole=True)
+        _at_least(self.step_tokens, "step_tokens", 1, whole=True)
         _at_least(self.seed, "seed", 0, whole=True)
         if self.calibration.tokenizer is not None:  # the recipe calibrates with the model's own tokenizer
             raise ValidationError("calibration.tokenizer is not a setting of the recipe: it calibrates with the "

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .head_loss import head_bypassed, head_is_plain, head_loss
+from .head_loss import fused_head_available, head_bypassed, head_is_plain, head_loss
 from .layerwise import embedding_cosine_error, relative_hidden_error
 
 
@@ -115,8 +115,10 @@ def training_loss(model: nn.Module, teacher: nn.Module, inputs: dict, *, distill
 
 
 def head_chunk_for(model: nn.Module, teacher: nn.Module, requested: int) -> int:
-    """``requested`` when both output heads are plain linear maps (:func:`head_is_plain`), else 0 (full logits)."""
-    return int(requested) if requested and head_is_plain(model) and head_is_plain(teacher) else 0
+    """``requested`` when both output heads are plain linear maps (:func:`head_is_plain`) and the fused loss is
+    installed (:func:`fused_head_available`), else 0 (full logits)."""
+    plain = requested and fused_head_available() and head_is_plain(model) and head_is_plain(teacher)
+    return int(requested) if plain else 0
 
 
 def _unwrapped(model: nn.Module) -> nn.Module:

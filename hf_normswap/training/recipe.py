@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 
 from ..checkpoint.record import ConversionRecord
+from .gpu_scale import compile_blocks, keep_compile_cache, scaled_step
 from .recipe_data import check_data, recipe_datasets, sentence_steps
 from .recipe_models import ensure_pad_token, load_models
 from .recipe_results import final_evaluation, finish
@@ -81,6 +82,9 @@ def main(argv: list[str] | None = None, command: str = "finetune") -> int:
         raise stopped(str(error)) from None
     check_data(config, run.calibrates)
     set_seed(config.seed)
+    log = (lambda *a: print(f"[{command}]", *a, flush=True)) if state.is_main_process else (lambda *a: None)
+    device_memory = torch.cuda.get_device_properties(state.device).total_memory if state.device.type == "cuda" else None
+    run = scaled_step(run, device_memory, log)
     done = finished_run(run.output_dir, run.save_path, config.resume, config.train_tokens, run.steps)
     if done:
         if state.is_main_process:
@@ -90,8 +94,8 @@ def main(argv: list[str] | None = None, command: str = "finetune") -> int:
         claim_run_dir(config)
     summary = (read_json(run.output_dir / "summary.json") or {}) if config.resume else {}
     summary["config"] = config.to_dict()
-    log = (lambda *a: print(f"[{command}]", *a, flush=True)) if state.is_main_process else (lambda *a: None)
-    log_memory_plan(run, state, log)
+    log_memory_plan(run, device_memory, state, log)
+    keep_compile_cache(run.output_dir)
 
     student, original, tokenizer = load_models(run, state)
     ensure_pad_token(tokenizer)
@@ -105,14 +109,13 @@ def main(argv: list[str] | None = None, command: str = "finetune") -> int:
     return 0
 
 
-def log_memory_plan(run, state, log) -> None:
+def log_memory_plan(run, device_memory: int | None, state, log) -> None:
     """What the run is about to need (``normswap plan``), before anything loads; a model the plan cannot read
     (remote code, a config it does not know) is said in one line and the run goes on."""
     if not state.is_main_process:
         return
     from ..planning import PlanError, plan, recipe_settings
 
-    device_memory = torch.cuda.get_device_properties(state.device).total_memory if state.device.type == "cuda" else None
     try:
         memory = plan(run.original, recipe_settings(run, device_memory))
     except (PlanError, OSError, ValueError) as error:
@@ -179,11 +182,15 @@ def train(run, student, original, tokenizer, state, log) -> TrainingRun:
     student = choose_trainable(config, student, train_set, encoder, log)
     precision = training_precision(config, student, original, train_set, tokenizer, state)
     log(precision.describe())
+    if config.compile if config.compile is not None else state.device.type == "cuda":
+        log(f"compiled: {compile_blocks([student, original])} blocks of the student and the original")
     args = TrainingArguments(output_dir=str(Path(config.output_dir)), seed=config.seed, learning_rate=config.lr.base,
                              prediction_loss_only=True, eval_on_start=not encoder,
                              **{"include_num_input_tokens_seen": "non_padding" if encoder else "all",
                                 **own_share(train_set, config.streaming),
-                                **config.training, "use_cpu": run.cpu, "max_steps": steps, "bf16": precision.bf16})
+                                **config.training, "per_device_train_batch_size": run.batch_size,
+                                "gradient_accumulation_steps": run.accumulation, "use_cpu": run.cpu,
+                                "max_steps": steps, "bf16": precision.bf16})
     callbacks = [WallClockStop(config.max_minutes)] if config.max_minutes else []
     if swap is not None:
         callbacks.append(ProgressiveSwapCallback(swap))

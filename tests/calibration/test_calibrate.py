@@ -354,3 +354,17 @@ def test_block_tuning_needs_the_original_outputs_of_the_sequences_it_reads_alone
                                  [b["attention_mask"] for b in batches], config, ActivationCache())
     assert record["error_after"] < record["error_before"]
     assert [o.shape[0] for o in outputs] == [GUARD_ROWS, 8]
+
+
+def test_a_block_tuning_step_reads_as_many_sequences_as_block_rows_asks(monkeypatch):
+    """The rows of a step come from one batch: a batch smaller than ``block_rows`` is made larger, so that 8 rows a
+    step are 8 and not the 4 of the batch size."""
+    from hf_normswap.calibration import block_pass
+
+    rows = []
+    error = block_pass._relative_error
+    monkeypatch.setattr(block_pass, "_relative_error",
+                        lambda out, target, mask: rows.append(out.shape[0]) or error(out, target, mask))
+    convert(tiny_model("llama"), "eln", calibration=_cfg(data=_ids(16, 16), batch_size=4, strategy="block",
+                                                         block_steps=2, block_rows=8, tune_steps=0))
+    assert 8 in rows and max(rows) == 8

@@ -29,6 +29,18 @@ def test_the_default_follows_what_the_model_can_do():
     assert line.startswith("calibrating on 16 samples of the original; --calib DATA")
 
 
+def test_a_model_on_cuda_gets_the_larger_budget_and_the_users_settings_still_win(monkeypatch):
+    llama, tokenizer = tiny_model("llama"), tiny_tokenizer()
+    monkeypatch.setattr(defaults, "model_device", lambda model: torch.device("cuda"))
+    config, line = default_calibration(llama, tokenizer)
+    assert config.data == "generated:length=64,batch_size=128"  # one generate call draws them all
+    assert (config.num_blocks, config.tune_blocks, config.block_steps, config.tune_steps) == (128, 128, 80, 240)
+    assert line.startswith("calibrating on 128 samples of the original")
+    chosen, _ = default_calibration(llama, tokenizer, num_blocks=32, block_steps=10)
+    assert (chosen.num_blocks, chosen.block_steps, chosen.tune_steps, chosen.data) == (
+        32, 10, 240, "generated:length=64,batch_size=32")
+
+
 def test_the_users_settings_win_over_the_defaults():
     llama, tokenizer = tiny_model("llama"), tiny_tokenizer()
     fast, _ = default_calibration(llama, tokenizer, strategy="fast", num_blocks=4)

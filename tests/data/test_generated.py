@@ -251,3 +251,31 @@ def test_the_models_own_generation_defaults_do_not_shape_the_samples(tmp_path):
              for name, model in (("plain", plain), ("tuned", tuned))]
     assert texts[0] == texts[1]
     assert (tuned.generation_config.repetition_penalty, tuned.generation_config.no_repeat_ngram_size) == (1.5, 2)
+
+
+@pytest.mark.parametrize("mode", ["static", "compiled"])
+def test_the_static_cache_and_the_compiled_decode_step_draw_the_same_tokens(tmp_path, monkeypatch, mode):
+    """The CUDA branch (transformers' static cache, the decode step compiled) run on the CPU: the same seed gives
+    the same samples as the packed path's preallocated cache; "compiled" runs inductor on the CPU."""
+    from transformers import CompileConfig
+
+    from hf_normswap.data.generated import draw
+
+    model, tokenizer = tiny_model("llama"), full_length_tokenizer()
+    # the static cache with the decode step left eager, or compiled by inductor
+    config = CompileConfig(backend="eager") if mode == "static" else CompileConfig(mode="default")
+    config._compile_all_devices = True  # transformers' switch for compiling on a CPU
+    drawn, caches, compiles = {}, [], []
+    model.register_forward_pre_hook(lambda module, args, kwargs: caches.append(
+        type(kwargs.get("cache", kwargs.get("past_key_values"))).__name__), with_kwargs=True)
+    compile = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda *args, **kw: compiles.append(kw) or compile(*args, **kw))
+    for name, compiled in (("preallocated", None), (mode, config)):
+        cache = SampleCache(model, SETTINGS, tmp_path / name)
+        caches.clear()
+        draw(model, tokenizer, cache, [0, 1], progress=False, compiled=compiled)
+        drawn[name] = [cache.read(0), cache.read(1)]
+        assert caches[0] == ("DynamicCache" if compiled is None else "StaticCache")
+    assert [kw["backend"] for kw in compiles] == ["eager" if mode == "static" else "inductor"]
+    assert drawn[mode] == drawn["preallocated"]
+    assert len({tuple(row) for batch in drawn[mode] for row in batch}) == 2 * SETTINGS.batch_size

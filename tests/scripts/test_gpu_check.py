@@ -10,7 +10,9 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-STEPS = ["imports", "pytest", "bench_kernels", "bench_model", "bench_train-2", "recovery-eln", "bench_smollm2", "fsdp"]
+STEPS = ["imports", "recovery-eln", "sample", "convert", "bench_train-2", "pytest", "bench_kernels", "bench_model", "bench_smollm2",
+         "fsdp"]
+METRICS = ("calibration_s", "step_tokens_per_s", "sample_tokens_per_s")
 
 
 def _check(out: Path, *options: str, cwd: Path = ROOT) -> dict:
@@ -20,12 +22,13 @@ def _check(out: Path, *options: str, cwd: Path = ROOT) -> dict:
     assert done.returncode == 0, done.stderr[-2000:]
     summary = json.loads((out / "summary.json").read_text())
     assert list(summary["steps"]) == STEPS and summary["dry_run"] is True
-    return summary["steps"]
+    return summary
 
 
 def test_dry_run_records_every_step(tmp_path):
-    steps = _check(tmp_path)
-    for name in ("imports", "bench_kernels", "bench_model", "bench_train-2"):
+    summary = _check(tmp_path)
+    steps = summary["steps"]
+    for name in ("imports", "recovery-eln", "sample", "convert", "bench_kernels", "bench_model", "bench_train-2"):
         assert steps[name]["status"] == "passed", (name, (tmp_path / steps[name]["log"]).read_text()[-2000:])
     kernels = json.loads((tmp_path / "bench_kernels.json").read_text())["rows"]
     impls = {row["impl"] for row in kernels}
@@ -42,17 +45,22 @@ def test_dry_run_records_every_step(tmp_path):
     assert {row["variant"] for row in train} == {"baseline", "recipe"} and {row["precision"] for row in train} == {"bf16"}
     pytest_step = steps["pytest"]  # every CUDA test skipped on the CPU: the step did not run, so it is no pass
     assert pytest_step["status"].startswith("skipped: all") and pytest_step["tests"] == pytest_step["skipped"] > 0
-    assert steps["recovery-eln"]["status"].startswith("skipped: dry run: left to the GPU")
-    command = (tmp_path / "recovery-eln.cmd").read_text()  # the batch size: the one measured
-    assert "recipes/finetune.py" in command and "training.per_device_train_batch_size=2 " in command
+    # the recipe at toy sizes: calibrated, trained on the tokens a step asked, its measurements in the summary
+    command = (tmp_path / "recovery-eln.cmd").read_text()
+    assert "recipes/finetune.py" in command and "step_tokens=128 " in command
+    run = json.loads((tmp_path / "recovery-eln" / "summary.json").read_text())
+    assert run["training"]["tokens_seen"] == 256 and run["training"]["steps"] == 2
+    assert all(isinstance(summary[name], (int, float)) and summary[name] > 0 for name in METRICS), summary
+    assert summary["measured"]["tokens_seen"] == 256
     assert steps["fsdp"]["status"].startswith("skipped: ")
     assert all(isinstance(entry["seconds"], int) for entry in steps.values())
 
 
 def test_steps_not_asked_for_are_recorded_as_skipped(tmp_path):
-    steps = _check(tmp_path, "--steps", "fsdp")
-    assert all(steps[name]["status"] == "skipped: not in --steps" for name in STEPS[:-1])
+    summary = _check(tmp_path, "--steps", "fsdp")
+    assert all(summary["steps"][name]["status"] == "skipped: not in --steps" for name in STEPS[:-1])
     assert not (tmp_path / "pytest-cuda.xml").exists()
+    assert all(summary[name] is None for name in METRICS)  # nothing measured is no number
 
 
 def test_a_relative_output_folder_is_where_the_user_stands(tmp_path):

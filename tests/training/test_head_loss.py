@@ -6,22 +6,29 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hf_normswap.training.head_loss import head_bypassed, head_is_plain, head_loss
+from hf_normswap.training.head_loss import (fused_head_available, head_bypassed, head_is_plain, head_loss,
+                                           next_token_targets)
 from hf_normswap.training.losses import distillation_loss, distillation_step, layerwise_step
 from hf_normswap.training.trainable import freeze_embeddings
 from tiny_models import tiny_model
 
 
 def _full(hidden, weight, labels, teacher_logits, mask, w, temperature):
+    """The plain formula; with CE beside KD, both over the positions of ``mask`` that have a next-token target."""
     logits = hidden @ weight.T
-    ce = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1), ignore_index=-100)
+    targets = next_token_targets(labels)
+    if w < 1:
+        targets = targets.masked_fill(mask == 0, -100)
+        mask = mask * (targets != -100)
+    ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=-100)
     kd = distillation_loss(logits, teacher_logits, temperature, mask)
     return (1 - w) * ce + w * kd, ce, kd
 
 
 @pytest.mark.parametrize("chunk", [3, 64])
 @pytest.mark.parametrize("temperature", [1.0, 2.0])
-def test_chunked_loss_and_gradients_equal_the_full_logits_version(chunk, temperature):
+@pytest.mark.parametrize("w", [0.3, 1.0])
+def test_chunked_loss_and_gradients_equal_the_full_logits_version(chunk, temperature, w):
     torch.manual_seed(0)
     hidden = torch.randn(2, 9, 16, requires_grad=True)
     weight = torch.randn(50, 16, requires_grad=True)
@@ -30,11 +37,11 @@ def test_chunked_loss_and_gradients_equal_the_full_logits_version(chunk, tempera
     labels[0, 4] = -100
     mask = torch.ones(2, 9, dtype=torch.long)
     mask[1, 7:] = 0
-    full = _full(hidden, weight, labels, teacher_hidden @ teacher_weight.T, mask, 0.3, temperature)
+    full = _full(hidden, weight, labels, teacher_hidden @ teacher_weight.T, mask, w, temperature)
     expected = torch.autograd.grad(full[0], (hidden, weight))
     chunked = head_loss(hidden, weight, labels, teacher_hidden=teacher_hidden, teacher_weight=teacher_weight,
-                        kd_mask=mask, ce_weight=0.7, kd_weight=0.3, temperature=temperature, chunk=chunk)
-    for got, want in zip(chunked, full):
+                        kd_mask=mask, ce_weight=1 - w, kd_weight=w, temperature=temperature, chunk=chunk)
+    for got, want in zip(chunked[:1] + chunked[2:] if w == 1 else chunked, full[:1] + full[2:] if w == 1 else full):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     for got, want in zip(torch.autograd.grad(2.0 * chunked[0], (hidden, weight)), expected):
         torch.testing.assert_close(got, 2.0 * want, rtol=1e-5, atol=1e-6)
@@ -58,19 +65,22 @@ def _outputs_and_grads_per_chunk(student, step):
     return results
 
 
-def test_distillation_step_through_the_bypassed_head_matches_full_logits_on_a_tiny_llama():
+@pytest.mark.parametrize("distill_weight", [0.0, 1.0])  # mixed, KD leaves out the last position: the test above
+def test_distillation_step_through_the_bypassed_head_matches_full_logits_on_a_tiny_llama(distill_weight):
     student, teacher, inputs = _tiny_pair_and_batch()
     assert head_is_plain(student) and head_is_plain(teacher)
-    results = _outputs_and_grads_per_chunk(
-        student, lambda chunk: distillation_step(student, teacher, inputs, distill_weight=0.5, head_chunk=chunk))
-    for a, b in zip(results[0][0], results[5][0]):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    results = _outputs_and_grads_per_chunk(student, lambda chunk: distillation_step(
+        student, teacher, inputs, distill_weight=distill_weight, head_chunk=chunk))
+    counted = [True, distill_weight < 1, distill_weight > 0]  # the loss, and CE and KD where they count
+    for a, b, count in zip(results[0][0], results[5][0], counted):
+        if count:
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     assert results[0][1].keys() == results[5][1].keys()
     for name, grad in results[0][1].items():
         torch.testing.assert_close(results[5][1][name], grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
-@pytest.mark.parametrize("distill_weight, logits", [(1.0, True), (0.5, True), (1.0, False)])
+@pytest.mark.parametrize("distill_weight, logits", [(1.0, True), (0.0, True), (1.0, False)])
 def test_layerwise_step_through_the_bypassed_head_matches_full_logits_on_a_tiny_llama(distill_weight, logits):
     """The layer-wise term beside the logit KL (or alone) gives the same loss, parts and gradients when CE and KD go
     through the chunked head: the hidden states are the same forward's."""
@@ -81,10 +91,10 @@ def test_layerwise_step_through_the_bypassed_head_matches_full_logits_on_a_tiny_
 
     def compared(outputs):  # loss, KD, layer-wise term, and CE where it counts
         loss, ce, kd, hidden, _ = outputs
-        return (loss, kd, hidden) + ((ce,) if distill_weight < 1 else ())
+        return (loss, kd if distill_weight > 0 else loss, hidden) + ((ce,) if distill_weight < 1 else ())
 
-    _, kd, hidden = (float(t.detach()) for t in compared(results[5][0])[:3])
-    assert hidden > 0 and (kd > 0) == logits
+    _, kd, hidden = (float(t.detach()) for t in results[5][0][:1] + results[5][0][2:4])
+    assert hidden > 0 and (kd > 0) == (logits and distill_weight > 0)
     for a, b in zip(compared(results[0][0]), compared(results[5][0])):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
     for name, grad in results[0][1].items():  # without CE and KD the full path gives the head a zero gradient
@@ -160,3 +170,12 @@ def test_taking_off_accelerate_s_autocast_wrapper_gives_back_the_plain_model(arc
     assert not torch.equal(wrapped, fresh(input_ids=ids).logits)  # computed under bf16 autocast
     plain = without_autocast_wrapper(model)(input_ids=ids, output_hidden_states=True)
     assert torch.equal(plain.logits, fresh(input_ids=ids).logits) and plain.hidden_states is not None
+
+
+def test_without_the_fused_loss_the_recipe_takes_full_logits(monkeypatch):
+    from hf_normswap.training import losses
+
+    student, teacher = tiny_model("llama", seed=0), tiny_model("llama", seed=1)
+    assert fused_head_available() and losses.head_chunk_for(student, teacher, 256) == 256
+    monkeypatch.setattr(losses, "fused_head_available", lambda: False)  # liger-kernel not installed
+    assert losses.head_chunk_for(student, teacher, 256) == 0
