@@ -18,6 +18,10 @@ from pathlib import Path
 
 
 
+STEP_TOKENS_ON_CUDA = 65536  # llm.c trains GPT-2 124M at 2^19 tokens a step; 2^16 keeps 30M tokens at 450+ steps
+BATCHES = (64, 32, 16, 8, 4, 2, 1)  # sequences a process a micro-batch, tried largest first
+
+
 class RecoveryRunError(ValueError):
     """The settings name a run that cannot be resolved (a converted checkpoint without its original)."""
 
@@ -43,11 +47,6 @@ class RecoveryRun:
     steps: int  # ``max_steps``: ``train_tokens`` over ``tokens_per_step`` where given, else ``training.max_steps``
     output_dir: Path
     save_path: Path
-
-    def with_step(self, batch_size: int, accumulation: int) -> "RecoveryRun":
-        """The run at another micro-batch and accumulation (a step sized from the memory plan), its tokens a step
-        and steps resolved again."""
-        return _stepped(dataclasses.replace(self, batch_size=batch_size, accumulation=accumulation))
 
     @property
     def calibrates(self) -> bool:
@@ -79,9 +78,11 @@ def converted_checkpoint(config) -> dict | None:
 
 
 def resolve_run(config, *, processes: int = 1, is_main: bool = True, device: str = "cpu", cpu: bool = True,
-                sharded: bool = False, load_once: bool = False) -> RecoveryRun:
+                sharded: bool = False, load_once: bool = False, device_memory: int | None = None) -> RecoveryRun:
     """The :class:`RecoveryRun` of checked settings launched on ``processes`` processes, this one training on
-    ``device``; :class:`RecoveryRunError` for a converted checkpoint that names no original."""
+    ``device`` (of ``device_memory`` bytes); :class:`RecoveryRunError` for a converted checkpoint that names no
+    original. With ``step_tokens`` (on CUDA by default :data:`STEP_TOKENS_ON_CUDA`) the micro-batch is the largest
+    the memory plan fits on the device and the rest of the step is accumulated; else the training section's."""
     converted = converted_checkpoint(config)
     original = config.model
     if converted is not None:
@@ -94,13 +95,39 @@ def resolve_run(config, *, processes: int = 1, is_main: bool = True, device: str
     if sharded and device != "cpu" and calibration.device is None:  # the model stays in CPU memory for FSDP2 to
         calibration = dataclasses.replace(calibration, device=device)  # shard: its blocks visit the device in turn
     training = config.training
-    return _stepped(RecoveryRun(
+    run = _stepped(RecoveryRun(
         settings=config, converted=converted, original=original, calibration=calibration, cpu=bool(cpu),
         device=str(device), processes=processes, is_main=is_main, sharded=sharded, load_once=load_once,
         teacher_sharded=bool(config.shard_teacher) and config.distill.weight > 0,
         batch_size=training["per_device_train_batch_size"],
         accumulation=training.get("gradient_accumulation_steps", 1), tokens_per_step=0, steps=0,
         output_dir=Path(config.output_dir), save_path=config.save_path))
+    step_tokens = config.step_tokens or (STEP_TOKENS_ON_CUDA if device.startswith("cuda") else None)
+    if not step_tokens:
+        return run
+    from .plan import plan
+    from .recipe_plan import recipe_settings
+    from .sizes import PlanError
+
+    try:
+        memory = plan(run.original, recipe_settings(run, device_memory))
+    except (PlanError, OSError, ValueError):  # a model the plan cannot read: the configured batch, accumulated
+        batch = run.batch_size
+        accumulation = math.ceil(step_tokens / (batch * config.block_len * processes))
+    else:
+        batch, accumulation = step_batches(memory, step_tokens, config.block_len, processes)
+    return _stepped(dataclasses.replace(run, batch_size=batch, accumulation=accumulation))
+
+
+def step_batches(memory, step_tokens: int, seq_len: int, processes: int) -> tuple[int, int]:
+    """``(micro-batch, accumulation)`` for at least ``step_tokens`` tokens a step over ``processes``: the largest of
+    :data:`BATCHES` whose memory plan (``memory``, a :class:`~hf_normswap.planning.MemoryPlan` with the device's
+    memory) fits, then as many accumulated micro-batches as the rest needs."""
+    from .plan import replan
+
+    whole = max(1, step_tokens // (seq_len * processes))
+    batch = next((b for b in BATCHES if b <= whole and replan(memory, batch_size=b).fits), 1)
+    return batch, math.ceil(step_tokens / (batch * seq_len * processes))
 
 
 def _stepped(run: RecoveryRun) -> RecoveryRun:

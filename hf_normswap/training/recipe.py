@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 from ..checkpoint.record import ConversionRecord
-from .gpu_scale import compile_blocks, keep_compile_cache, scaled_step
+from .gpu_scale import compile_blocks, keep_compile_cache
 from .recipe_data import check_data, recipe_datasets, sentence_steps
 from .recipe_models import ensure_pad_token, load_models
 from .recipe_results import final_evaluation, finish
@@ -75,16 +75,15 @@ def main(argv: list[str] | None = None, command: str = "finetune") -> int:
     # join with gloo only when the state is created with cpu=True (accelerate's --cpu starts a single process).
     cpu = bool(config.training.get("use_cpu")) or not torch.cuda.is_available()
     state = PartialState(cpu=cpu)
+    device_memory = torch.cuda.get_device_properties(state.device).total_memory if state.device.type == "cuda" else None
     try:
         run = resolve_run(config, processes=state.num_processes, is_main=state.is_main_process,
-                          device=str(state.device), cpu=cpu, sharded=fsdp2_requested(), load_once=loads_once())
+                          device=str(state.device), cpu=cpu, sharded=fsdp2_requested(), load_once=loads_once(),
+                          device_memory=device_memory)
     except RecoveryRunError as error:
         raise stopped(str(error)) from None
     check_data(config, run.calibrates)
     set_seed(config.seed)
-    log = (lambda *a: print(f"[{command}]", *a, flush=True)) if state.is_main_process else (lambda *a: None)
-    device_memory = torch.cuda.get_device_properties(state.device).total_memory if state.device.type == "cuda" else None
-    run = scaled_step(run, device_memory, log)
     done = finished_run(run.output_dir, run.save_path, config.resume, config.train_tokens, run.steps)
     if done:
         if state.is_main_process:
@@ -94,6 +93,9 @@ def main(argv: list[str] | None = None, command: str = "finetune") -> int:
         claim_run_dir(config)
     summary = (read_json(run.output_dir / "summary.json") or {}) if config.resume else {}
     summary["config"] = config.to_dict()
+    log = (lambda *a: print(f"[{command}]", *a, flush=True)) if state.is_main_process else (lambda *a: None)
+    log(f"step: {run.batch_size} x {config.block_len} tokens x {run.accumulation} accumulated x {run.processes} "
+        f"processes = {run.tokens_per_step:,} tokens, {run.steps} steps")
     log_memory_plan(run, device_memory, state, log)
     keep_compile_cache(run.output_dir)
 

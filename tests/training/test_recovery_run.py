@@ -73,9 +73,12 @@ def test_the_plan_and_the_recipe_agree_on_every_field_they_share(models, monkeyp
         (run.processes, "fsdp2" if run.sharded else "ddp", run.load_once, run.calibrates)
     assert run.calibrates is calibrates
     assert (planned.batch_size, planned.seq_len, planned.calibration_blocks) == \
-        (training["per_device_train_batch_size"], config.block_len, run.calibration.num_blocks)
+        (run.batch_size, config.block_len, run.calibration.num_blocks)
     assert run.steps * run.tokens_per_step >= 10_000 > (run.steps - 1) * run.tokens_per_step
-    assert run.tokens_per_step == config.block_len * training["per_device_train_batch_size"] * run.processes
+    assert run.tokens_per_step == config.block_len * run.batch_size * run.accumulation * run.processes
+    if not launch.get("device", "cpu").startswith("cuda"):  # on CUDA the step is sized in tokens (step_tokens)
+        assert (run.batch_size, run.accumulation) == (training["per_device_train_batch_size"],
+                                                      training.get("gradient_accumulation_steps", 1))
     if launch.get("sharded"):  # calibration's blocks visit the training device; the settings keep theirs
         assert run.calibration.device == "cuda:0" and config.calibration.device is None
     read = loads(run, monkeypatch)
@@ -90,3 +93,20 @@ def test_a_converted_checkpoint_naming_no_original_is_refused(models, tmp_path, 
     monkeypatch.setattr("hf_normswap.planning.recovery_run.converted_checkpoint", lambda config: record)
     with pytest.raises(RecoveryRunError, match="original"):
         resolve_run(RecipeConfig(model=str(models / "converted"), output_dir=str(tmp_path / "out")))
+
+
+def test_a_step_sized_in_tokens_resolves_the_batch_the_steps_and_the_plan(models, tmp_path):
+    """``step_tokens`` gives the run its micro-batch and accumulation, and the steps of ``train_tokens`` follow
+    from them; the settings stay as given and the plan reads the run's batch."""
+    config = RecipeConfig(model=str(models / "plain"), output_dir=str(tmp_path / "out"), block_len=64,
+                          train_tokens=40_000, step_tokens=4096)
+    before = copy.deepcopy(config.to_dict())
+    run = resolve_run(config, device_memory=2**40)
+    assert run.batch_size * run.accumulation * 64 >= 4096 > (run.accumulation - 1) * run.batch_size * 64
+    assert run.batch_size != config.training["per_device_train_batch_size"]
+    assert run.tokens_per_step == run.batch_size * run.accumulation * 64
+    assert run.steps == -(-40_000 // run.tokens_per_step)
+    assert recipe_settings(run).batch_size == run.batch_size
+    assert config.to_dict() == before
+    unset = resolve_run(RecipeConfig(model=str(models / "plain"), output_dir=str(tmp_path / "o2")))
+    assert unset.batch_size == unset.settings.training["per_device_train_batch_size"]  # on the CPU: as configured
