@@ -100,6 +100,13 @@ METHODS: dict[str, list[str]] = {
     "blockwise-60x1+layerwise": [*BLOCKWISE_60X1, "distill.hidden=10.0"],
     # the same with four times the block steps, over 64 sequences: the SmolLM2 configs
     "blockwise-240x1+layerwise": [*BLOCKWISE_240X1, "distill.hidden=10.0"],
+    # the taper (hf_normswap.training.taper) from the original itself: calibration of the norms alone (the weights stay
+    # the original's, so g = 1 is the original), every block's output toward the original's beside the logits, and
+    # every norm blended with its original, g from 1 to 0 by the cosine over the first half of the run
+    "norms+layerwise+taper": [*NORMS_ONLY, "distill.hidden=10.0", "taper.fraction=0.5"],
+    # the same in progressive's depth stages, 3 of 10 blocks then the final norm, each over an eighth of the run
+    "norms+layerwise+taper-progressive": [*NORMS_ONLY, "distill.hidden=10.0", "taper.fraction=0.5",
+                                          "taper.schedule=progressive", "progressive.group=10"],
 }
 
 
@@ -405,6 +412,11 @@ def main(argv=None) -> int:
         if args.schedule in DECAYING and len([b for b in args.budgets if b > 0]) > 1 and not args.run_per_budget:
             parser.error(f"--schedule {args.schedule} decays over the run's length, so extending a run budget by "
                          "budget would change the steps already taken: give --run-per-budget")
+        tapered = [m for m in args.methods if any(o.startswith("taper.fraction=") and o != "taper.fraction=0"
+                                                  for o in [*METHODS[m], *args.set])]
+        if tapered and len([b for b in args.budgets if b > 0]) > 1 and not args.run_per_budget:
+            parser.error(f"{tapered[0]}: the taper falls over a share of the run's length, so extending a run budget "
+                         "by budget would change the steps already taken: give --run-per-budget")
         measure(args)
     curve = Path(args.out) / "curve.jsonl"
     if not read_points(curve):

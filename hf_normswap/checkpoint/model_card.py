@@ -84,6 +84,11 @@ def _training_section(training) -> str | None:
     if training.get("progressive"):
         lines.append("The norms were handed over from the original to the converted modules progressively "
                      f"({training['progressive'].get('order')} order).")
+    if training.get("taper"):
+        taper = training["taper"]
+        lines.append("Each converted module was blended with its original norm, `g * norm(x) + (1 - g) * new(x)`, "
+                     f"`g` falling from 1 to 0 ({taper.get('schedule')}) over the first {taper.get('fraction'):g} "
+                     "of the steps; the saved model has no norm.")
     return " ".join(lines)
 
 

@@ -11,4 +11,6 @@
 - ``gpu_scale.py``: the step at a GPU's scale: tokens a step from the memory plan, each block compiled.
 - ``layerwise.py``: every block's output pulled toward the original's.
 - ``progressive.py``: converting norms a few at a time during training.
+- ``taper.py``: every norm blended with its original, the original's share falling to 0 over the run.
+- ``saturation.py``: the share of each converted module's elements in the flat part of its function, along the run.
 """

@@ -103,6 +103,22 @@ class ProgressiveSettings:
 
 
 @dataclass
+class TaperSettings:
+    """Blend each converted norm with its original, ``g`` falling from 1 to 0 over ``fraction`` of the run
+    (``hf_normswap.training.taper``); 0: off."""
+
+    fraction: float = 0.0
+    schedule: str = "cosine"  # cosine | linear | progressive (stages in progressive.order, one after another)
+
+    def __post_init__(self):
+        from .taper import SCHEDULES
+
+        check_number(self.fraction, "taper.fraction", minimum=0, maximum=1)
+        if self.schedule not in SCHEDULES:
+            raise ValidationError(f"taper.schedule {self.schedule!r} is unknown: choose {', '.join(SCHEDULES)}")
+
+
+@dataclass
 class LoraSettings:
     """peft LoRA adapters (``trainable: lora``); the element-wise modules train in full."""
 
@@ -211,6 +227,7 @@ class RecipeConfig:
     shard_teacher: bool = True  # under FSDP2, shard the frozen original too (false: each process reads it, whole)
     lr: LearningRates = field(default_factory=LearningRates)
     progressive: ProgressiveSettings = field(default_factory=ProgressiveSettings)
+    taper: TaperSettings = field(default_factory=TaperSettings)
     max_minutes: float | None = None  # wall-clock budget of this launch; stops with a checkpoint
     resume: bool = True  # go on from the last checkpoint in output_dir (false: a new run)
     output_dir: str = "out/finetune"
@@ -261,6 +278,11 @@ class RecipeConfig:
             raise ValidationError("a stream is read up to train_tokens (or training.max_steps); drop max_train_tokens")
         if self.progressive.enabled and self.trainable == "lora":
             raise ValidationError("progressive conversion works with trainable: norms or all, not lora")
+        if self.taper.fraction and self.progressive.enabled:
+            raise ValidationError("taper and progressive.enabled both hand the norms over: set progressive.enabled="
+                                  "false (taper.schedule=progressive tapers in progressive.order)")
+        if self.taper.fraction and self.trainable == "lora":
+            raise ValidationError("the taper works with trainable: norms or all, not lora")
         output = Path(self.output_dir).absolute()
         if self.save_path.absolute() in (output, *output.parents, output / "calibrated"):
             raise ValidationError(f"save_dir {self.save_dir} is output_dir, holds it or its calibrated/: the final "

@@ -9,7 +9,8 @@ Here the model already holds the converted modules; each one gets a forward hook
 with the mix ``m`` going from 0 to 1 over ``ramp`` steps from its start step, and the hook does nothing once
 ``m = 1``. The original norms are frozen and kept outside the model (not in its ``state_dict``), so Trainer
 checkpoints are ordinary converted checkpoints, resuming needs nothing saved, the optimizer sees the converted
-parameters from step 0, and DDP never finds an unused parameter (both branches run while ``m < 1``). The mix is a
+parameters from step 0, and DDP never finds an unused parameter (both branches run while ``m < 1``). The gradient
+reaches the norm's input through both branches, as it would through the blend's own formula. The mix is a
 function of the global step only, so every process and every resumed run agrees on it.
 """
 
@@ -18,7 +19,6 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass
 
-import torch
 from torch import nn
 from transformers import TrainerCallback
 
@@ -111,8 +111,7 @@ class ProgressiveSwap:
             m = self.mix[name]
             if m >= 1.0:
                 return None
-            with torch.no_grad():
-                source = self.originals[name](args[0])
+            source = self.originals[name](args[0])  # frozen, but the gradient reaches x through it too
             return output * m + source.to(output.dtype) * (1.0 - m)
         return hook
 

@@ -54,6 +54,7 @@ class TrainingRun:
     wall: float
     last: str | None
     resumed: dict
+    taper: object = None
 
 
 def main(argv: list[str] | None = None, command: str = "finetune") -> int:
@@ -106,6 +107,11 @@ def main(argv: list[str] | None = None, command: str = "finetune") -> int:
     log(f"{len(record.converted)} {record.method.upper()} norms; original {run.original}")
     eval_texts = evaluate_calibrated(config, student, original, tokenizer, summary, state, log)
     trained = train(run, student, original, tokenizer, state, log)
+    if trained.taper is not None and not trained.taper.finished:  # half-tapered: not the converted model
+        log(f"taper: stopped at step {trained.taper.stopped_at} of its {trained.taper.steps} (mean g "
+            f"{trained.taper.gate():.3g}); no converted model saved: launch again to resume from the last checkpoint")
+        state.wait_for_everyone()
+        return 0
     finish(config, state, trained, original, tokenizer, eval_texts, summary, log)
     state.wait_for_everyone()
     return 0
@@ -165,6 +171,7 @@ def train(run, student, original, tokenizer, state, log) -> TrainingRun:
     from .trainer import NormSwapTrainer
     from .wall_clock import WallClockStop
     from .progressive import ProgressiveSwapCallback
+    from .saturation import SaturationLog
     from .recipe_models import skeleton_to_gather
     from .run_dir import last_checkpoint, read_json
 
@@ -180,7 +187,9 @@ def train(run, student, original, tokenizer, state, log) -> TrainingRun:
     if steps <= 0 and not hasattr(train_set, "__len__"):
         fail(f"train_data {config.train_data} is read as a stream, which has no epochs: set train_tokens or "
              "training.max_steps")
-    swap = progressive_swap(config.progressive, run.original_read_once, student, original, state, log)
+    swap = progressive_swap(config.progressive, config.taper, steps, run.original_read_once, student, original,
+                            state, log)
+    taper = taper_callback(config.taper, steps, swap)
     student = choose_trainable(config, student, train_set, encoder, log)
     precision = training_precision(config, student, original, train_set, tokenizer, state)
     log(precision.describe())
@@ -194,8 +203,10 @@ def train(run, student, original, tokenizer, state, log) -> TrainingRun:
                                 "gradient_accumulation_steps": run.accumulation, "use_cpu": run.cpu,
                                 "max_steps": steps, "bf16": precision.bf16})
     callbacks = [WallClockStop(config.max_minutes)] if config.max_minutes else []
+    callbacks.append(SaturationLog(student, Path(config.output_dir) / "saturation.jsonl" if state.is_main_process
+                                   else None))
     if swap is not None:
-        callbacks.append(ProgressiveSwapCallback(swap))
+        callbacks.append(taper or ProgressiveSwapCallback(swap))
     skeleton = skeleton_to_gather(student)  # after LoRA and the trainable choice: the model as it is sharded
     trainer = NormSwapTrainer(model=student, args=args, train_dataset=train_set, eval_dataset=eval_set,
                               processing_class=tokenizer, callbacks=callbacks,
@@ -212,7 +223,8 @@ def train(run, student, original, tokenizer, state, log) -> TrainingRun:
     start = time.time()
     result = trainer.train(resume_from_checkpoint=last)
     return TrainingRun(trainer=trainer, result=result, precision=precision, swap=swap, skeleton=skeleton,
-                       eval_set=eval_set, encoder=encoder, wall=time.time() - start, last=last, resumed=resumed)
+                       eval_set=eval_set, encoder=encoder, wall=time.time() - start, last=last, resumed=resumed,
+                       taper=taper)
 
 
 def own_share(train_set, hub_stream: bool) -> dict:
@@ -225,20 +237,25 @@ def own_share(train_set, hub_stream: bool) -> dict:
     return {"accelerator_config": {"dispatch_batches": False}} if ours else {}
 
 
-def progressive_swap(progressive, from_main: bool, student, original, state, log):
-    """The :class:`ProgressiveSwap` of the ``progressive`` settings (None when off): the converted norms swapped in
-    a few at a time, the original's norms standing in for the others (the main process's, ``from_main``, where the
-    others hold the original on the meta device)."""
+def progressive_swap(progressive, taper, steps: int, from_main: bool, student, original, state, log):
+    """The :class:`ProgressiveSwap` of the ``progressive`` settings or of the ``taper`` (None when both are off):
+    the converted norms blended with the original's (the main process's, ``from_main``, where the others hold the
+    original on the meta device), handed over a few at a time or all along the taper's gate over ``steps``."""
     from accelerate.utils import broadcast_object_list
 
     from .progressive import ProgressiveSwap, schedule
+    from .taper import taper_stages, taper_steps
 
-    if not progressive.enabled:
+    if not (progressive.enabled or taper.fraction):
         return None
     converted = ConversionRecord.of(student).converted
-    stages = schedule({name: entry.role for name, entry in converted.items()}, start=progressive.start,
-                      every=progressive.every, ramp=progressive.ramp, order=progressive.order,
-                      role_order=progressive.role_order, group=progressive.group)
+    roles = {name: entry.role for name, entry in converted.items()}
+    if taper.fraction:
+        stages = taper_stages(roles, taper_steps(taper.fraction, steps), taper.schedule,
+                              order=progressive.order, role_order=progressive.role_order, group=progressive.group)
+    else:
+        stages = schedule(roles, start=progressive.start, every=progressive.every, ramp=progressive.ramp,
+                          order=progressive.order, role_order=progressive.role_order, group=progressive.group)
     norms = {n: original.get_submodule(n) for n in converted}
     if from_main:
         weights = broadcast_object_list([{n: m.state_dict() for n, m in norms.items()}
@@ -247,8 +264,19 @@ def progressive_swap(progressive, from_main: bool, student, original, state, log
             norms[name] = copy.deepcopy(module)
             norms[name].load_state_dict(weights[name], assign=True)
     swap = ProgressiveSwap(student, norms, stages)
-    log(f"progressive: {len(stages)} stages by {progressive.order}, every {progressive.every} steps")
+    log(f"taper: g from 1 to 0 over {taper_steps(taper.fraction, config.training['max_steps'])} steps, "
+        f"{taper.schedule}, {len(stages)} stage(s)" if taper.fraction else
+        f"progressive: {len(stages)} stages by {progressive.order}, every {progressive.every} steps")
     return swap
+
+
+def taper_callback(taper, steps: int, swap):
+    """The taper's callback (None without a taper), which tells whether the run reached the taper's end."""
+    from .taper import TaperCallback, taper_steps
+
+    if not taper.fraction:
+        return None
+    return TaperCallback(swap, taper_steps(taper.fraction, steps))
 
 
 def choose_trainable(config, student, train_set, encoder: bool, log):

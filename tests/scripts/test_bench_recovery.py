@@ -181,3 +181,14 @@ def test_each_method_keeps_its_calibration_whatever_the_config_says(config):
     configs = resolved("config", config)
     assert {k: configs[k] for k in ("calibration", "distill")} == \
         {k: resolved("blockwise-240x1+layerwise", config)[k] for k in ("calibration", "distill")}
+
+
+def test_a_taper_over_several_budgets_needs_a_run_per_budget(tmp_path, capsys):
+    """The taper falls over a share of the run's length: extending a tapered run is refused like a cosine one."""
+    data = tmp_path / "text.txt"
+    data.write_text("text")
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main(["--train-data", str(data), "--eval-data", str(data), "--methods", "norms+layerwise+taper",
+                    "--budgets", "0", "1000", "2000", "--out", str(tmp_path / "out")])
+    assert exit_info.value.code == 2 and "norms+layerwise+taper" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()

@@ -1,0 +1,84 @@
+"""Each converted module's distance from the norm it replaced, on the converted model's own activations.
+
+For every module a checkpoint converted, its input ``x`` is captured on a forward pass of the converted model over
+text blocks; the original model's norm of the same name is applied to the same ``x``. Reported per norm: the relative
+error ``||new(x) - norm(x)|| / ||norm(x)||`` over ordinary tokens (first positions, the attention sink, apart) and
+the share of saturated elements (``|f(x)| > 0.95``, calibration's ``sat.`` column). Comparing a run's calibrated start
+with its trained checkpoint shows which norms' error training brought down, and how far.
+
+    python scripts/norm_error.py OUT/runs/RUN/calibrated OUT/runs/RUN/final --against offline:smollm2 \\
+        --data $WIKITEXT/wiki.test.raw --out norm_error.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+
+from hf_normswap.calibration.fitting import SATURATION, squash_share
+from hf_normswap.checkpoint.loading import load_model
+from hf_normswap.data import load_texts, token_blocks
+from hf_normswap.modules import ElementwiseNorm
+
+from _common import commit, machine
+
+
+@torch.no_grad()
+def norm_errors(model, original, ids: torch.Tensor) -> dict[str, dict]:
+    """``{norm: {rel_error, rel_error_first, saturation}}`` for every converted module of ``model``."""
+    stats: dict[str, dict] = {}
+
+    def hook(name):
+        def capture(module, args, output):
+            x = args[0]
+            target = original.get_submodule(name)(x).float()
+            diff = output.float() - target
+            total = stats.setdefault(name, {"diff": [0.0, 0.0], "norm": [0.0, 0.0], "sat": []})
+            for i, rows in enumerate((slice(1, None), slice(0, 1))):  # ordinary tokens, then the first position
+                total["diff"][i] += float(diff[:, rows].pow(2).sum())
+                total["norm"][i] += float(target[:, rows].pow(2).sum())
+            total["sat"].append(float((squash_share(module, x).abs() > SATURATION).double().mean()))
+        return capture
+
+    handles = [m.register_forward_hook(hook(n)) for n, m in model.named_modules() if isinstance(m, ElementwiseNorm)]
+    for row in ids:
+        model(input_ids=row[None])
+    for handle in handles:
+        handle.remove()
+    return {name: {"rel_error": (s["diff"][0] / s["norm"][0]) ** 0.5,
+                   "rel_error_first": (s["diff"][1] / s["norm"][1]) ** 0.5,
+                   "saturation": sum(s["sat"]) / len(s["sat"])} for name, s in stats.items()}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("checkpoints", nargs="+", help="converted checkpoints (hf_normswap.save_pretrained)")
+    parser.add_argument("--against", required=True, help="the original model")
+    parser.add_argument("--data", required=True, help="text to run (e.g. WikiText-2 test)")
+    parser.add_argument("--blocks", type=int, default=4)
+    parser.add_argument("--block-len", type=int, default=512)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--out", help="JSON lines, one a checkpoint")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    original, tokenizer = load_model(args.against)
+    ids = token_blocks(tokenizer, load_texts(args.data, "evaluation"), args.blocks, args.block_len)
+    for checkpoint in args.checkpoints:
+        model, _ = load_model(checkpoint, with_tokenizer=False)
+        errors = norm_errors(model.float().eval(), original.float().eval(), ids)
+        mean = {key: sum(e[key] for e in errors.values()) / len(errors) for key in ("rel_error", "saturation")}
+        print(f"{checkpoint}: mean rel. error {mean['rel_error']:.4g}, saturated {mean['saturation']:.2%}")
+        for name, e in errors.items():
+            print(f"  {name:45s} {e['rel_error']:8.4f} {e['rel_error_first']:8.4f} {e['saturation']:7.2%}")
+        if args.out:
+            with open(args.out, "a") as stream:
+                stream.write(json.dumps({"checkpoint": checkpoint, "norms": errors, "mean": mean, "tokens": ids.numel(),
+                                         "commit": commit(), **machine()}) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
