@@ -264,7 +264,7 @@ def progressive_swap(progressive, taper, steps: int, from_main: bool, student, o
             norms[name] = copy.deepcopy(module)
             norms[name].load_state_dict(weights[name], assign=True)
     swap = ProgressiveSwap(student, norms, stages)
-    log(f"taper: g from 1 to 0 over {taper_steps(taper.fraction, config.training['max_steps'])} steps, "
+    log(f"taper: g from 1 to 0 over {taper_steps(taper.fraction, steps)} steps, "
         f"{taper.schedule}, {len(stages)} stage(s)" if taper.fraction else
         f"progressive: {len(stages)} stages by {progressive.order}, every {progressive.every} steps")
     return swap
