@@ -154,12 +154,7 @@ def check_run_dir(config) -> None:
     out = Path(config.output_dir)
     check_path_length(out, "output_dir")
     inside = Path(os.path.realpath(out.expanduser()))
-    for key in ("model", "original"):  # rotation and resumes would delete and read beside the model's own files
-        spec = getattr(config, key)
-        if not spec or spec.startswith(PACKAGED):
-            continue
-        check_path_length(spec, key)  # a name too long to be a path or a Hub id is refused here
-        source = Path(os.path.realpath(Path(spec).expanduser()))
+    for key, spec, source in read_sources(config):  # rotation and resumes would delete and read beside them
         if source.is_dir() and source in (inside, *inside.parents):
             raise ValidationError(f"output_dir {out} is inside {key} {shown(spec)}, which the recipe reads: name an "
                                   "output_dir outside it")
@@ -207,16 +202,21 @@ def check_run_dir(config) -> None:
                               "output_dir, or set resume=false to start over")
 
 
+def read_sources(config):
+    """``(key, spec, real path)`` of the model and the original the recipe reads from disk (a packaged model lives
+    in the package); a name too long to be a path or a Hub id is refused here."""
+    for key in ("model", "original"):
+        spec = getattr(config, key)
+        if spec and not spec.startswith(PACKAGED):
+            check_path_length(spec, key)
+            yield key, spec, Path(os.path.realpath(Path(spec).expanduser()))
+
+
 def check_save_dir(config) -> None:
     """The final checkpoint replaces only one that a run in this output_dir saved (save_dir inside output_dir, or
     recorded in its run.json): never the model or the original it reads, nor any other checkpoint of the user's."""
     save = Path(os.path.realpath(config.save_path.expanduser()))
-    for key in ("model", "original"):
-        spec = getattr(config, key)
-        if not spec or spec.startswith(PACKAGED):  # a packaged model lives in the package, not in a save_dir
-            continue
-        check_path_length(spec, key)  # a name too long to be a path or a Hub id is refused here
-        source = Path(os.path.realpath(Path(spec).expanduser()))
+    for key, spec, source in read_sources(config):
         if source.exists() and save in (source, *source.parents):
             raise ValidationError(f"save_dir {config.save_path} would replace {key} {shown(spec)}, which the recipe "
                                   "reads: name another save_dir")

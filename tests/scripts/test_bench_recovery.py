@@ -121,14 +121,17 @@ def test_a_run_per_budget_has_its_own_directory_and_shares_the_calibrated_start(
     assert bench.run_directory(chunks, "eln", "config", 77000).name == "eln-config"
 
 
-def test_a_decaying_schedule_over_several_budgets_needs_a_run_per_budget(tmp_path, capsys):
-    """Extending a cosine run changes its length and so the rate of the steps already taken: refused at once."""
+@pytest.mark.parametrize("setting, said", [(["--schedule", "cosine"], "--run-per-budget"),
+                                           (["--methods", "norms+layerwise+taper"], "norms+layerwise+taper")])
+def test_a_decaying_schedule_or_a_taper_over_several_budgets_needs_a_run_per_budget(tmp_path, capsys, setting, said):
+    """Extending a cosine run changes its length and so the rate of the steps already taken; the taper falls over
+    a share of the run's length: both refused at once."""
     data = tmp_path / "text.txt"
     data.write_text("text")
     with pytest.raises(SystemExit) as exit_info:
-        bench.main(["--train-data", str(data), "--eval-data", str(data), "--schedule", "cosine",
+        bench.main(["--train-data", str(data), "--eval-data", str(data), *setting,
                     "--budgets", "0", "1000", "2000", "--out", str(tmp_path / "out")])
-    assert exit_info.value.code == 2 and "--run-per-budget" in capsys.readouterr().err
+    assert exit_info.value.code == 2 and said in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
 
 
@@ -181,14 +184,3 @@ def test_each_method_keeps_its_calibration_whatever_the_config_says(config):
     configs = resolved("config", config)
     assert {k: configs[k] for k in ("calibration", "distill")} == \
         {k: resolved("blockwise-240x1+layerwise", config)[k] for k in ("calibration", "distill")}
-
-
-def test_a_taper_over_several_budgets_needs_a_run_per_budget(tmp_path, capsys):
-    """The taper falls over a share of the run's length: extending a tapered run is refused like a cosine one."""
-    data = tmp_path / "text.txt"
-    data.write_text("text")
-    with pytest.raises(SystemExit) as exit_info:
-        bench.main(["--train-data", str(data), "--eval-data", str(data), "--methods", "norms+layerwise+taper",
-                    "--budgets", "0", "1000", "2000", "--out", str(tmp_path / "out")])
-    assert exit_info.value.code == 2 and "norms+layerwise+taper" in capsys.readouterr().err
-    assert not (tmp_path / "out").exists()
