@@ -10,8 +10,8 @@
 #   recovery       recipes/configs/smollm2-NORM.yaml for each NORM of RECOVERY_NORMS (default: eln; "eln,dyt" runs
 #                  DyT after it), bf16, the blocks compiled, 65,536 tokens a step: calibration on WikiText-2
 #                  validation (RECOVERY_CALIB: the block pass's batched rows, default 120 steps of 8 sequences a
-#                  block against the configs' 240 of one; on the CPU, 16 x 256 tokens, 64 x 1 started at 25.0x,
-#                  32 x 4 at 30.6x, 16 x 4 at 37.1x: fewer steps lose), then training on the mix (the original's samples, drawn 512 a batch with the static
+#                  block against the configs' 240 of one; on the CPU fewer steps lost: BENCHMARKS.md, "Calibration"),
+#                  then training on the mix (the original's samples, drawn 512 a batch with the static
 #                  cache and the compiled decode step, and that text) to RECOVERY_TOKENS (default 30,000,000, the cosine
 #                  schedule's length) or RECOVERY_MINUTES of training (default 6, from the first step), evaluated on
 #                  WikiText-2 test every 5,000,000 tokens. Its curve (the Trainer's eval lines) goes to
