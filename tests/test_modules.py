@@ -182,7 +182,8 @@ def test_a_method_is_its_class(monkeypatch):
     assert torch.allclose(f, y.detach()) and torch.allclose(dfdx, grad_x) and torch.allclose(dfda.sum(), grad_a)
     assert torch.allclose(_Softsign.knee_shape(torch.tensor([2.0, 4.0])), torch.tensor([0.5, 0.25]))
     config = {"model_type": "normswap_llama", "normswap": {
-        "method": "softsign", "base": {"architecture": "LlamaForCausalLM", "model_type": "llama"}, "converted": {}}}
+        "method": "softsign", "converted": {},
+        "base": {"architecture": "LlamaForCausalLM", "config_class": "LlamaConfig", "model_type": "llama"}}}
     card = model_card.render(config)
     assert _Softsign.title in card and _Softsign.formula in card and _Softsign.shape_note in card
     assert card.index(DyT.citation) < card.index(_Softsign.citation)

@@ -19,7 +19,7 @@ import time
 
 from .generated import Prompts, SamplingSettings, _read_or_redraw, draw, wait_for
 from .sample_cache import SampleCache
-from .streaming import packed
+from .streaming import block_features, packed
 
 OTHERS_WAIT = 6 * 3600.0  # seconds a process waits for a batch another process draws
 
@@ -53,7 +53,7 @@ def sample_stream(model, tokenizer, settings: SamplingSettings, block_len: int, 
     ``labels``); the Trainer stops it at its ``max_steps``."""
     import datasets
 
-    return datasets.IterableDataset.from_generator(_sample_blocks, gen_kwargs={
+    return datasets.IterableDataset.from_generator(_sample_blocks, features=block_features(), gen_kwargs={
         "model": model, "tokenizer": tokenizer, "settings": settings, "block_len": block_len,
         "prompt_texts": None if prompt_texts is None else tuple(prompt_texts), "rank": rank,
         "world_size": world_size, "progress": progress})

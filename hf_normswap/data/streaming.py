@@ -24,6 +24,15 @@ LINE_PROBE_ROWS = 1000  # rows read to tell a dataset of lines from one of docum
 PIECE_CHARS = 1 << 16  # characters a dataset of lines is tokenized in at a time (about)
 
 
+def block_features():
+    """The features of packed training blocks, streamed or read whole, so that a mix of both aligns (``datasets``
+    infers ``input_ids`` read whole as int32 and a stream's as int64)."""
+    import datasets
+
+    ids = datasets.Sequence(datasets.Value("int64"))
+    return datasets.Features({"input_ids": ids, "labels": ids})
+
+
 def _source(spec: str, default_split: str):
     source, column = hub_dataset(spec, default_split, streaming=True)
     try:
@@ -101,7 +110,8 @@ def file_stream(files, tokenizer, block_len: int):
     import datasets
 
     return datasets.IterableDataset.from_generator(
-        _file_blocks, gen_kwargs={"files": tuple(map(str, files)), "tokenizer": tokenizer, "block_len": block_len})
+        _file_blocks, features=block_features(),
+        gen_kwargs={"files": tuple(map(str, files)), "tokenizer": tokenizer, "block_len": block_len})
 
 
 def packed_stream(spec: str, tokenizer, block_len: int, default_split: str = "train"):
@@ -111,4 +121,5 @@ def packed_stream(spec: str, tokenizer, block_len: int, default_split: str = "tr
 
     source, column = _source(spec, default_split)
     return datasets.IterableDataset.from_generator(
-        _packed, gen_kwargs={"source": source, "column": column, "tokenizer": tokenizer, "block_len": block_len})
+        _packed, features=block_features(),
+        gen_kwargs={"source": source, "column": column, "tokenizer": tokenizer, "block_len": block_len})

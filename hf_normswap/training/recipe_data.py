@@ -50,6 +50,7 @@ def block_dataset(tokenizer, spec: str, split: str, block_len: int, max_tokens: 
 
     from ..data import DataError, load_texts, token_blocks
     from ..data.sources import source
+    from ..data.streaming import block_features
 
     limits = [n for n in (max_blocks, None if max_tokens is None else max_tokens // block_len) if n is not None]
     share = {"rank": state.process_index, "world_size": state.num_processes} if state is not None else {}
@@ -64,7 +65,7 @@ def block_dataset(tokenizer, spec: str, split: str, block_len: int, max_tokens: 
         blocks = token_blocks(tokenizer, texts, min(limits) if limits else None, block_len).tolist()
     except DataError as error:
         raise stopped(f"{spec}: {error}") from None
-    return datasets.Dataset.from_dict({"input_ids": blocks, "labels": blocks})
+    return datasets.Dataset.from_dict({"input_ids": blocks, "labels": blocks}, features=block_features())
 
 
 def mixed(parts: list):

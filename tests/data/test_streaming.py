@@ -109,3 +109,19 @@ def test_the_recipe_trains_on_a_stream_and_resumes_it(tmp_path):
     assert "streamed in blocks of 16 tokens" in result.stdout and "resuming from" in result.stdout
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["training"]["steps"] == 4 and summary["training"]["tokens_seen"] == 4 * 2 * 16
+
+
+def test_a_mix_of_blocks_read_whole_and_streamed_aligns(tmp_path):
+    """The original's samples stream and ``builtin:calibration`` is read whole: ``datasets`` typed the rows read
+    whole as int32 and refused to interleave them with a stream's."""
+    from hf_normswap.data import streaming
+    from hf_normswap.training.recipe_data import block_dataset, mixed
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("one two three four five six seven eight nine ten\n" * 20)
+    tokenizer = tiny_tokenizer()
+    whole = block_dataset(tokenizer, "builtin:calibration", "calibration", 16, max_blocks=3)
+    streamed = streaming.file_stream([corpus], tokenizer, 16)
+    rows = list(mixed([whole.to_iterable_dataset(), streamed]).take(6))
+    assert [len(row["input_ids"]) for row in rows] == [16] * 6
+    assert rows[0]["input_ids"] == whole[0]["input_ids"] and rows[1]["input_ids"] == next(iter(streamed))["input_ids"]
