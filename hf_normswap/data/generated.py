@@ -360,7 +360,7 @@ def sample_texts(model: nn.Module, tokenizer, settings: SamplingSettings, max_to
         drawn += len(mine)
         wait_for(cache, needed, wait)
         for index in needed:
-            batch = _read_or_redraw(model, tokenizer, cache, index, prompts)
+            batch = read_or_redraw(model, tokenizer, cache, index, prompts)
             rows.extend(batch)
             have += sum(map(len, batch))
         read, count = count, count + batches_for(max_tokens - have, settings)
@@ -370,7 +370,7 @@ def sample_texts(model: nn.Module, tokenizer, settings: SamplingSettings, max_to
     return [tokenizer.decode(ids, skip_special_tokens=True) for ids in rows]
 
 
-def _read_or_redraw(model, tokenizer, cache: SampleCache, index: int, prompts) -> list[list[int]]:
+def read_or_redraw(model, tokenizer, cache: SampleCache, index: int, prompts) -> list[list[int]]:
     """Batch ``index``; a damaged one is named and drawn again in its place (its seed gives the same rows)."""
     try:
         return cache.read(index)

@@ -17,7 +17,7 @@ import itertools
 import sys
 import time
 
-from .generated import Prompts, SamplingSettings, _read_or_redraw, draw, wait_for
+from .generated import Prompts, SamplingSettings, draw, read_or_redraw, wait_for
 from .sample_cache import SampleCache
 from .streaming import block_features, packed
 
@@ -38,7 +38,7 @@ def sampled_documents(model, tokenizer, settings: SamplingSettings, prompt_texts
             print(f"[generated] {settings.batch_size * settings.length:,} tokens sampled in {time.time() - start:.0f} "
                   f"s into {cache.directory} (batch {mine[0]})", file=sys.stderr, flush=True)
         wait_for(cache, [index], 0.0 if world_size == 1 else OTHERS_WAIT)
-        for ids in _read_or_redraw(model, tokenizer, cache, index, prompts):
+        for ids in read_or_redraw(model, tokenizer, cache, index, prompts):
             yield tokenizer.decode(ids, skip_special_tokens=True), True
 
 
