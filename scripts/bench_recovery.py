@@ -107,6 +107,11 @@ METHODS: dict[str, list[str]] = {
     # the same in progressive's depth stages, 3 of 10 blocks then the final norm, each over an eighth of the run
     "norms+layerwise+taper-progressive": [*NORMS_ONLY, "distill.hidden=10.0", "taper.fraction=0.5",
                                           "taper.schedule=progressive", "progressive.group=10"],
+    # the taper from the configs' block-wise start (its weights fitted to the new norms, so g = 1 is not the
+    # original): g falls over the first quarter of the run, by the cosine or in progressive's depth stages
+    "blockwise-240x1+layerwise+taper": [*BLOCKWISE_240X1, "distill.hidden=10.0", "taper.fraction=0.25"],
+    "blockwise-240x1+layerwise+taper-progressive": [*BLOCKWISE_240X1, "distill.hidden=10.0", "taper.fraction=0.25",
+                                                    "taper.schedule=progressive", "progressive.group=10"],
 }
 
 

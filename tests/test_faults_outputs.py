@@ -35,7 +35,7 @@ def check_settled(config):
     from hf_normswap.planning.recovery_run import converted_checkpoint
     from hf_normswap.training import recipe_data
 
-    recipe_data.check_data(config, converted_checkpoint(config) is None)
+    recipe_data.check_data(config, converted_checkpoint(config.model) is None)
 
 
 @pytest.fixture(scope="module")

@@ -216,6 +216,32 @@ def test_a_linked_settings_file_in_the_sample_cache_is_replaced_not_written_thro
     assert not (cache.directory / "settings.json").is_symlink() and sorted(p.name for p in cache.directory.iterdir()) == ["settings.json"]
 
 
+def test_two_draws_preparing_the_sample_cache_at_once_both_succeed(tmp_path):
+    """Two threads of one process (two ranks' streams in a test, a background draw) shared one staging name for
+    settings.json: one renamed it away under the other, whose draw failed as an unwritable cache."""
+    import threading
+
+    from hf_normswap.data.generated import SamplingSettings
+    from hf_normswap.data.sample_cache import SampleCache
+
+    cache = SampleCache(tiny_model("llama"), SamplingSettings(length=12, batch_size=2), tmp_path / "cache")
+    failures = []
+
+    def prepare():
+        for _ in range(300):
+            try:
+                cache.prepare()
+            except ValueError as error:
+                failures.append(str(error))
+
+    threads = [threading.Thread(target=prepare) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert failures == [] and sorted(p.name for p in cache.directory.iterdir()) == ["settings.json"]
+
+
 class _Payload:
     def __init__(self, mark: Path):
         self.mark = mark

@@ -246,7 +246,9 @@ PAST_THE_CONTEXT = {
 
 
 def test_the_list_of_settings_checked_against_the_context_is_the_recipes():
-    assert set(PAST_THE_CONTEXT) == set(recipe_models.CONTEXT_SETTINGS)
+    from hf_normswap.planning.recovery_run import CONTEXT_SETTINGS
+
+    assert set(PAST_THE_CONTEXT) == set(CONTEXT_SETTINGS)
 
 
 @pytest.fixture(scope="module")
@@ -321,6 +323,4 @@ def test_lora_targets_the_model_lacks_are_refused_before_calibration(llama_with_
     with pytest.raises(SystemExit) as exit:
         recipe_models.load_models(resolve_run(config), ONE_PROCESS)
     assert exit.value.code == 2 and message in capsys.readouterr().err.strip().splitlines()[-1]
-    recipe_models.check_lora_targets(recipe_settings.load_config(["trainable=lora",
-                                                                  "lora.target_modules=[q_proj, v_proj]"]),
-                                     tiny_model("llama"))  # a Llama's own names pass
+    recipe_models.check_lora_targets(["q_proj", "v_proj"], "llama", tiny_model("llama"))  # a Llama's own names pass

@@ -56,7 +56,7 @@ USE = textwrap.dedent("""
                                           f"output_dir={sys.argv[2]}"])
     recipe_data.check_data(config, calibrates=False)
     state = types.SimpleNamespace(process_index=0, num_processes=1)
-    rows = recipe_data.training_stream(config, spec, tokenizer, None, state)["input_ids"]
+    rows = recipe_data.training_stream(spec, None, config.block_len, config.seed, tokenizer, None, state)["input_ids"]
     print(json.dumps({"kind": type(source(spec)).__name__, "documents": documents, "check": check_spec(spec),
                       "batches": [list(b["input_ids"].shape) for b in batches], "fingerprint": fingerprint,
                       "bad": bad, "rows": len(rows), "same": same_sample(spec, spec),

@@ -1,5 +1,6 @@
 """``normswap plan MODEL``: the memory a conversion and a recovery need, from the model's config alone
-(``hf_normswap.planning``)."""
+(``hf_normswap.planning``); ``normswap plan --config RECIPE.yaml [KEY=VALUE ...]``: a recovery's, as the recipe
+resolves the run (``planning.recovery_run``)."""
 
 from __future__ import annotations
 
@@ -9,11 +10,25 @@ import sys
 from ..planning.plan_settings import PRECISIONS, SHARDING, TRAINABLE
 
 
+# what a recipe's config decides, which its plan takes from there
+DECIDED_BY_THE_RECIPE = {"trainable": "trainable", "lora_rank": "lora.r", "precision": "precision",
+                         "teacher": "shard_teacher", "gradient_checkpointing": "training.gradient_checkpointing",
+                         "batch_size": "training.per_device_train_batch_size", "seq_len": "block_len",
+                         "optimizer_offload": "the accelerate config", "no_calibration": "model",
+                         "weights_on_disk": "calibration"}
+
+
 def add_parser(commands) -> None:
     """The verb's arguments: the model and every setting :class:`~hf_normswap.planning.plan_settings.PlanSettings` takes."""
     parser = commands.add_parser("plan", help="memory a conversion and a recovery need, from the config alone")
-    parser.add_argument("model", help="Hub id, model directory, config.json, .gguf or offline:NAME (only the "
-                                      "config is read)")
+    parser.add_argument("model", nargs="?", help="Hub id, model directory, config.json, .gguf or offline:NAME (only "
+                                                 "the config is read)")
+    parser.add_argument("--config", metavar="RECIPE.yaml",
+                        help="plan a recovery as the recipe resolves it (its model, batch, precision, calibration): "
+                             "then the positional arguments are its KEY=VALUE overrides, and --processes, "
+                             "--node-processes, --sharding, --device-memory, --host-memory and "
+                             "--load-on-every-process say how it is launched")
+    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="with --config: the recipe's overrides")
     parser.add_argument("--processes", type=int, default=1, help="processes (GPUs) of the recipe (default 1)")
     parser.add_argument("--node-processes", type=int, default=None,
                         help="processes on one node, sharing its host memory (default: all)")
@@ -34,6 +49,7 @@ def add_parser(commands) -> None:
     parser.add_argument("--weights-on-disk", action="store_true",
                         help="convert as `normswap convert --max-host-memory` does below the model's size: weights in "
                              "their shards, one block in memory, no end-to-end steps")
+    parser.set_defaults(plan_defaults={name: parser.get_default(name) for name in DECIDED_BY_THE_RECIPE})
 
 
 def run(args: argparse.Namespace) -> int:
@@ -42,6 +58,12 @@ def run(args: argparse.Namespace) -> int:
     from ..planning.plan_settings import PlanSettings
     from ..planning.sizes import PlanError
 
+    if args.config:
+        return recipe_plan(args)
+    if args.model is None or args.overrides:
+        print("normswap: error: name the model (normswap plan MODEL), or a recipe's config and its KEY=VALUE "
+              "overrides (normswap plan --config RECIPE.yaml ...)", file=sys.stderr)
+        return 2
     try:
         settings = PlanSettings(processes=args.processes, node_processes=args.node_processes, sharding=args.sharding, device_memory=args.device_memory,
                                 host_memory=args.host_memory, trainable=args.trainable, lora_rank=args.lora_rank,
@@ -52,6 +74,41 @@ def run(args: argparse.Namespace) -> int:
                                 calibrate=not args.no_calibration, weights_on_disk=args.weights_on_disk)
         result = plan(args.model, settings)
     except PlanError as error:
+        print(f"normswap: error: {error}", file=sys.stderr)
+        return 2
+    print(result.describe())
+    return 0 if result.fits else 1
+
+
+def recipe_plan(args: argparse.Namespace) -> int:
+    """The plan of a recovery as the recipe resolves it on this launch (``RecoveryRun``): its original, its batch
+    (sized in tokens on a GPU: ``step_tokens``), its calibration or converted start, its precision."""
+    import dataclasses
+
+    from ..planning.plan import plan
+    from ..planning.recipe_plan import recipe_settings
+    from ..planning.recovery_run import RecoveryRunError, resolve_run
+    from ..planning.plan_settings import parse_bytes
+    from ..planning.sizes import PlanError
+    from ..training.config import read_recipe_config
+    from ..validation import ValidationError
+
+    given = [name for name in DECIDED_BY_THE_RECIPE if getattr(args, name) != args.plan_defaults[name]]
+    if given:
+        flag = given[0].replace("_", "-")
+        print(f"normswap: error: --{flag}: the recipe's config decides it ({DECIDED_BY_THE_RECIPE[given[0]]}); "
+              "set it there or as an override", file=sys.stderr)
+        return 2
+    try:
+        config = read_recipe_config(args.config, [a for a in (args.model, *args.overrides) if a is not None])
+        device_memory = parse_bytes(args.device_memory) if args.device_memory else None
+        run = resolve_run(config, processes=args.processes, device="cuda:0" if device_memory else "cpu",
+                          cpu=device_memory is None, sharded=args.sharding == "fsdp2",
+                          load_once=not args.load_on_every_process, device_memory=device_memory)
+        settings = dataclasses.replace(recipe_settings(run, device_memory), host_memory=args.host_memory,
+                                       node_processes=args.node_processes)
+        result = plan(run.original, settings)
+    except (ValidationError, RecoveryRunError, PlanError, OSError) as error:
         print(f"normswap: error: {error}", file=sys.stderr)
         return 2
     print(result.describe())

@@ -77,9 +77,10 @@ class SampleCache:
         """The cache's folder, made (and found writable) before anything is drawn into it."""
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
-            partial = self.directory / f".settings.json.partial-{os.getpid()}"
-            partial.write_text(json.dumps(self.key, indent=1))
-            os.replace(partial, self.directory / "settings.json")  # replaces a link put there, never its target
+            # a staging file of its own (two draws at once, in threads or processes), renamed over a link put
+            # there, never written through it
+            with atomic_write(self.directory / "settings.json") as partial:
+                partial.write_text(json.dumps(self.key, indent=1))
         except OSError as error:
             raise _unwritable(self.directory, error) from None
 

@@ -128,8 +128,8 @@ class Builtin(Source):
 
 
 class LocalFiles(Source):
-    """Local files and directories, joined by commas: text, json/jsonl or parquet. A text file is streamed for
-    training, shuffled :data:`SHUFFLE_BLOCKS` blocks at a time (the Trainer shuffles a whole dataset's rows)."""
+    """Local files and directories, joined by commas: text, json/jsonl or parquet. Training streams them, shuffled
+    :data:`SHUFFLE_BLOCKS` blocks at a time (the Trainer shuffles a whole dataset's rows)."""
 
     SHUFFLE_BLOCKS = 1024
 
@@ -144,12 +144,16 @@ class LocalFiles(Source):
         return texts.named_paths(self.spec)
 
     def stream(self, tokenizer, block_len, *, original=None, rank=0, world_size=1, seed=0):
-        from .streaming import file_stream
+        from .streaming import file_stream, table_stream
 
         files = texts.files_under(texts.named_paths(self.spec))
-        if not files or any(f.suffix.lower() in texts.LOADERS for f in files):
-            return None  # json / parquet: read whole through datasets
-        return file_stream(files, tokenizer, block_len).shuffle(seed=seed, buffer_size=self.SHUFFLE_BLOCKS)
+        loaders = {texts.LOADERS.get(f.suffix.lower()) for f in files}
+        if not files or len(loaders) > 1:
+            return None  # read whole, which names the problem (no files, mixed kinds)
+        loader = loaders.pop()
+        stream = file_stream(files, tokenizer, block_len) if loader is None else \
+            table_stream(files, loader, tokenizer, block_len)
+        return stream.shuffle(seed=seed, buffer_size=self.SHUFFLE_BLOCKS)
 
 
 class HubDataset(Source):

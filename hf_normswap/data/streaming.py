@@ -114,6 +114,44 @@ def file_stream(files, tokenizer, block_len: int):
         gen_kwargs={"files": tuple(map(str, files)), "tokenizer": tokenizer, "block_len": block_len})
 
 
+def table_stream(files, loader: str, tokenizer, block_len: int):
+    """The training blocks of local json/jsonl or parquet files (``loader``: ``json`` or ``parquet``), a row a
+    document as ``texts.read_local`` reads them, through ``load_dataset(..., streaming=True)``: the files are read
+    as the run trains, never whole. DataError, after one row, for files without a text column."""
+    import datasets
+
+    files = tuple(map(str, files))
+    _, column = _table(files, loader)
+    return datasets.IterableDataset.from_generator(
+        _table_blocks, features=block_features(),
+        gen_kwargs={"files": files, "loader": loader, "column": column, "tokenizer": tokenizer,
+                    "block_len": block_len})
+
+
+def _table_blocks(files: tuple[str, ...], loader: str, column: str, tokenizer, block_len: int):
+    rows, _ = _table(files, loader)
+    yield from packed(((row[column], True) for row in rows if row[column] and row[column].strip()), tokenizer,
+                      block_len)
+
+
+def _table(files: tuple[str, ...], loader: str):
+    """``(rows, text column)`` of local files as a ``datasets`` stream: ``text``, else the first row's first string
+    (a stream of json has no features before it is read)."""
+    import datasets
+
+    try:
+        rows = datasets.load_dataset(loader, data_files=list(files), split="train", streaming=True)
+        first = next(iter(rows.take(1)), None)
+    except Exception as error:  # datasets raises many types for malformed json / parquet
+        raise DataError(f"cannot read {', '.join(files)} as {loader} ({first_line(error)})") from None
+    if first is None:
+        raise DataError(f"{', '.join(files)} has no rows")
+    column = "text" if "text" in first else next((k for k, v in first.items() if isinstance(v, str)), None)
+    if column is None:
+        raise DataError(f"no text column among {list(first)} in {', '.join(files)}: the data needs a 'text' column")
+    return rows, column
+
+
 def packed_stream(spec: str, tokenizer, block_len: int, default_split: str = "train"):
     """The training blocks of a streamed Hub dataset ``NAME[:config][:split]``; DataError (after reading one row)
     for a name that does not load or a stream without rows."""

@@ -16,10 +16,25 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-
-
 STEP_TOKENS_ON_CUDA = 65536  # llm.c trains GPT-2 124M at 2^19 tokens a step; 2^16 keeps 30M tokens at 450+ steps
 BATCHES = (64, 32, 16, 8, 4, 2, 1)  # sequences a process a micro-batch, tried largest first
+
+
+@dataclass(frozen=True)
+class TrainingText:
+    """The run's text, decided with its steps: each training source and the tokens read of it, and how its rows are
+    drawn. The data stage reads these plain values, never the settings."""
+
+    sources: tuple[str, ...]  # ``train_data``: one source, or a mix in equal shares
+    shares: tuple[int | None, ...]  # tokens read of each source (None: all of it): :func:`training_shares`
+    capped: bool  # ``max_train_tokens`` given: a streamed source stops at its share too
+    block_len: int
+    hub_stream: bool  # ``train_data`` streamed from the Hub (``streaming``)
+    seed: int
+    drawn_first: bool  # the original's samples drawn before training: a teacher sharded by FSDP2 cannot sample
+    from_main: bool  # the main process draws what comes from the original and sends it (``original_read_once``)
+    eval_data: str
+    eval_blocks: int
 
 
 class RecoveryRunError(ValueError):
@@ -47,6 +62,8 @@ class RecoveryRun:
     steps: int  # ``max_steps``: ``train_tokens`` over ``tokens_per_step`` where given, else ``training.max_steps``
     output_dir: Path
     save_path: Path
+    text: TrainingText | None = None  # the training and evaluation text, sized by the steps
+    context: dict | None = None  # tokens each setting asks of the model's context (:data:`CONTEXT_SETTINGS`)
 
     @property
     def calibrates(self) -> bool:
@@ -69,12 +86,12 @@ class RecoveryRun:
         return self.load_once and self.processes > 1 and not self.is_main
 
 
-def converted_checkpoint(config) -> dict | None:
+def converted_checkpoint(model: str) -> dict | None:
     """config.json of ``model`` when it is a checkpoint converted by hf_normswap (no calibration then), else None:
     the one rule by which the plan and the recipe decide whether the run calibrates."""
     from ..checkpoint.record import converted_config
 
-    return converted_config(config.model) if Path(config.model).is_dir() else None
+    return converted_config(model) if Path(model).is_dir() else None
 
 
 def resolve_run(config, *, processes: int = 1, is_main: bool = True, device: str = "cpu", cpu: bool = True,
@@ -83,7 +100,7 @@ def resolve_run(config, *, processes: int = 1, is_main: bool = True, device: str
     ``device`` (of ``device_memory`` bytes); :class:`RecoveryRunError` for a converted checkpoint that names no
     original. With ``step_tokens`` (on CUDA by default :data:`STEP_TOKENS_ON_CUDA`) the micro-batch is the largest
     the memory plan fits on the device and the rest of the step is accumulated; else the training section's."""
-    converted = converted_checkpoint(config)
+    converted = converted_checkpoint(config.model)
     original = config.model
     if converted is not None:
         from ..checkpoint.record import ConversionRecord
@@ -95,28 +112,37 @@ def resolve_run(config, *, processes: int = 1, is_main: bool = True, device: str
     if sharded and device != "cpu" and calibration.device is None:  # the model stays in CPU memory for FSDP2 to
         calibration = dataclasses.replace(calibration, device=device)  # shard: its blocks visit the device in turn
     training = config.training
-    run = _stepped(RecoveryRun(
+    batch, accumulation = training["per_device_train_batch_size"], training.get("gradient_accumulation_steps", 1)
+    max_steps = training.get("max_steps", -1)
+    run = RecoveryRun(
         settings=config, converted=converted, original=original, calibration=calibration, cpu=bool(cpu),
         device=str(device), processes=processes, is_main=is_main, sharded=sharded, load_once=load_once,
-        teacher_sharded=bool(config.shard_teacher) and config.distill.weight > 0,
-        batch_size=training["per_device_train_batch_size"],
-        accumulation=training.get("gradient_accumulation_steps", 1), tokens_per_step=0, steps=0,
-        output_dir=Path(config.output_dir), save_path=config.save_path))
+        teacher_sharded=bool(config.shard_teacher) and config.distill.weight > 0, batch_size=batch,
+        accumulation=accumulation, output_dir=Path(config.output_dir), save_path=config.save_path,
+        **step_count(config.block_len, batch, accumulation, processes, config.train_tokens, max_steps),
+        context=context_lengths(converted is None, config.block_len, config.final_eval.max_length,
+                                calibration.block_len, calibration.data, config.train_sources, config.eval_data))
     step_tokens = config.step_tokens or (STEP_TOKENS_ON_CUDA if device.startswith("cuda") else None)
-    if not step_tokens:
-        return run
-    from .plan import plan
-    from .recipe_plan import recipe_settings
-    from .sizes import PlanError
+    if step_tokens:
+        from .plan import plan
+        from .recipe_plan import recipe_settings
+        from .sizes import PlanError
 
-    try:
-        memory = plan(run.original, recipe_settings(run, device_memory))
-    except (PlanError, OSError, ValueError):  # a model the plan cannot read: the configured batch, accumulated
-        batch = run.batch_size
-        accumulation = math.ceil(step_tokens / (batch * config.block_len * processes))
-    else:
-        batch, accumulation = step_batches(memory, step_tokens, config.block_len, processes)
-    return _stepped(dataclasses.replace(run, batch_size=batch, accumulation=accumulation))
+        try:
+            memory = plan(run.original, recipe_settings(run, device_memory))
+        except (PlanError, OSError, ValueError):  # a model the plan cannot read: the configured batch, accumulated
+            accumulation = math.ceil(step_tokens / (batch * config.block_len * processes))
+        else:
+            batch, accumulation = step_batches(memory, step_tokens, config.block_len, processes)
+        run = dataclasses.replace(run, batch_size=batch, accumulation=accumulation, **step_count(
+            config.block_len, batch, accumulation, processes, config.train_tokens, max_steps))
+    run_tokens = config.train_tokens or (run.steps * run.tokens_per_step if run.steps > 0 else None)
+    return dataclasses.replace(run, text=TrainingText(
+        sources=tuple(config.train_sources), capped=config.max_train_tokens is not None,
+        shares=training_shares(config.train_sources, config.block_len, run_tokens, config.max_train_tokens),
+        block_len=config.block_len, hub_stream=bool(config.streaming), seed=config.seed,
+        drawn_first=run.sharded and run.teacher_sharded, from_main=run.original_read_once,
+        eval_data=config.eval_data, eval_blocks=config.eval_blocks))
 
 
 def step_batches(memory, step_tokens: int, seq_len: int, processes: int) -> tuple[int, int]:
@@ -130,11 +156,45 @@ def step_batches(memory, step_tokens: int, seq_len: int, processes: int) -> tupl
     return batch, math.ceil(step_tokens / (batch * seq_len * processes))
 
 
-def _stepped(run: RecoveryRun) -> RecoveryRun:
-    """``run`` with its tokens a step and its steps (``train_tokens`` over the tokens a step where given, else
-    ``training.max_steps``) from its batch, accumulation and processes."""
-    config = run.settings
-    tokens_per_step = config.block_len * run.batch_size * run.accumulation * run.processes
-    steps = (max(1, math.ceil(config.train_tokens / tokens_per_step)) if config.train_tokens is not None
-             else config.training.get("max_steps", -1))
-    return dataclasses.replace(run, tokens_per_step=tokens_per_step, steps=steps)
+def step_count(block_len: int, batch: int, accumulation: int, processes: int, train_tokens: int | None,
+               max_steps: int) -> dict:
+    """The run's ``tokens_per_step`` (a global batch of packed blocks) and ``steps``: ``train_tokens`` over the
+    tokens a step where given, else ``max_steps``."""
+    tokens_per_step = block_len * batch * accumulation * processes
+    steps = max(1, math.ceil(train_tokens / tokens_per_step)) if train_tokens is not None else max_steps
+    return {"tokens_per_step": tokens_per_step, "steps": steps}
+
+
+def training_shares(sources: list[str], block_len: int, run_tokens: int | None,
+                    max_train_tokens: int | None) -> tuple[int | None, ...]:
+    """Tokens to read of each training source: its share of ``max_train_tokens`` (None: all of it); for the
+    original's samples, which have no end, its share of what the run trains on over every launch (``run_tokens``)
+    within that cap. A share is at least a block."""
+    from ..data.sources import source
+
+    def share(tokens):
+        return None if tokens is None else max(tokens // len(sources), block_len)
+
+    cap = share(max_train_tokens)
+    return tuple(min(share(run_tokens), cap or share(run_tokens))
+                 if source(spec).samples_original and run_tokens is not None else cap for spec in sources)
+
+
+# The settings that must fit in the model's context: token lengths, and each generated source's sequence length.
+CONTEXT_SETTINGS = ("block_len", "calibration.block_len", "final_eval.max_length", "calibration.data", "train_data",
+                    "eval_data")
+
+
+def context_lengths(calibrates: bool, block_len: int, eval_length: int | None, calibration_len: int,
+                    calibration_data: str | None, train_sources: list[str], eval_data: str) -> dict[str, int | None]:
+    """Each of :data:`CONTEXT_SETTINGS` with the tokens it asks of the model's context (None: unset or unused; the
+    calibration's only when the run calibrates)."""
+    from ..data import sample_length
+
+    lengths = {"block_len": block_len, "final_eval.max_length": eval_length,
+               "calibration.block_len": calibration_len if calibrates else None,
+               "calibration.data": sample_length(calibration_data) if calibrates else None,
+               "train_data": max(filter(None, map(sample_length, train_sources)), default=None),
+               "eval_data": sample_length(eval_data)}
+    return {key if key.endswith(("len", "length")) else f"{key} generated: length": lengths[key]
+            for key in CONTEXT_SETTINGS}

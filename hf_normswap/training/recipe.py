@@ -54,6 +54,7 @@ class TrainingRun:
     wall: float
     last: str | None
     resumed: dict
+    first_step: float | None  # seconds from the launch to its first step
     taper: object = None
 
 
@@ -68,6 +69,7 @@ def main(argv: list[str] | None = None, command: str = "finetune") -> int:
     from .run_dir import claim_run_dir, finished_run, read_json
     from .sharding import fsdp2_requested, loads_once
 
+    launched = time.monotonic()
     COMMAND.set(command)
     config = load_config(argv)
     if config.threads:
@@ -106,7 +108,7 @@ def main(argv: list[str] | None = None, command: str = "finetune") -> int:
     record = ConversionRecord.of(student)
     log(f"{len(record.converted)} {record.method.upper()} norms; original {run.original}")
     eval_texts = evaluate_calibrated(config, student, original, tokenizer, summary, state, log)
-    trained = train(run, student, original, tokenizer, state, log)
+    trained = train(run, student, original, tokenizer, state, log, launched)
     if trained.taper is not None and not trained.taper.finished:  # half-tapered: not the converted model
         log(f"taper: stopped at step {trained.taper.stopped_at} of its {trained.taper.steps} (mean g "
             f"{trained.taper.gate():.3g}); no converted model saved: launch again to resume from the last checkpoint")
@@ -162,14 +164,15 @@ def evaluate_calibrated(config, student, original, tokenizer, summary: dict, sta
     return eval_texts  # weights to sample the original's from)
 
 
-def train(run, student, original, tokenizer, state, log) -> TrainingRun:
+def train(run, student, original, tokenizer, state, log, launched: float) -> TrainingRun:
     """Step 3: the training rows, the trainable parameters (norms, all, LoRA; progressive conversion), the
-    precision, then :class:`NormSwapTrainer` from the last checkpoint when resuming."""
+    precision, then :class:`NormSwapTrainer` from the last checkpoint when resuming (``launched``: when the launch
+    started, ``time.monotonic()``, for the seconds to its first step)."""
     from transformers import TrainingArguments
 
     from ..model_inputs import ends_in_hidden_states
     from .trainer import NormSwapTrainer
-    from .wall_clock import WallClockStop
+    from .wall_clock import FirstStepClock, WallClockStop
     from .progressive import ProgressiveSwapCallback
     from .saturation import SaturationLog
     from .recipe_models import skeleton_to_gather
@@ -181,7 +184,7 @@ def train(run, student, original, tokenizer, state, log) -> TrainingRun:
     if encoder and not (distill.weight == 1 and not distill.logits and (distill.hidden or distill.embedding)):
         fail("a sentence encoder has no logits: train it on hidden states alone, distill.weight=1 "
              "distill.logits=false and distill.hidden or distill.embedding > 0 (recipes/configs/minilm-eln.yaml)")
-    train_set, eval_set = recipe_datasets(run, tokenizer, original, state, encoder)
+    train_set, eval_set = recipe_datasets(run.text, tokenizer, original, state, encoder)
     steps = (sentence_steps(config.train_tokens, run.tokens_per_step // config.block_len, train_set)
              if encoder and config.train_tokens is not None else run.steps)
     if steps <= 0 and not hasattr(train_set, "__len__"):
@@ -190,8 +193,14 @@ def train(run, student, original, tokenizer, state, log) -> TrainingRun:
     swap = progressive_swap(config.progressive, config.taper, steps, run.original_read_once, student, original,
                             state, log)
     taper = taper_callback(config.taper, steps, swap)
-    student = choose_trainable(config, student, train_set, encoder, log)
-    precision = training_precision(config, student, original, train_set, tokenizer, state)
+    student, trainable = choose_trainable(student, config.trainable, config.lora, config.freeze_embeddings, log)
+    rows = f"sentences (at most {config.block_len} tokens)" if encoder else f"blocks of {config.block_len} tokens"
+    mix = f", a mix of {' + '.join(run.text.sources)}" if len(run.text.sources) > 1 else ""
+    log(f"training {trainable:,} parameters ({config.trainable}) on "
+        + (f"{config.train_data} streamed in {rows}" if not hasattr(train_set, "__len__") else
+           f"{len(train_set)} {rows}{mix}"))
+    precision = training_precision(config.precision, config.distill, config.head_chunk, run.batch_size, student,
+                                   original, train_set, tokenizer, state)
     log(precision.describe())
     if config.compile if config.compile is not None else state.device.type == "cuda":
         log(f"compiled: {compile_blocks([student, original])} blocks of the student and the original")
@@ -202,7 +211,8 @@ def train(run, student, original, tokenizer, state, log) -> TrainingRun:
                                 **config.training, "per_device_train_batch_size": run.batch_size,
                                 "gradient_accumulation_steps": run.accumulation, "use_cpu": run.cpu,
                                 "max_steps": steps, "bf16": precision.bf16})
-    callbacks = [WallClockStop(config.max_minutes)] if config.max_minutes else []
+    first_step = FirstStepClock(launched)
+    callbacks = [first_step, *([WallClockStop(config.max_minutes)] if config.max_minutes else [])]
     callbacks.append(SaturationLog(student, Path(config.output_dir) / "saturation.jsonl" if state.is_main_process
                                    else None))
     if swap is not None:
@@ -224,7 +234,7 @@ def train(run, student, original, tokenizer, state, log) -> TrainingRun:
     result = trainer.train(resume_from_checkpoint=last)
     return TrainingRun(trainer=trainer, result=result, precision=precision, swap=swap, skeleton=skeleton,
                        eval_set=eval_set, encoder=encoder, wall=time.time() - start, last=last, resumed=resumed,
-                       taper=taper)
+                       first_step=first_step.seconds, taper=taper)
 
 
 def own_share(train_set, hub_stream: bool) -> dict:
@@ -279,51 +289,44 @@ def taper_callback(taper, steps: int, swap):
     return TaperCallback(swap, taper_steps(taper.fraction, steps))
 
 
-def choose_trainable(config, student, train_set, encoder: bool, log):
-    """Dropout off, then the parameters ``trainable`` names (norms, all, or LoRA adapters), the embeddings frozen if
-    asked; returns the student (LoRA wraps it)."""
+def choose_trainable(student, which: str, lora, freeze: bool, log):
+    """Dropout off, then the parameters ``which`` names (norms, all, or ``lora``'s adapters), the embeddings frozen
+    if ``freeze``; returns the student (LoRA wraps it) and how many parameters train."""
     from .trainable import apply_lora, disable_dropout, freeze_embeddings, set_trainable
 
     dropout = disable_dropout(student)  # before LoRA, whose own dropout is the lora config's
     if dropout:
         log(f"dropout off in {dropout} places of the student: it is fitted to the original's exact outputs")
-    if config.trainable == "lora":
-        student = apply_lora(student, **dataclasses.asdict(config.lora))
+    if which == "lora":
+        student = apply_lora(student, **dataclasses.asdict(lora))
         trainable = sum(p.numel() for p in student.parameters() if p.requires_grad)
     else:
-        trainable = set_trainable(student, config.trainable)
-    if config.freeze_embeddings:
-        trainable = freeze_embeddings(student)
-    rows = f"sentences (at most {config.block_len} tokens)" if encoder else f"blocks of {config.block_len} tokens"
-    log(f"training {trainable:,} parameters ({config.trainable}) on "
-        + (f"{config.train_data} streamed in {rows}" if not hasattr(train_set, "__len__") else
-           f"{len(train_set)} {rows}" + (f", a mix of {' + '.join(config.train_sources)}"
-                                          if len(config.train_sources) > 1 else "")))
-    return student
+        trainable = set_trainable(student, which)
+    return student, freeze_embeddings(student) if freeze else trainable
 
 
-def training_precision(config, student, original, train_set, tokenizer, state):
-    """fp32 or bf16 autocast (``precision``); ``auto`` times the recipe's own step (forward, loss, backward; one
-    batch of training rows) in both on the main process, and every process takes its answer."""
+def training_precision(asked: str, distill, head_chunk, batch: int, student, original, train_set, tokenizer, state):
+    """fp32 or bf16 autocast (``asked``: the ``precision`` setting); ``auto`` times the recipe's own step (forward,
+    the ``distill`` loss, backward; ``batch`` training rows) in both on the main process, and every process takes its
+    answer."""
     from accelerate.utils import broadcast_object_list
     from datasets import IterableDataset
 
     from .step_precision import training_step_precision
 
-    choice, count = [None], config.training["per_device_train_batch_size"]
+    choice = [None]
     # a stream's first rows are read by every process: each draws its own batches of the original's samples, and
     # one process reading alone would wait for the others' while they wait for its answer
-    rows = ([row["input_ids"] for row in train_set.take(count)] if isinstance(train_set, IterableDataset)
-            else train_set[:count]["input_ids"])
-    if state.is_main_process or config.precision != "auto":
-        distill = config.distill
-        batch = tokenizer.pad({"input_ids": rows}, return_tensors="pt")  # sentences differ in length
-        choice = [training_step_precision(config.precision, student, original, dict(batch), device=state.device,
-                                          head_chunk=config.head_chunk, distill_weight=distill.weight,
+    rows = ([row["input_ids"] for row in train_set.take(batch)] if isinstance(train_set, IterableDataset)
+            else train_set[:batch]["input_ids"])
+    if state.is_main_process or asked != "auto":
+        inputs = tokenizer.pad({"input_ids": rows}, return_tensors="pt")  # sentences differ in length
+        choice = [training_step_precision(asked, student, original, dict(inputs), device=state.device,
+                                          head_chunk=head_chunk, distill_weight=distill.weight,
                                           temperature=distill.temperature, logits=distill.logits,
                                           hidden_weight=distill.hidden, sink_weight=distill.sink_weight,
                                           embedding_weight=distill.embedding)]
-    if state.num_processes > 1 and config.precision == "auto":
+    if state.num_processes > 1 and asked == "auto":
         choice = broadcast_object_list(choice)
     return choice[0]
 

@@ -76,72 +76,41 @@ def mixed(parts: list):
     return parts[0] if len(parts) == 1 else datasets.interleave_datasets(parts, stopping_strategy="all_exhausted")
 
 
-def training_blocks(run, tokenizer, original, state):
-    """``train_data`` packed into blocks, a mix in equal shares. The original's samples and local text files are
-    streams read as the run trains (:func:`training_stream`); where the original is sharded as the teacher under
-    FSDP2 it cannot sample between steps, and its samples are drawn before training, each source up to its share
-    (``training_budget``)."""
+def training_blocks(text, tokenizer, original, state):
+    """The training sources (``text``: ``RecoveryRun.text``) packed into blocks, a mix in equal shares. The
+    original's samples and local text files are streams read as the run trains (:func:`training_stream`); where the
+    original is sharded as the teacher under FSDP2 it cannot sample between steps, and its samples are drawn before
+    training, each source up to its share."""
     import datasets
 
     from ..data.sources import source
 
-    config = run.settings
-    if run.sharded and run.teacher_sharded and any(source(s).samples_original for s in config.train_sources):
-        return mixed([block_dataset(tokenizer, spec, "calibration", config.block_len,
-                                    training_budget(config, spec, state.num_processes), original=original,
-                                    state=state, from_main=run.original_read_once)
-                      for spec in config.train_sources])
-    parts = [training_stream(config, spec, tokenizer, original, state) for spec in config.train_sources]
+    if text.drawn_first and any(source(s).samples_original for s in text.sources):
+        return mixed([block_dataset(tokenizer, spec, "calibration", text.block_len, share, original=original,
+                                    state=state, from_main=text.from_main)
+                      for spec, share in zip(text.sources, text.shares)])
+    parts = [training_stream(spec, share if text.capped else None, text.block_len, text.seed, tokenizer, original,
+                             state) for spec, share in zip(text.sources, text.shares)]
     if any(isinstance(part, datasets.IterableDataset) for part in parts):  # a mix is of one kind
         parts = [part if isinstance(part, datasets.IterableDataset) else part.to_iterable_dataset() for part in parts]
     return mixed(parts)
 
 
-def training_stream(config, spec: str, tokenizer, original, state):
+def training_stream(spec: str, cap: int | None, block_len: int, seed: int, tokenizer, original, state):
     """One training source as the run reads it: its stream (``Source.stream``: the original's samples drawn as the
     run reads them, this process drawing its own batches; a local text file read lazily), or, for a source read
-    whole, a ``datasets.Dataset``; ``max_train_tokens`` caps each source's share."""
+    whole, a ``datasets.Dataset``; at most ``cap`` tokens of it (None: all)."""
     from ..data import DataError
     from ..data.sources import source
 
-    cap = training_budget(config, spec, state.num_processes) if config.max_train_tokens else None
     try:
-        stream = source(spec).stream(tokenizer, config.block_len, original=original, rank=state.process_index,
-                                     world_size=state.num_processes, seed=config.seed)
+        stream = source(spec).stream(tokenizer, block_len, original=original, rank=state.process_index,
+                                     world_size=state.num_processes, seed=seed)
     except DataError as error:
         raise stopped(f"{spec}: {error}") from None
     if stream is None:
-        return block_dataset(tokenizer, spec, "calibration", config.block_len, cap, state=state)
-    return stream if cap is None else stream.take(max(1, cap // config.block_len))
-
-
-def streamed_dataset(config, tokenizer):
-    """``train_data`` streamed from the Hub, packed into blocks on the fly (``hf_normswap.data.streaming``)."""
-    from ..data import DataError, hub_stream
-
-    try:
-        return hub_stream(config.train_data, tokenizer, config.block_len)
-    except DataError as error:
-        raise stopped(f"{config.train_data}: {error}") from None
-
-
-def training_budget(config, spec: str, world_size: int) -> int | None:
-    """Tokens to read of one training source: its share of ``max_train_tokens`` (None: all of it); for the
-    original's samples, which have no end, its share of what the run trains on over every launch (``train_tokens``,
-    else ``training.max_steps`` global batches) within that cap. A share is at least a block."""
-    from ..data.sources import source
-
-    def share(tokens):
-        return None if tokens is None else max(tokens // len(config.train_sources), config.block_len)
-
-    training = config.training
-    steps = training.get("max_steps", -1)
-    run = config.train_tokens or (steps * training["per_device_train_batch_size"] * world_size * config.block_len
-                                  * training.get("gradient_accumulation_steps", 1) if steps > 0 else None)
-    cap = share(config.max_train_tokens)
-    if not source(spec).samples_original or run is None:
-        return cap
-    return min(share(run), cap or share(run))
+        return block_dataset(tokenizer, spec, "calibration", block_len, cap, state=state)
+    return stream if cap is None else stream.take(max(1, cap // block_len))
 
 
 def sentence_dataset(tokenizer, spec: str, max_len: int, max_tokens: int | None = None):
@@ -169,19 +138,25 @@ def tokens_per_row(dataset) -> float:
     return sum(map(len, rows)) / len(rows)
 
 
-def recipe_datasets(run, tokenizer, original, state, encoder: bool):
-    """(training rows, eval blocks): a sentence encoder's sentences and no eval blocks (it is evaluated by embedding
-    cosine after training), else packed or streamed blocks of ``train_data`` and the eval blocks of ``eval_data``."""
-    config = run.settings
+def recipe_datasets(text, tokenizer, original, state, encoder: bool):
+    """(training rows, eval blocks) of ``text`` (``RecoveryRun.text``): a sentence encoder's sentences and no eval
+    blocks (it is evaluated by embedding cosine after training), else packed blocks of the training sources (or
+    the Hub stream, packed on the fly: ``hf_normswap.data.streaming``) and the eval blocks of ``eval_data``."""
+    from ..data import DataError, hub_stream
+
     if encoder:
-        return mixed([sentence_dataset(tokenizer, spec, config.block_len,
-                                       training_budget(config, spec, state.num_processes))
-                      for spec in config.train_sources]), None
-    train_set = (streamed_dataset(config, tokenizer) if config.streaming
-                 else training_blocks(run, tokenizer, original, state))
-    return train_set, block_dataset(tokenizer, config.eval_data, "evaluation", config.block_len,
-                                    max_blocks=config.eval_blocks, original=original, state=state,
-                                    from_main=run.original_read_once)
+        return mixed([sentence_dataset(tokenizer, spec, text.block_len, share)
+                      for spec, share in zip(text.sources, text.shares)]), None
+    if text.hub_stream:
+        try:
+            train_set = hub_stream(text.sources[0], tokenizer, text.block_len)
+        except DataError as error:
+            raise stopped(f"{text.sources[0]}: {error}") from None
+    else:
+        train_set = training_blocks(text, tokenizer, original, state)
+    return train_set, block_dataset(tokenizer, text.eval_data, "evaluation", text.block_len,
+                                    max_blocks=text.eval_blocks, original=original, state=state,
+                                    from_main=text.from_main)
 
 
 def sentence_steps(train_tokens: int, rows_per_step: int, train_set) -> int:

@@ -20,55 +20,37 @@ def place_for_training(model, device, sharded: bool):
     return model.to(device)
 
 
-# The settings that must fit in the model's context: token lengths, and each generated source's sequence length.
-CONTEXT_SETTINGS = ("block_len", "calibration.block_len", "final_eval.max_length", "calibration.data", "train_data",
-                    "eval_data")
-
-
-def context_settings(config, calibrating: bool) -> dict[str, int | None]:
-    """Each of :data:`CONTEXT_SETTINGS` with the tokens it asks of the model's context (None: unset or unused)."""
-    from ..data import sample_length
-
-    lengths = {"block_len": config.block_len, "final_eval.max_length": config.final_eval.max_length,
-               "calibration.block_len": config.calibration.block_len if calibrating else None,
-               "calibration.data": sample_length(config.calibration.data) if calibrating else None,
-               "train_data": max(filter(None, map(sample_length, config.train_sources)), default=None),
-               "eval_data": sample_length(config.eval_data)}
-    return {key if key.endswith(("len", "length")) else f"{key} generated: length": lengths[key]
-            for key in CONTEXT_SETTINGS}
-
-
-def check_context_settings(config, calibrating: bool, models: dict) -> None:
-    """Every setting of :data:`CONTEXT_SETTINGS` within the context of each model, once it is loaded and before
-    calibration: a longer one failed (an IndexError, a DataError) or was cut silently after the calibration and the
-    first evaluation."""
+def check_context_settings(lengths: dict, models: dict, lora_targets=None) -> None:
+    """Every setting's tokens (``lengths``: ``RecoveryRun.context``) within the context of each model, once it is
+    loaded and before calibration, and ``lora_targets`` (None: no LoRA) among the first model's modules: a longer
+    setting failed (an IndexError, a DataError) or was cut silently, and peft refused the targets, only after the
+    calibration and the first evaluation."""
     from ..model_inputs import check_context
 
     for name, model in models.items():
         try:
-            check_context(context_settings(config, calibrating), model, name)
+            check_context(lengths, model, name)
         except ValueError as error:
             fail(str(error))
-    check_lora_targets(config, next(iter(models.values())))
+    if lora_targets is not None:
+        check_lora_targets(lora_targets, *next(iter(models.items())))
 
 
-def check_lora_targets(config, model) -> None:
-    """``lora.target_modules`` names modules of the model (as peft matches them: a string is a regular expression
-    over the whole name, a list's entries name a module or end its name): peft refused them only after the
-    calibration and the first evaluation."""
+def check_lora_targets(targets, name: str, model) -> None:
+    """``lora.target_modules`` (``targets``) names modules of the model ``name`` (as peft matches them: a string is a
+    regular expression over the whole name, a list's entries name a module or end its name)."""
     import re
 
-    targets = config.lora.target_modules
-    if config.trainable != "lora" or targets == "all-linear":
+    if targets == "all-linear":
         return
-    names = [name for name, _ in model.named_modules()]
+    names = [module for module, _ in model.named_modules()]
     try:
-        found = (any(re.fullmatch(targets, name) for name in names) if isinstance(targets, str)
-                 else any(name == t or name.endswith("." + t) for name in names for t in targets))
+        found = (any(re.fullmatch(targets, module) for module in names) if isinstance(targets, str)
+                 else any(module == t or module.endswith("." + t) for module in names for t in targets))
     except re.error as error:
         fail(f"lora.target_modules {targets!r} is not a regular expression ({error})")
     if not found:
-        fail(f"lora.target_modules {targets!r} names no module of {config.model}: name its linear layers (e.g. "
+        fail(f"lora.target_modules {targets!r} names no module of {name}: name its linear layers (e.g. "
              "q_proj, v_proj) or all-linear")
 
 
@@ -83,19 +65,20 @@ def load_models(run, state):
     from .sharding import storage_for_optimizer
 
     config, cache = run.settings, run.calibrated_cache
+    lora_targets = config.lora.target_modules if config.trainable == "lora" else None
     empty = run.loaded_by_main
     empty_original = empty and run.teacher_sharded  # else every process holds the original whole
     if not run.calibrates:
         student, tokenizer = load_model(config.model, empty=empty)
         original, _ = load_model(run.original, with_tokenizer=False, empty=empty_original)
-        check_context_settings(config, False, {config.model: student, run.original: original})
+        check_context_settings(run.context, {config.model: student, run.original: original}, lora_targets)
         match_main({"student": student, "original": original}, state)
         if empty:
             storage_for_optimizer(student)
         return (place_for_training(student, state.device, run.sharded),
                 place_for_training(original, state.device, run.sharded), tokenizer)
     original, tokenizer = load_model(config.model, empty=empty_original)
-    check_context_settings(config, True, {config.model: original})  # before calibration, the first slow step
+    check_context_settings(run.context, {config.model: original}, lora_targets)  # before calibration, slow
     original = place_for_training(original, state.device, run.sharded)
     with state.main_process_first():
         # the main process reuses the cache on a resume (check_calibration_cache: it matches the config); the others

@@ -134,7 +134,8 @@ def finish(config, state, run, original, tokenizer, eval_texts, summary: dict, l
     launches = summary.get("launches", []) + [{"resumed_from": run.last, "wall_seconds": round(run.wall, 1),
                                                "start_step": run.resumed.get("global_step", 0),
                                                "start_tokens": run.resumed.get("num_input_tokens_seen", 0),
-                                               "global_step": trainer.state.global_step, "tokens": tokens}]
+                                               "global_step": trainer.state.global_step, "tokens": tokens,
+                                               "first_step_seconds": run.first_step and round(run.first_step, 1)}]
     training = {"steps": trainer.state.global_step, "tokens_seen": tokens, "trainable": config.trainable,
                 "distill": dataclasses.asdict(config.distill), "lr": dataclasses.asdict(config.lr),
                 "progressive": dataclasses.asdict(config.progressive) if config.progressive.enabled else None,

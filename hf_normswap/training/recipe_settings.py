@@ -82,7 +82,7 @@ def check_calibration_cache(config) -> None:
     from ..validation import ValidationError
 
     cache = Path(config.output_dir) / "calibrated"
-    if not (config.resume and converted_checkpoint(config) is None and converted_config(cache)):
+    if not (config.resume and converted_checkpoint(config.model) is None and converted_config(cache)):
         return
     made = ConvertConfig.from_pretrained(cache)
     names = [f.name for f in dataclasses.fields(config.calibration) if f.name not in CalibrationConfig.run_time()]

@@ -29,3 +29,17 @@ class WallClockStop(TrainerCallback):
             control.should_training_stop = True
             control.should_save = True
         return control
+
+
+class FirstStepClock(TrainerCallback):
+    """The seconds from the launch (``launched``, ``time.monotonic()`` when the recipe started) to its first step:
+    loading, calibration, the first evaluation and the first batch's rows; the summary records them a launch, so a
+    setup that grows with the run's length shows."""
+
+    def __init__(self, launched: float):
+        self.launched = launched
+        self.seconds = None
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if self.seconds is None:
+            self.seconds = time.monotonic() - self.launched

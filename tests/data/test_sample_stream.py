@@ -77,3 +77,30 @@ def test_a_local_text_file_streams_the_blocks_it_gives_read_whole(tmp_path, monk
     pieces = list(streaming.file_documents(files))
     assert len(pieces) > 3 and all(len(text) < 80 for text, _ in pieces)
     assert streamed == token_blocks(tokenizer, load_texts(",".join(map(str, files))), None, BLOCK).tolist()
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "parquet"])
+def test_json_and_parquet_files_stream_the_blocks_they_give_read_whole(tmp_path, kind):
+    """Read a row at a time through ``load_dataset(..., streaming=True)`` (never the file whole), a row a document
+    as read whole, the text column found from the first row; a file without one is one line before training."""
+    import json
+
+    import pandas
+
+    from hf_normswap.data import DataError
+    from hf_normswap.data.sources import source
+
+    tokenizer = tiny_tokenizer()
+    documents = [f"the norm {i} " + "of the model " * (i % 7) for i in range(40)] + ["", "  "]
+    path = tmp_path / f"rows.{kind}"
+    if kind == "jsonl":
+        path.write_text("".join(json.dumps({"id": i, "body": t}) + "\n" for i, t in enumerate(documents)))
+    else:
+        pandas.DataFrame({"id": range(len(documents)), "text": documents}).to_parquet(path)
+    whole = token_blocks(tokenizer, load_texts(str(path)), None, BLOCK).tolist()
+    streamed = take(streaming.table_stream([path], "json" if kind == "jsonl" else "parquet", tokenizer, BLOCK), 10**6)
+    assert len(whole) > 20 and streamed == whole
+    assert sorted(take(source(str(path)).stream(tokenizer, BLOCK, seed=0), 10**6)) == sorted(whole)  # shuffled
+    (tmp_path / "ids.jsonl").write_text('{"id": 1}\n')
+    with pytest.raises(DataError, match="no text column"):
+        streaming.table_stream([tmp_path / "ids.jsonl"], "json", tokenizer, BLOCK)

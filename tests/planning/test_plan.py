@@ -175,3 +175,27 @@ def test_a_recipe_config_plans_as_the_recipe_runs(tmp_path):
     assert result.sizes.parameters == model_sizes(tiny_config("llama")).parameters
     assert result.recipe[-1].name == "final evaluation and save"
 
+
+
+def test_the_command_plans_a_recipe_config_as_the_recipe_resolves_it(tmp_path, capsys):
+    """``normswap plan --config``: the recipe's own run (its model, batch, calibration), launched as the flags say;
+    a flag the config decides is refused in one line, naming the setting."""
+    import dataclasses
+
+    from hf_normswap.planning import plan, recipe_settings
+    from hf_normswap.planning.recovery_run import resolve_run
+    from hf_normswap.training.config import read_recipe_config
+
+    tiny_config("llama").save_pretrained(tmp_path)
+    recipe = str(Path(__file__).parents[2] / "recipes" / "configs" / "smollm2-eln.yaml")
+    overrides = [f"model={tmp_path}", "block_len=64", "trainable=norms"]
+    assert _command(["--config", recipe, *overrides, "--processes", "2", "--host-memory", "1KB"]) == 1
+    printed = capsys.readouterr().out
+    run = resolve_run(read_recipe_config(recipe, overrides), processes=2, load_once=True)
+    expected = plan(run.original, dataclasses.replace(recipe_settings(run), host_memory="1KB"))
+    assert printed.strip() == expected.describe().strip() and "trainable norms" in printed
+    assert _command(["--config", recipe, *overrides, "--batch-size", "8"]) == 2
+    assert capsys.readouterr().err.strip() == ("normswap: error: --batch-size: the recipe's config decides it "
+                                               "(training.per_device_train_batch_size); set it there or as an override")
+    assert _command(["--config", recipe, "no_such_setting=1"]) == 2
+    assert len(capsys.readouterr().err.strip().splitlines()) == 1

@@ -26,6 +26,7 @@ import hf_normswap
 from hf_normswap.data.generated import is_generated
 from hf_normswap.planning.recovery_run import converted_checkpoint, resolve_run
 from hf_normswap.training import recipe_data, recipe_models, recipe_results, recipe_settings
+from hf_normswap.training.config import RecipeConfig
 from hf_normswap.training.losses import distillation_loss
 from hf_normswap.training.progressive import ProgressiveSwap, schedule
 from hf_normswap.training.run_dir import claim_run_dir
@@ -41,7 +42,7 @@ WORDS = ("the model layer norm scale token value input output weight train step 
 
 def check_settled(config):
     """``recipe_data.check_data`` as the recipe calls it, once the run is resolved."""
-    recipe_data.check_data(config, converted_checkpoint(config) is None)
+    recipe_data.check_data(config, converted_checkpoint(config.model) is None)
 
 
 def tiny_tokenizer(directory: Path, text: str):
@@ -269,14 +270,14 @@ def test_a_mix_trains_on_equal_shares_of_its_sources_in_turn(tiny_setup, tmp_pat
 
     config = recipe_settings.load_config([f"model={model_dir}", f"train_data=[{corpus}, {short}]", "block_len=32"])
     long, few = blocks(corpus), blocks(str(short))
-    rows = first(recipe_data.training_blocks(resolve_run(config), tokenizer, None, state), 2 * len(long))
+    rows = first(recipe_data.training_blocks(resolve_run(config).text, tokenizer, None, state), 2 * len(long))
     assert len(few) == 2 < len(long) and rows[0::2] != long and sorted(rows[0::2]) == sorted(long)
     assert all(row in few for row in rows[1::2]) and all(rows[1::2].count(row) >= len(long) // 2 - 1 for row in few)
 
     original = AutoModelForCausalLM.from_pretrained(model_dir)
     config = recipe_settings.load_config([f"model={model_dir}", f"train_data=['{spec}', {corpus}]", "block_len=32",
                                           "train_tokens=256"])
-    rows = first(recipe_data.training_blocks(resolve_run(config), tokenizer, original, state), 2 * len(long))
+    rows = first(recipe_data.training_blocks(resolve_run(config).text, tokenizer, original, state), 2 * len(long))
     sampled = blocks(spec, 32 * 8, original)  # from the cache the stream filled
     assert len(sampled) >= 2 and rows[0::2][:len(sampled)] == sampled  # the samples' blocks in order, past 256
     assert sorted(rows[1::2]) == sorted(long)
@@ -501,13 +502,12 @@ def test_two_processes_train_on_the_originals_samples_and_a_second_run_reuses_th
 ])
 def test_the_training_text_is_sized_by_the_run_only_for_the_originals_samples(train_data, training, max_train_tokens,
                                                                                expected):
-    import types
-
     sources = train_data if isinstance(train_data, list) else [train_data]
-    config = types.SimpleNamespace(train_sources=sources, train_tokens=None, max_train_tokens=max_train_tokens,
-                                   block_len=16, training={**training, "per_device_train_batch_size": 2,
-                                                           "gradient_accumulation_steps": 3})
-    assert [recipe_data.training_budget(config, spec, world_size=4) for spec in sources] == expected
+    config = RecipeConfig(train_data=train_data, max_train_tokens=max_train_tokens, block_len=16,
+                          training={**RecipeConfig().training, **training, "per_device_train_batch_size": 2,
+                                    "gradient_accumulation_steps": 3})
+    text = resolve_run(config, processes=4).text
+    assert (text.sources, text.shares, text.capped) == (tuple(sources), tuple(expected), max_train_tokens is not None)
 
 
 def test_the_models_go_to_the_training_device_and_under_fsdp2_only_the_blocks_do():

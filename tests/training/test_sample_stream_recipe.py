@@ -4,6 +4,7 @@ same few batches whatever the run's length, and a run killed mid-stream resumes 
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -73,7 +74,9 @@ def test_a_run_killed_mid_stream_resumes_on_the_same_rows_and_losses(tiny_setup,
     root, model_dir = tiny_setup
     monkeypatch.setenv("HF_NORMSWAP_CACHE", str(tmp_path / "cache-unbroken"))
     unbroken_steps = recorded_steps(monkeypatch)
+    start = time.monotonic()
     recipe.main(["--config", str(config_for(root, model_dir, tmp_path / "unbroken")), "training.max_steps=6"])
+    unbroken_seconds = time.monotonic() - start
     unbroken = json.loads((tmp_path / "unbroken" / "summary.json").read_text())
 
     monkeypatch.setenv("HF_NORMSWAP_CACHE", str(tmp_path / "cache-broken"))  # the second run draws its own
@@ -88,6 +91,7 @@ def test_a_run_killed_mid_stream_resumes_on_the_same_rows_and_losses(tiny_setup,
     broken = json.loads((tmp_path / "broken" / "summary.json").read_text())
 
     assert [s for s, _ in resumed] == [3, 4, 5, 6]  # from checkpoint-2
+    assert 0 < unbroken["launches"][-1]["first_step_seconds"] < unbroken_seconds  # loading to the first step
     assert first + resumed[1:] == unbroken_steps[:3] + unbroken_steps[3:] and resumed[0] == unbroken_steps[2]
     losses = [[(h["step"], h["loss"]) for h in run["history"] if "loss" in h] for run in (unbroken, broken)]
     assert len(losses[0]) == 6 and [s for s, _ in losses[1]] == [s for s, _ in losses[0]]
