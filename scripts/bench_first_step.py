@@ -29,13 +29,15 @@ MEASURED = ("import resource, subprocess, sys; code = subprocess.run(sys.argv[1:
 
 
 def launch(args, budget: int, out: Path) -> dict:
-    """One launch up to its first step; the seconds to it, the peak resident MiB, and the stream's first rows."""
+    """One launch up to its first step, with a sample cache of its own (the original's samples drawn, not read from
+    an earlier launch's cache); the seconds to the first step and the peak resident MiB."""
     command = [sys.executable, str(RECIPE), "--config", args.config, f"train_tokens={budget}", f"output_dir={out}",
                f"threads={args.threads}", "max_minutes=0.0001", "training.disable_tqdm=true", *args.set]
     log = out.parent / f"{out.name}.log"
     with log.open("w") as stream:
         result = subprocess.run([sys.executable, "-c", MEASURED, *command], stdout=subprocess.PIPE, stderr=stream,
-                                text=True, env={**os.environ, "OMP_NUM_THREADS": str(args.threads)})
+                                text=True, env={**os.environ, "OMP_NUM_THREADS": str(args.threads),
+                                                "HF_NORMSWAP_CACHE": str(out.parent / f"{out.name}.cache")})
     if result.returncode != 0:
         raise SystemExit(f"bench_first_step: the recipe exited with {result.returncode} at train_tokens={budget}; "
                          f"see {log}")

@@ -43,7 +43,7 @@ def block_dataset(tokenizer, spec: str, split: str, block_len: int, max_tokens: 
                   max_blocks: int | None = None, *, original=None, state=None, from_main: bool = False):
     """Packed causal-LM blocks (``input_ids`` = ``labels``) of a text spec, as a ``datasets.Dataset``. The original's
     samples (``generated``) are drawn up to the budget, each process its share (``state``), or the main process all
-    of them when the others hold the original on the meta device (``from_main``, ``recipe_models.original_read_once``),
+    of them when the others hold the original on the meta device (``from_main``, ``RecoveryRun.original_read_once``),
     which then receive its texts."""
     import datasets
     from accelerate.utils import broadcast_object_list
