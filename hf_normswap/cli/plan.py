@@ -61,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
     if args.config:
         return recipe_plan(args)
     if args.model is None or args.overrides:
-        print("normswap: error: name the model (normswap plan MODEL), or a recipe's config and its KEY=VALUE "
+        print("normswap: error: name a MODEL to plan (normswap plan MODEL), or a recipe's config and its KEY=VALUE "
               "overrides (normswap plan --config RECIPE.yaml ...)", file=sys.stderr)
         return 2
     try:

@@ -137,6 +137,8 @@ def test_the_command_plans_a_config_directory(tmp_path, capsys):
 @pytest.mark.parametrize("argv, message", [
     (["{dir}/missing"], "cannot read a config"),
     (["{dir}", "--device-memory", "lots"], "is not a size"),
+    ([], "name a MODEL to plan"),
+    (["{dir}", "block_len=64"], "name a MODEL to plan"),  # overrides without a recipe's --config
 ])
 def test_the_command_refuses_bad_input_in_one_line(tmp_path, capsys, argv, message):
     tiny_config("llama").save_pretrained(tmp_path)
