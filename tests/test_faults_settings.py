@@ -156,3 +156,15 @@ def test_settings_read_yaml_1_2_numbers_and_no_dates(value, text):
     from hf_normswap.settings import read_overrides
 
     assert read_overrides([f"a={text}"]) == {"a": value}
+
+
+@pytest.mark.parametrize("setting, key", [("train_data=generated:length=abc", "train_data"),
+                                          ("train_data=[builtin, 'generated:lenth=5']", "train_data"),
+                                          ("calibration.data=generated:seed=x", "calibration.data"),
+                                          ("eval_data=generated:length=-1", "eval_data")])
+def test_a_malformed_sample_spec_is_one_line_naming_its_key(tmp_path, capsys, setting, key):
+    """Resolving the run reads each samples spec's length (the context check): a malformed one was a DataError
+    traceback there, before the data check that names the key."""
+    err = recipe_refusal([setting, f"output_dir={tmp_path / 'run'}"], capsys)
+    assert err.startswith(f"finetune: error: {key}: generated: ")
+    assert not (tmp_path / "run").exists()

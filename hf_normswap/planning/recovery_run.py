@@ -188,13 +188,19 @@ CONTEXT_SETTINGS = ("block_len", "calibration.block_len", "final_eval.max_length
 def context_lengths(calibrates: bool, block_len: int, eval_length: int | None, calibration_len: int,
                     calibration_data: str | None, train_sources: list[str], eval_data: str) -> dict[str, int | None]:
     """Each of :data:`CONTEXT_SETTINGS` with the tokens it asks of the model's context (None: unset or unused; the
-    calibration's only when the run calibrates)."""
-    from ..data import sample_length
+    calibration's only when the run calibrates); :class:`RecoveryRunError` naming the key of a malformed spec."""
+    from ..data import DataError, sample_length
+
+    def length(key: str, spec: str | None) -> int | None:
+        try:
+            return sample_length(spec)
+        except DataError as error:
+            raise RecoveryRunError(f"{key}: {error}") from None
 
     lengths = {"block_len": block_len, "final_eval.max_length": eval_length,
                "calibration.block_len": calibration_len if calibrates else None,
-               "calibration.data": sample_length(calibration_data) if calibrates else None,
-               "train_data": max(filter(None, map(sample_length, train_sources)), default=None),
-               "eval_data": sample_length(eval_data)}
+               "calibration.data": length("calibration.data", calibration_data) if calibrates else None,
+               "train_data": max(filter(None, (length("train_data", s) for s in train_sources)), default=None),
+               "eval_data": length("eval_data", eval_data)}
     return {key if key.endswith(("len", "length")) else f"{key} generated: length": lengths[key]
             for key in CONTEXT_SETTINGS}

@@ -83,8 +83,8 @@ def main(argv: list[str] | None = None, command: str = "finetune") -> int:
         run = resolve_run(config, processes=state.num_processes, is_main=state.is_main_process,
                           device=str(state.device), cpu=cpu, sharded=fsdp2_requested(), load_once=loads_once(),
                           device_memory=device_memory)
-    except RecoveryRunError as error:
-        raise stopped(str(error)) from None
+    except RecoveryRunError as error:  # settings that name no run: a mistake, before anything loads
+        fail(str(error))
     check_data(config, run.calibrates)
     set_seed(config.seed)
     done = finished_run(run.output_dir, run.save_path, config.resume, config.train_tokens, run.steps)
