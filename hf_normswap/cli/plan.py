@@ -14,8 +14,9 @@ from ..planning.plan_settings import PRECISIONS, SHARDING, TRAINABLE
 DECIDED_BY_THE_RECIPE = {"trainable": "trainable", "lora_rank": "lora.r", "precision": "precision",
                          "teacher": "shard_teacher", "gradient_checkpointing": "training.gradient_checkpointing",
                          "batch_size": "training.per_device_train_batch_size", "seq_len": "block_len",
-                         "optimizer_offload": "the accelerate config", "no_calibration": "model",
-                         "weights_on_disk": "calibration"}
+                         "optimizer_offload": "the accelerate config",
+                         "no_calibration": "model: a converted checkpoint is not calibrated again",
+                         "weights_on_disk": "the recipe calibrates in memory"}
 
 
 def add_parser(commands) -> None:
