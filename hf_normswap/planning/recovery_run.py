@@ -62,8 +62,8 @@ class RecoveryRun:
     steps: int  # ``max_steps``: ``train_tokens`` over ``tokens_per_step`` where given, else ``training.max_steps``
     output_dir: Path
     save_path: Path
-    text: TrainingText | None = None  # the training and evaluation text, sized by the steps
-    context: dict | None = None  # tokens each setting asks of the model's context (:data:`CONTEXT_SETTINGS`)
+    context: dict  # tokens each setting asks of the model's context (:data:`CONTEXT_SETTINGS`)
+    text: TrainingText | None = None  # the training and evaluation text, sized by the steps (set last)
 
     @property
     def calibrates(self) -> bool:
