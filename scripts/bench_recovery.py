@@ -112,6 +112,8 @@ METHODS: dict[str, list[str]] = {
     "blockwise-240x1+layerwise+taper": [*BLOCKWISE_240X1, "distill.hidden=10.0", "taper.fraction=0.25"],
     "blockwise-240x1+layerwise+taper-progressive": [*BLOCKWISE_240X1, "distill.hidden=10.0", "taper.fraction=0.25",
                                                     "taper.schedule=progressive", "progressive.group=10"],
+    # the configs with the pre-logit scale anchor (hf_normswap.training.scale_anchor) at weight 10
+    "blockwise-240x1+layerwise+scale": [*BLOCKWISE_240X1, "distill.hidden=10.0", "distill.scale=10.0"],
 }
 
 

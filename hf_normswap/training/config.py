@@ -38,7 +38,8 @@ def _at_least(value, name: str, minimum: float, whole: bool = False) -> None:
 
 @dataclass
 class DistillSettings:
-    """loss = (1 - weight) * CE + weight * (logit KL + hidden * layer-wise + embedding * (1 - embedding cosine))."""
+    """loss = (1 - weight) * CE + weight * (logit KL + hidden * layer-wise + embedding * (1 - embedding cosine)
+    + scale * pre-logit scale error (``hf_normswap.training.scale_anchor``))."""
 
     weight: float = 0.5
     temperature: float = 1.0
@@ -46,13 +47,17 @@ class DistillSettings:
     hidden: float = 0.0
     sink_weight: float = 0.0
     embedding: float = 0.0
+    scale: float = 0.0
 
     def __post_init__(self):
         # above 1, (1 - weight) * CE turns negative and training pushes cross-entropy up
         check_number(self.weight, "distill.weight", minimum=0, maximum=1)
         _at_least(self.temperature, "distill.temperature", 1e-6)
-        for name in ("hidden", "sink_weight", "embedding"):
+        for name in ("hidden", "sink_weight", "embedding", "scale"):
             _at_least(getattr(self, name), f"distill.{name}", 0)
+        if self.scale and not self.weight:
+            raise ValidationError("distill.scale compares with the original's forward, which distill.weight 0 "
+                                  "skips: set distill.weight > 0 or distill.scale=0")
 
 
 @dataclass

@@ -193,6 +193,7 @@ def train(run, student, original, tokenizer, state, log, launched: float) -> Tra
     swap = progressive_swap(config.progressive, config.taper, steps, run.original_read_once, student, original,
                             state, log)
     taper = taper_callback(config.taper, steps, swap)
+    anchor = scale_anchor(distill.scale, student)
     student, trainable = choose_trainable(student, config.trainable, config.lora, config.freeze_embeddings, log)
     rows = f"sentences (at most {config.block_len} tokens)" if encoder else f"blocks of {config.block_len} tokens"
     mix = f", a mix of {' + '.join(run.text.sources)}" if len(run.text.sources) > 1 else ""
@@ -223,7 +224,7 @@ def train(run, student, original, tokenizer, state, log, launched: float) -> Tra
                               teacher=original if distill.weight > 0 else None, distill_weight=distill.weight,
                               temperature=distill.temperature, logits=distill.logits,
                               hidden_weight=distill.hidden, sink_weight=distill.sink_weight,
-                              embedding_weight=distill.embedding,
+                              embedding_weight=distill.embedding, scale_anchor=anchor, scale_weight=distill.scale,
                               shape_lr=config.lr.shape, gamma_lr=config.lr.gamma,
                               head_chunk=config.head_chunk, shard_teacher=config.shard_teacher)
     last = last_checkpoint(Path(config.output_dir)) if config.resume else None
@@ -278,6 +279,20 @@ def progressive_swap(progressive, taper, steps: int, from_main: bool, student, o
         f"{taper.schedule}, {len(stages)} stage(s)" if taper.fraction else
         f"progressive: {len(stages)} stages by {progressive.order}, every {progressive.every} steps")
     return swap
+
+
+def scale_anchor(weight: float, student):
+    """The pre-logit scale anchor on the converted final norm (None when ``weight`` is 0), built before LoRA wraps
+    the student: the hooks sit on the modules themselves."""
+    from .scale_anchor import ScaleAnchor, ScaleAnchorError
+
+    if not weight:
+        return None
+    roles = {name: entry.role for name, entry in ConversionRecord.of(student).converted.items()}
+    try:
+        return ScaleAnchor.of(student, roles)
+    except ScaleAnchorError as error:
+        fail(str(error))
 
 
 def taper_callback(taper, steps: int, swap):

@@ -3,7 +3,7 @@ source norm one at a time; what is left is the error the modules make together, 
 network's output removes. :class:`NormSwapTrainer` keeps the Trainer's machinery (DDP / FSDP2 through accelerate,
 checkpoints, resume, logging) and changes three things:
 
-- ``compute_loss``: the recovery's loss (``losses.training_loss``);
+- ``compute_loss``: the recovery's loss (``losses.training_loss``, plus ``scale_anchor``'s where given);
 - ``create_optimizer``: the element-wise modules' parameters in their own groups (``trainable.parameter_groups``);
 - ``log``: ``eval_loss`` is also logged as ``eval_perplexity``.
 """
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 
+import torch
 from torch import nn
 from transformers import Trainer
 
@@ -36,7 +37,9 @@ class NormSwapTrainer(Trainer):
     ``distill_weight`` w: loss = (1 - w) * CE + w * (KD + h * H + e * E) (w = 0: plain fine-tuning, no teacher
     forward), with ``hidden_weight`` h and H the layer-wise loss (:func:`hf_normswap.layerwise.relative_hidden_error`,
     the first position weighted by ``sink_weight``), ``embedding_weight`` e and E the pooled-embedding cosine error
-    (:func:`hf_normswap.layerwise.embedding_cosine_error`); ``logits=False`` drops KD (hidden states alone). The
+    (:func:`hf_normswap.layerwise.embedding_cosine_error`); ``logits=False`` drops KD (hidden states alone).
+    ``scale_anchor`` (:class:`~hf_normswap.training.scale_anchor.ScaleAnchor`) adds ``w * s * S``, ``s`` its
+    ``scale_weight`` and S the pre-logit scale error. The
     teacher is moved to the training device and never wrapped for DDP, so every process holds its own copy; it runs
     under the student's autocast (bf16 when the Trainer's ``bf16`` is set). ``head_chunk`` tokens at a time go
     through the output head (:mod:`hf_normswap.head_loss`) when both heads are plain linear maps (a sentence
@@ -49,7 +52,7 @@ class NormSwapTrainer(Trainer):
 
     def __init__(self, *args, teacher: nn.Module | None = None, distill_weight: float = 0.0,
                  temperature: float = 1.0, logits: bool = True, hidden_weight: float = 0.0, sink_weight: float = 0.0,
-                 embedding_weight: float = 0.0, shape_lr: float | None = None, gamma_lr: float | None = None,
+                 embedding_weight: float = 0.0, scale_anchor=None, scale_weight: float = 0.0, shape_lr: float | None = None, gamma_lr: float | None = None,
                  head_chunk: int = DEFAULT_CHUNK, shard_teacher: bool = True, **kwargs):
         super().__init__(*args, **kwargs)
         if distill_weight > 0 and teacher is None:
@@ -59,6 +62,9 @@ class NormSwapTrainer(Trainer):
         self.temperature = float(temperature)
         self.logits, self.hidden_weight, self.sink_weight = bool(logits), float(hidden_weight), float(sink_weight)
         self.embedding_weight = float(embedding_weight)
+        self.scale_anchor, self.scale_weight = scale_anchor, float(scale_weight)
+        if scale_anchor is not None:
+            self.add_callback(scale_anchor)  # its hooks go when training ends
         hidden_terms = self.hidden_weight > 0 or self.embedding_weight > 0
         if not self.logits and not hidden_terms:
             raise ValueError("distillation without logits needs hidden_weight or embedding_weight > 0")
@@ -99,7 +105,7 @@ class NormSwapTrainer(Trainer):
         if sharding.adopt_fsdp2_on_cpu(self.accelerator):  # accelerate would run DDP here (module doc)
             self.is_fsdp_enabled = True
 
-    COMPONENTS = ("ce_loss", "kd_loss", "hidden_loss", "embedding_loss")
+    COMPONENTS = ("ce_loss", "kd_loss", "hidden_loss", "embedding_loss", "scale_loss")
 
     def create_optimizer(self, model=None):
         opt_model = self.model if model is None else model
@@ -120,9 +126,12 @@ class NormSwapTrainer(Trainer):
                                               temperature=self.temperature, logits=self.logits,
                                               hidden_weight=self.hidden_weight, sink_weight=self.sink_weight,
                                               embedding_weight=self.embedding_weight, head_chunk=self.head_chunk)
+            scale = (self.scale_anchor.loss(inputs.get("attention_mask")) if self.scale_anchor is not None
+                     else torch.zeros(()))
+            loss = loss + self.distill_weight * self.scale_weight * scale
         if self.teacher_sharded:  # its root kept its gathered weights for the head loss until here (its blocks
             self.teacher.reshard()  # free theirs after their forward)
-        for key, value in zip(self.COMPONENTS, components):
+        for key, value in zip(self.COMPONENTS, (*components, scale)):
             self._component_sums[key] += float(value.detach())
         self._component_sums["count"] += 1
         return (loss, None) if return_outputs else loss

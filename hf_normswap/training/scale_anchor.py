@@ -1,0 +1,80 @@
+"""The pre-logit scale anchor: a loss that holds the scale of the residual stream entering the final norm to one
+value for every token.
+
+An RMSNorm before the output head divides each token by its own RMS; an element-wise replacement cannot, so a token
+whose residual stream is twice as large reaches the head with roughly twice the logits (a different softmax
+temperature). TaperNorm (arXiv 2602.10408) finds that the final norm's role is this scale anchor and replaces it by
+a fixed-target loss on the pre-logit scale; Baroni et al. 2025 add an auxiliary loss on the residual stream's norm
+when they remove GPT-2's. Here, per token ``t`` of the converted model's final-norm input ``x_t``,
+
+    (log rms(x_t) - c)^2,   c = mean over the batch's tokens of log rms(x_t), held fixed (no gradient),
+
+averaged over tokens: the spread of the pre-logit scale across tokens, the part an element-wise module cannot undo.
+The target is the converted model's own mean, not the original's: the calibrated final module was fitted to the
+scale of the converted blocks' output, and a pull toward the original's would move every token away from it. The
+first position (the attention sink) and padding do not count. Nothing of this stays in the model: it is a training
+loss read by a forward pre-hook.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers import TrainerCallback
+
+FINAL = "final"  # the discovery role of the norm before the output head
+
+
+class ScaleAnchorError(ValueError):
+    """The converted model has no final module to anchor."""
+
+
+def log_rms(x: torch.Tensor) -> torch.Tensor:
+    """``log`` of each token's root mean square over the last dimension, in fp32."""
+    return 0.5 * torch.log(x.float().pow(2).mean(dim=-1).clamp_min(1e-12))
+
+
+def prelogit_scale_error(x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Mean over counted tokens of ``(log rms(x_t) - c)^2`` with ``c`` their mean log rms (module doc); ``x``:
+    ``(batch, seq, dim)``, ``mask``: ``(batch, seq)``."""
+    weights = torch.ones(x.shape[:2], device=x.device, dtype=torch.float32)
+    weights[:, 0] = 0.0
+    if mask is not None:
+        weights = weights * mask.to(weights)
+    total = weights.sum().clamp_min(1e-12)
+    scales = log_rms(x)
+    target = ((scales * weights).sum() / total).detach()
+    return ((scales - target).pow(2) * weights).sum() / total
+
+
+class ScaleAnchor(TrainerCallback):
+    """A forward pre-hook on the converted model's final module that keeps its latest input for :meth:`loss`;
+    removed when training ends."""
+
+    def __init__(self, final: nn.Module):
+        self.latest: torch.Tensor | None = None
+        self.handle = final.register_forward_pre_hook(self._keep)
+
+    @classmethod
+    def of(cls, model: nn.Module, converted: dict[str, str]) -> "ScaleAnchor":
+        """The anchor on the norm whose role is ``final`` among ``converted`` (``{name: role}``)."""
+        finals = [name for name, role in converted.items() if role == FINAL]
+        if not finals:
+            raise ScaleAnchorError("distill.scale anchors the input of the norm before the output head, which "
+                                   "was not converted: convert it too, or set distill.scale=0")
+        return cls(model.get_submodule(finals[0]))
+
+    def _keep(self, module, args):
+        self.latest = args[0]
+
+    def loss(self, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """:func:`prelogit_scale_error` of the latest forward (one training step's)."""
+        if self.latest is None:
+            raise RuntimeError("the scale anchor needs a forward of the model before its loss")
+        latest, self.latest = self.latest, None
+        return prelogit_scale_error(latest, mask)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self.handle is not None:
+            self.handle.remove()
+        self.handle, self.latest = None, None
