@@ -61,6 +61,9 @@ def _loss(distill: dict) -> str:
         terms.append(f"every block's output toward the original's (weight {_number(distill['hidden'])})")
     if distill.get("embedding"):
         terms.append(f"1 - cosine of the pooled embedding to the original's (weight {_number(distill['embedding'])})")
+    if distill.get("scale"):
+        terms.append("the spread of the final norm's input scale across tokens (weight "
+                     f"{_number(distill['scale'])})")
     distillation = " plus ".join(terms)
     weight = distill.get("weight") or 0
     if not weight or not distillation:

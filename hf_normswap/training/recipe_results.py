@@ -55,7 +55,8 @@ def plot_history(history: list[dict], path: Path, original_ppl: float | None, ti
     if train:
         ax_loss.plot(tokens(train), [h["loss"] for h in train], label="training loss")
         for key, label in (("ce_loss", "cross-entropy"), ("kd_loss", "distillation KL"),
-                           ("hidden_loss", "layer-wise"), ("embedding_loss", "1 - embedding cosine")):
+                           ("hidden_loss", "layer-wise"), ("embedding_loss", "1 - embedding cosine"),
+                           ("scale_loss", "pre-logit scale spread")):
             rows = [h for h in train if h.get(key)]  # a term that is off logs 0
             if rows:
                 ax_loss.plot(tokens(rows), [h[key] for h in rows], lw=0.8, label=label)

@@ -262,6 +262,10 @@ def test_model_card_base_model_evaluation_and_calibration():
     ({"weight": 1.0, "logits": False, "hidden": 1.0, "embedding": 1.0},
      "distillation from the original alone, every block's output toward the original's (weight 1) plus 1 - cosine "
      "of the pooled embedding to the original's (weight 1);"),
+    ({"weight": 1.0, "temperature": 1.0, "logits": True, "hidden": 10.0, "scale": 3.0},
+     "distillation from the original alone, KL divergence to the original's logits (temperature 1) plus every "
+     "block's output toward the original's (weight 10) plus the spread of the final norm's input scale across "
+     "tokens (weight 3);"),
     ({"weight": 0.0, "temperature": 1.0, "logits": True}, "causal-LM cross-entropy;"),
 ])
 def test_model_card_names_the_recovery_loss_the_recipe_trained_with(distill, loss):
