@@ -56,8 +56,8 @@ class DistillSettings:
         for name in ("hidden", "sink_weight", "embedding", "scale"):
             _at_least(getattr(self, name), f"distill.{name}", 0)
         if self.scale and not self.weight:
-            raise ValidationError("distill.scale compares with the original's forward, which distill.weight 0 "
-                                  "skips: set distill.weight > 0 or distill.scale=0")
+            raise ValidationError("distill.scale is a term of the distillation loss, which distill.weight 0 turns "
+                                  "off: set distill.weight > 0 or distill.scale=0")
 
 
 @dataclass

@@ -283,7 +283,7 @@ def progressive_swap(progressive, taper, steps: int, from_main: bool, student, o
 
 def scale_anchor(weight: float, student):
     """The pre-logit scale anchor on the converted final norm (None when ``weight`` is 0), built before LoRA wraps
-    the student: the hooks sit on the modules themselves."""
+    the student: its hook sits on the module itself."""
     from .scale_anchor import ScaleAnchor, ScaleAnchorError
 
     if not weight:
