@@ -64,11 +64,11 @@ def main(argv=None) -> int:
     parser.add_argument("--out", help="JSON lines, one a checkpoint")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    original, tokenizer = load_model(args.against)
+    original, tokenizer = load_model(args.against, dtype=torch.float32)  # a GGUF original refuses .float()
     ids = token_blocks(tokenizer, load_texts(args.data, "evaluation"), args.blocks, args.block_len)
     for checkpoint in args.checkpoints:
-        model, _ = load_model(checkpoint, with_tokenizer=False)
-        errors = norm_errors(model.float().eval(), original.float().eval(), ids)
+        model, _ = load_model(checkpoint, dtype=torch.float32, with_tokenizer=False)
+        errors = norm_errors(model.eval(), original.eval(), ids)
         mean = {key: sum(e[key] for e in errors.values()) / len(errors) for key in ("rel_error", "saturation")}
         print(f"{checkpoint}: mean rel. error {mean['rel_error']:.4g}, saturated {mean['saturation']:.2%}")
         for name, e in errors.items():
