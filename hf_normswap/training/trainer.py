@@ -52,7 +52,8 @@ class NormSwapTrainer(Trainer):
 
     def __init__(self, *args, teacher: nn.Module | None = None, distill_weight: float = 0.0,
                  temperature: float = 1.0, logits: bool = True, hidden_weight: float = 0.0, sink_weight: float = 0.0,
-                 embedding_weight: float = 0.0, scale_anchor=None, scale_weight: float = 0.0, shape_lr: float | None = None, gamma_lr: float | None = None,
+                 embedding_weight: float = 0.0, scale_anchor=None, scale_weight: float = 0.0,
+                 shape_lr: float | None = None, gamma_lr: float | None = None,
                  head_chunk: int = DEFAULT_CHUNK, shard_teacher: bool = True, **kwargs):
         super().__init__(*args, **kwargs)
         if distill_weight > 0 and teacher is None:
@@ -64,7 +65,7 @@ class NormSwapTrainer(Trainer):
         self.embedding_weight = float(embedding_weight)
         self.scale_anchor, self.scale_weight = scale_anchor, float(scale_weight)
         if scale_anchor is not None:
-            self.add_callback(scale_anchor)  # its hooks go when training ends
+            self.add_callback(scale_anchor)  # its hook goes when training ends
         hidden_terms = self.hidden_weight > 0 or self.embedding_weight > 0
         if not self.logits and not hidden_terms:
             raise ValueError("distillation without logits needs hidden_weight or embedding_weight > 0")
