@@ -19,6 +19,16 @@ from ..calibration.reconstruct import per_token_relative_error
 from ..model_inputs import mean_pool
 
 
+def token_weights(hidden: torch.Tensor, mask: torch.Tensor | None, sink_weight: float = 0.0):
+    """``(weights, their sum)`` of the tokens of ``hidden`` ``(batch, seq, dim)`` in a per-token mean: 1, the first
+    position ``sink_weight``, padding (``mask`` 0) 0."""
+    weights = torch.ones(hidden.shape[:2], device=hidden.device, dtype=torch.float32)
+    weights[:, 0] = sink_weight
+    if mask is not None:
+        weights = weights * mask.to(weights)
+    return weights, weights.sum().clamp_min(1e-12)
+
+
 def relative_hidden_error(student: tuple[torch.Tensor, ...], teacher: tuple[torch.Tensor, ...],
                           mask: torch.Tensor | None = None, sink_weight: float = 0.0) -> torch.Tensor:
     """Mean over layers of the per-token relative squared error of ``student`` hidden states to ``teacher``'s.
@@ -29,12 +39,7 @@ def relative_hidden_error(student: tuple[torch.Tensor, ...], teacher: tuple[torc
     """
     if len(student) != len(teacher):
         raise ValueError(f"{len(student)} student hidden states against {len(teacher)} of the teacher")
-    reference = teacher[0]
-    weights = torch.ones(reference.shape[:2], device=reference.device, dtype=torch.float32)
-    weights[:, 0] = sink_weight
-    if mask is not None:
-        weights = weights * mask.to(weights)
-    total = weights.sum().clamp_min(1e-12)
+    weights, total = token_weights(teacher[0], mask, sink_weight)
     errors = []
     for s, t in zip(student[1:], teacher[1:]):
         errors.append((per_token_relative_error(s, t) * weights).sum() / total)

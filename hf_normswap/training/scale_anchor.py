@@ -22,6 +22,8 @@ import torch
 from torch import nn
 from transformers import TrainerCallback
 
+from .layerwise import token_weights
+
 FINAL = "final"  # the discovery role of the norm before the output head
 
 
@@ -37,11 +39,7 @@ def log_rms(x: torch.Tensor) -> torch.Tensor:
 def prelogit_scale_error(x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
     """Mean over counted tokens of ``(log rms(x_t) - c)^2`` with ``c`` their mean log rms (module doc); ``x``:
     ``(batch, seq, dim)``, ``mask``: ``(batch, seq)``."""
-    weights = torch.ones(x.shape[:2], device=x.device, dtype=torch.float32)
-    weights[:, 0] = 0.0
-    if mask is not None:
-        weights = weights * mask.to(weights)
-    total = weights.sum().clamp_min(1e-12)
+    weights, total = token_weights(x, mask)
     scales = log_rms(x)
     target = ((scales * weights).sum() / total).detach()
     return ((scales - target).pow(2) * weights).sum() / total
