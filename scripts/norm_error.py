@@ -3,8 +3,11 @@
 For every module a checkpoint converted, its input ``x`` is captured on a forward pass of the converted model over
 text blocks; the original model's norm of the same name is applied to the same ``x``. Reported per norm: the relative
 error ``||new(x) - norm(x)|| / ||norm(x)||`` over ordinary tokens (first positions, the attention sink, apart) and
-the share of saturated elements (``|f(x)| > 0.95``, calibration's ``sat.`` column). Comparing a run's calibrated start
-with its trained checkpoint shows which norms' error training brought down, and how far.
+the share of saturated elements (``|f(x)| > 0.95``, calibration's ``sat.`` column), and the error left once each
+channel of the module's output is rescaled by its least-squares factor toward the norm's (``rel_error_rescaled``).
+A per-channel factor is what the module's ``gamma`` or the next linear layer absorbs in training, so the rescaled
+error is the part of the gap that weights cannot close; the plain one also counts a channel scale that they can.
+Comparing a run's calibrated start with its trained checkpoint shows which norms' error training brought down.
 
     python scripts/norm_error.py OUT/runs/RUN/calibrated OUT/runs/RUN/final --against offline:smollm2 \\
         --data $WIKITEXT/wiki.test.raw --out norm_error.jsonl
@@ -28,7 +31,8 @@ from _common import commit, machine
 
 @torch.no_grad()
 def norm_errors(model, original, ids: torch.Tensor) -> dict[str, dict]:
-    """``{norm: {rel_error, rel_error_first, saturation}}`` for every converted module of ``model``."""
+    """``{norm: {rel_error, rel_error_first, rel_error_rescaled, saturation}}`` for every converted module of
+    ``model``."""
     stats: dict[str, dict] = {}
 
     def hook(name):
@@ -36,10 +40,12 @@ def norm_errors(model, original, ids: torch.Tensor) -> dict[str, dict]:
             x = args[0]
             target = original.get_submodule(name)(x).float()
             diff = output.float() - target
-            total = stats.setdefault(name, {"diff": [0.0, 0.0], "norm": [0.0, 0.0], "sat": []})
+            total = stats.setdefault(name, {"diff": [0.0, 0.0], "norm": [0.0, 0.0], "sat": [], "channels": 0})
             for i, rows in enumerate((slice(1, None), slice(0, 1))):  # ordinary tokens, then the first position
                 total["diff"][i] += float(diff[:, rows].pow(2).sum())
                 total["norm"][i] += float(target[:, rows].pow(2).sum())
+            new, old = (t[:, 1:].flatten(0, -2).double() for t in (output, target))  # per channel, in fp64
+            total["channels"] = total["channels"] + torch.stack([new * old, new * new, old * old]).sum(1)
             total["sat"].append(float((squash_share(module, x).abs() > SATURATION).double().mean()))
         return capture
 
@@ -50,7 +56,15 @@ def norm_errors(model, original, ids: torch.Tensor) -> dict[str, dict]:
         handle.remove()
     return {name: {"rel_error": (s["diff"][0] / s["norm"][0]) ** 0.5,
                    "rel_error_first": (s["diff"][1] / s["norm"][1]) ** 0.5,
+                   "rel_error_rescaled": rescaled_error(*s["channels"]),
                    "saturation": sum(s["sat"]) / len(s["sat"])} for name, s in stats.items()}
+
+
+def rescaled_error(cross: torch.Tensor, new: torch.Tensor, old: torch.Tensor) -> float:
+    """``min over a of ||old - a * new|| / ||old||``, ``a`` one factor a channel, from the per-channel sums of
+    ``new * old``, ``new^2`` and ``old^2``."""
+    left = old - cross.pow(2) / new.clamp_min(1e-30)
+    return float((left.clamp_min(0).sum() / old.sum()) ** 0.5)
 
 
 def main(argv=None) -> int:
@@ -69,10 +83,14 @@ def main(argv=None) -> int:
     for checkpoint in args.checkpoints:
         model, _ = load_model(checkpoint, dtype=torch.float32, with_tokenizer=False)
         errors = norm_errors(model.eval(), original.eval(), ids)
-        mean = {key: sum(e[key] for e in errors.values()) / len(errors) for key in ("rel_error", "saturation")}
-        print(f"{checkpoint}: mean rel. error {mean['rel_error']:.4g}, saturated {mean['saturation']:.2%}")
+        mean = {key: sum(e[key] for e in errors.values()) / len(errors)
+                for key in ("rel_error", "rel_error_rescaled", "saturation")}
+        print(f"{checkpoint}: mean rel. error {mean['rel_error']:.4g} ({mean['rel_error_rescaled']:.4g} rescaled), "
+              f"saturated {mean['saturation']:.2%}")
+        print(f"  {'norm':45s} {'error':>8s} {'first':>8s} {'rescaled':>8s} {'sat.':>7s}")
         for name, e in errors.items():
-            print(f"  {name:45s} {e['rel_error']:8.4f} {e['rel_error_first']:8.4f} {e['saturation']:7.2%}")
+            print(f"  {name:45s} {e['rel_error']:8.4f} {e['rel_error_first']:8.4f} {e['rel_error_rescaled']:8.4f} "
+                  f"{e['saturation']:7.2%}")
         if args.out:
             with open(args.out, "a") as stream:
                 stream.write(json.dumps({"checkpoint": checkpoint, "norms": errors, "mean": mean, "tokens": ids.numel(),

@@ -37,5 +37,25 @@ def test_each_converted_norm_is_measured_against_the_original_on_its_own_input(t
     with torch.no_grad():
         target = original.get_submodule(name)(captured["x"])
     expected = float((captured["y"] - target)[:, 1:].norm() / target[:, 1:].norm())
-    assert bench.norm_errors(model, original, ids)[name]["rel_error"] == pytest.approx(expected, rel=1e-4)
-    assert all(0 < n["rel_error"] and 0 <= n["saturation"] <= 1 for n in norms.values())
+    errors = bench.norm_errors(model, original, ids)[name]
+    assert errors["rel_error"] == pytest.approx(expected, rel=1e-4)
+    # the rescaled error: each channel of the module's output times its least-squares factor toward the norm's
+    new, old = captured["y"][0, 1:].double(), target[0, 1:].double()
+    factors = (new * old).sum(0) / (new * new).sum(0)
+    rescaled = float((old - factors * new).norm() / old.norm())
+    assert errors["rel_error_rescaled"] == pytest.approx(rescaled, rel=1e-4)
+    assert errors["rel_error_rescaled"] < errors["rel_error"]
+    assert all(0 < n["rel_error_rescaled"] <= n["rel_error"] and 0 <= n["saturation"] <= 1 for n in norms.values())
+
+
+def test_an_output_off_only_by_a_channel_scale_has_no_rescaled_error():
+    bench = import_file("scripts/norm_error.py")
+    old = torch.randn(50, 8, dtype=torch.float64)
+    new = old * torch.linspace(0.5, 2.0, 8, dtype=torch.float64)
+    sums = torch.stack([new * old, new * new, old * old]).sum(1)
+    assert bench.rescaled_error(*sums) == pytest.approx(0.0, abs=1e-6)
+    sums = torch.stack([-old * old, old * old, old * old]).sum(1)  # a sign flip is a scale too
+    assert bench.rescaled_error(*sums) == pytest.approx(0.0, abs=1e-6)
+    noisy = old + torch.randn(50, 8, dtype=torch.float64)
+    sums = torch.stack([noisy * old, noisy * noisy, old * old]).sum(1)
+    assert 0.1 < bench.rescaled_error(*sums) < float((noisy - old).norm() / old.norm())
