@@ -281,7 +281,8 @@ def draw(model: nn.Module, tokenizer, cache: SampleCache, indices: list[int], *,
          prompts: Prompts | None = None, progress: bool = True, redraw: bool = False,
          compiled: CompileConfig | None = None) -> str | None:
     """Sample and cache the batches ``indices`` that are not cached yet (``redraw``: all of them, over what is
-    there; the settings are the cache's); returns the precision they were drawn in, None when nothing was missing.
+    there; the settings are the cache's); returns the precision they were drawn in, None when this call drew none
+    (nothing was missing, or another run drew it while this one waited on :meth:`SampleCache.drawing`).
 
     A CUDA draw of :data:`COMPILE_TOKENS` or more (or ``compiled``, on any device) runs on transformers' static
     cache with the decode step compiled (``mode="reduce-overhead"``: CUDA graphs): the Python cost of eager steps
@@ -307,26 +308,32 @@ def draw(model: nn.Module, tokenizer, cache: SampleCache, indices: list[int], *,
     model.eval()
     bar = tqdm(total=len(missing) * settings.batch_size * settings.length, unit="tok", unit_scale=True,
                desc="sampling the original", disable=not progress)
+    drawn = 0
     try:
         # a compiled step runs the weights as they are (packing is a CPU eager path)
         packing = packed_linears(model, settings.batch_size) if compiled is None else contextlib.nullcontext(False)
         with weights_in(model, WEIGHT_DTYPES[precision]), packing as packed:
             bar.set_postfix_str(f"{precision} weights{', packed' if packed else ''}", refresh=False)
             for index in missing:
-                starts = _prompts(settings, tokenizer, prompts, settings.batch_size, index * settings.batch_size)
-                starts = starts.to(device)
-                with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-                    torch.manual_seed(settings.seed * 1_000_003 + index)
-                    own_cache = {} if compiled else {cache_argument(model): preallocated_cache(model, settings.length)}
-                    out = model.generate(input_ids=starts, attention_mask=torch.ones_like(starts),
-                                         logits_processor=sampler, **own_cache)
-                cache.write(index, out.cpu(), _lengths(out, starts.shape[1], eos).cpu(), precision)
+                with cache.drawing(index):
+                    if not redraw and cache.has(index):  # another run drew it while this one waited
+                        continue
+                    starts = _prompts(settings, tokenizer, prompts, settings.batch_size, index * settings.batch_size)
+                    starts = starts.to(device)
+                    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+                        torch.manual_seed(settings.seed * 1_000_003 + index)
+                        own_cache = ({} if compiled else
+                                     {cache_argument(model): preallocated_cache(model, settings.length)})
+                        out = model.generate(input_ids=starts, attention_mask=torch.ones_like(starts),
+                                             logits_processor=sampler, **own_cache)
+                    cache.write(index, out.cpu(), _lengths(out, starts.shape[1], eos).cpu(), precision)
+                drawn += 1
                 bar.update(settings.batch_size * settings.length)
     finally:
         bar.close()
         model.generation_config = kept_config
         model.train(was_training)
-    return precision
+    return precision if drawn else None
 
 
 def _lengths(out: torch.Tensor, prompt_len: int, eos: int | None) -> torch.Tensor:
@@ -356,8 +363,8 @@ def sample_texts(model: nn.Module, tokenizer, settings: SamplingSettings, max_to
     while have < max_tokens:
         needed = range(read, count)
         mine = [i for i in needed if i % world_size == rank and not cache.has(i)]
-        draw(model, tokenizer, cache, mine, prompts=prompts, progress=progress)
-        drawn += len(mine)
+        if draw(model, tokenizer, cache, mine, prompts=prompts, progress=progress) is not None:
+            drawn += len(mine)
         wait_for(cache, needed, wait)
         for index in needed:
             batch = read_or_redraw(model, tokenizer, cache, index, prompts)

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import torch
+from filelock import FileLock
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
@@ -72,6 +73,12 @@ class SampleCache:
         if path.is_dir():  # not ours to remove, and a batch cannot be written over it
             raise ValueError(f"generated: {path} is a directory, not a batch of samples: move it away")
         return path.is_file()
+
+    def drawing(self, index: int) -> FileLock:
+        """A lock held while batch ``index`` is drawn: another process of the same cache (a second run of the same
+        original and sampling settings) that reaches it waits, then reads what this one wrote instead of drawing it
+        again. An OS lock (``flock``), so a killed holder releases it."""
+        return FileLock(self.directory / f".batch-{index:06d}.lock")
 
     def prepare(self) -> None:
         """The cache's folder, made (and found writable) before anything is drawn into it."""

@@ -8,7 +8,7 @@ from tiny_models import full_length_tokenizer, tiny_model, tiny_tokenizer
 
 from hf_normswap.data import packed_linear
 from hf_normswap.data import DataError, load_texts
-from hf_normswap.data.generated import SampleCache, SamplingSettings, sample_texts
+from hf_normswap.data.generated import SampleCache, SamplingSettings, draw, sample_texts
 
 SETTINGS = SamplingSettings(length=12, batch_size=3, seed=1, precision="fp32")  # auto is timed: it may vary
 BUDGET = 12 * 3 * 3  # three batches
@@ -87,6 +87,36 @@ def test_two_processes_draw_different_shares_of_one_text(tmp_path):
     assert (len(first), len(second)) == (2, 1)
     alone = sample_texts(tiny_model("llama"), tokenizer, SETTINGS, BUDGET, cache_dir=tmp_path / "one", progress=False)
     assert texts == alone and len(set(texts)) == 9
+
+
+def test_two_runs_drawing_one_cache_at_once_draw_each_batch_once(tmp_path):
+    """Two runs of the same original and settings (the ELN and DyT configs side by side) each drew every batch: the
+    second waits on the batch's lock, then reads it."""
+    import threading
+    import time
+
+    tokenizer, calls, start = full_length_tokenizer(), [], threading.Barrier(2)
+    models = [_counting(tiny_model("llama"), calls) for _ in range(2)]
+    for model in models:  # slow enough that both reach each batch while the other draws it
+        generate = model.generate
+        model.generate = lambda generate=generate, **kw: time.sleep(0.3) or generate(**kw)
+    caches = [SampleCache(model, SETTINGS, tmp_path) for model in models]
+    assert caches[0].directory == caches[1].directory
+    results = []
+
+    def run(model, cache):
+        start.wait()
+        results.append(draw(model, tokenizer, cache, [0, 1, 2], progress=False))
+
+    threads = [threading.Thread(target=run, args=pair) for pair in zip(models, caches)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(calls) == 3 and "fp32" in results  # each batch drawn once, by whichever run reached it first
+    alone = sample_texts(tiny_model("llama"), tokenizer, SETTINGS, BUDGET, cache_dir=tmp_path / "one", progress=False)
+    assert sample_texts(models[0], tokenizer, SETTINGS, BUDGET, cache_dir=tmp_path, progress=False) == alone
+    assert len(calls) == 3
 
 
 @pytest.mark.parametrize("spec, message", [
