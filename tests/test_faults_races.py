@@ -15,7 +15,7 @@ from hf_normswap.checkpoint import directory, model_card
 from hf_normswap.checkpoint.record import ConversionRecord
 from cli_runs import file_tree, run_cli as _cli
 from file_modules import import_file
-from tiny_models import tiny_model
+from tiny_models import tiny_model, tiny_tokenizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -214,6 +214,22 @@ def test_a_linked_settings_file_in_the_sample_cache_is_replaced_not_written_thro
     cache.prepare()
     assert (tmp_path / "mine.json").read_text() == "mine"
     assert not (cache.directory / "settings.json").is_symlink() and sorted(p.name for p in cache.directory.iterdir()) == ["settings.json"]
+
+
+def test_a_linked_batch_lock_in_the_sample_cache_is_one_line_and_its_target_untouched(tmp_path):
+    """The lock a batch is drawn under (two runs at once draw it once) is a file in the cache folder: a link put
+    there must not be followed, and the draw stops in one line naming the cache."""
+    from hf_normswap.data.generated import SamplingSettings, draw
+    from hf_normswap.data.sample_cache import SampleCache
+
+    model = tiny_model("llama")
+    cache = SampleCache(model, SamplingSettings(length=12, batch_size=2, precision="fp32"), tmp_path / "cache")
+    cache.prepare()
+    (tmp_path / "mine.txt").write_text("mine")
+    (cache.directory / ".batch-000000.lock").symlink_to(tmp_path / "mine.txt")
+    with pytest.raises(ValueError, match=r"^generated: cannot write the sample cache .* set HF_NORMSWAP_CACHE") as error:
+        draw(model, tiny_tokenizer(), cache, [0], progress=False)
+    assert "\n" not in str(error.value) and (tmp_path / "mine.txt").read_text() == "mine" and not cache.has(0)
 
 
 def test_two_draws_preparing_the_sample_cache_at_once_both_succeed(tmp_path):

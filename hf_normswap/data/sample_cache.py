@@ -15,6 +15,7 @@ import hashlib
 import json
 import os
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -74,11 +75,20 @@ class SampleCache:
             raise ValueError(f"generated: {path} is a directory, not a batch of samples: move it away")
         return path.is_file()
 
-    def drawing(self, index: int) -> FileLock:
-        """A lock held while batch ``index`` is drawn: another process of the same cache (a second run of the same
-        original and sampling settings) that reaches it waits, then reads what this one wrote instead of drawing it
-        again. An OS lock (``flock``), so a killed holder releases it."""
-        return FileLock(self.directory / f".batch-{index:06d}.lock")
+    @contextmanager
+    def drawing(self, index: int):
+        """Held while batch ``index`` is drawn: another process of the same cache (a second run of the same original
+        and sampling settings) that reaches it waits, then reads what this one wrote instead of drawing it again.
+        An OS lock (``flock``), so a killed holder releases it; its file is opened without following a link."""
+        lock = FileLock(self.directory / f".batch-{index:06d}.lock")
+        try:
+            lock.acquire()
+        except OSError as error:
+            raise _unwritable(self.directory, error) from None
+        try:
+            yield
+        finally:
+            lock.release()
 
     def prepare(self) -> None:
         """The cache's folder, made (and found writable) before anything is drawn into it."""
