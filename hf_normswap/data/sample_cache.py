@@ -79,8 +79,10 @@ class SampleCache:
     def drawing(self, index: int):
         """Held while batch ``index`` is drawn: another process of the same cache (a second run of the same original
         and sampling settings) that reaches it waits, then reads what this one wrote instead of drawing it again.
-        An OS lock (``flock``), so a killed holder releases it; its file is opened without following a link."""
-        lock = FileLock(self.directory / f".batch-{index:06d}.lock")
+        An OS lock (``flock``), so a killed holder releases it; its file is opened without following a link, and
+        removed while still held (a waiter on the removed file starts again on a new one), so none is left."""
+        path = self.directory / f".batch-{index:06d}.lock"
+        lock = FileLock(path)
         try:
             lock.acquire()
         except OSError as error:
@@ -88,6 +90,7 @@ class SampleCache:
         try:
             yield
         finally:
+            path.unlink(missing_ok=True)
             lock.release()
 
     def prepare(self) -> None:
