@@ -144,24 +144,28 @@ def test_a_link_in_output_dir_is_refused_and_its_target_untouched(converted, lla
     assert file_tree(root) == before
 
 
-def _finished_run(converted, llama, out: Path, steps: int, tokens: int, *settings: str) -> list[str]:
-    """An output_dir as a finished run leaves it: checkpoint-N, and final saved from it (its record says N steps)."""
+def _finished_run(converted, llama, out: Path, steps: int, tokens: int, *settings: str,
+                  checkpoint: bool = True) -> list[str]:
+    """An output_dir as a finished run leaves it: its lock file, checkpoint-N (unless not ``checkpoint``: deleted,
+    or ``save_strategy: no``), and final saved from it (its record says N steps)."""
     import json
     import shutil
 
-    from hf_normswap.training import recipe_settings, run_dir
+    from hf_normswap.training import recipe_settings, run_dir, run_lock
 
     run = [f"model={llama}", f"output_dir={out}", *settings]
     config = recipe_settings.load_config(run)
+    run_lock.lock_run_dir(out).release()
     run_dir.claim_run_dir(config)
-    (out / f"checkpoint-{steps}").mkdir()
-    (out / f"checkpoint-{steps}" / "trainer_state.json").write_text(
-        json.dumps({"global_step": steps, "num_input_tokens_seen": tokens}))
+    if checkpoint:
+        (out / f"checkpoint-{steps}").mkdir()
+        (out / f"checkpoint-{steps}" / "trainer_state.json").write_text(
+            json.dumps({"global_step": steps, "num_input_tokens_seen": tokens}))
     shutil.copytree(converted[0] / "eln", out / "final")
     saved = json.loads((out / "final" / "config.json").read_text())
     saved["normswap"]["training"] = {"steps": steps, "tokens_seen": tokens}
     (out / "final" / "config.json").write_text(json.dumps(saved))
-    run_dir.record_save(out, config.save_path)
+    run_dir.record_save(out, config.save_path, steps, tokens)
     return run
 
 

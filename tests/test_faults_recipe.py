@@ -182,7 +182,7 @@ def test_the_save_never_replaces_the_model_it_reads_or_a_checkpoint_it_did_not_s
     config = recipe_settings.load_config([*run, f"save_dir={tmp_path / 'new'}"])
     run_dir.claim_run_dir(config)
     shutil.copytree(converted, tmp_path / "new")  # what the first launch saved
-    run_dir.record_save(Path(config.output_dir), config.save_path)
+    run_dir.record_save(Path(config.output_dir), config.save_path, 4, 512)
     recipe_settings.load_config([*run, f"save_dir={tmp_path / 'new'}"])  # the next launch replaces its own save
     recipe_settings.load_config([*run, f"save_dir={tmp_path / 'run' / 'final'}"])  # inside output_dir: the run's own
 

@@ -7,11 +7,11 @@ from __future__ import annotations
 import functools
 import os
 import shutil
-import tempfile
 from pathlib import Path
 
 from ..atomic_write import atomic_write
 from ..checkpoint.hub import PushError, push
+from ..checkpoint.kept import keep
 from ..checkpoint.model_card import hub_id
 from ..checkpoint.directory import CheckpointError
 from ..checkpoint.saving import save_pretrained
@@ -50,17 +50,6 @@ def save_and_push(args, model, tokenizer) -> None:
             raise PushError(f"{error}{where}") from None
         if not args.output:
             shutil.rmtree(Path(folder).parent)
-
-
-def keep(save, name: str) -> Path:
-    """Save into a fresh temporary directory (its ``name`` subfolder) and return the path."""
-    folder = Path(tempfile.mkdtemp(prefix="normswap-"))
-    try:
-        return save(folder / name)
-    except (OSError, CheckpointError) as error:
-        shutil.rmtree(folder, ignore_errors=True)
-        raise CheckpointError(f"cannot save the converted model, not even to a temporary directory "
-                              f"({first_line(error)}); free disk space and run again") from None
 
 
 def write_whole(path, text: str) -> None:

@@ -27,12 +27,15 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import errno
 import time
 from pathlib import Path
 
 import torch
 
+from ..checkpoint.directory import CheckpointError
 from ..checkpoint.record import ConversionRecord
+from ..validation import first_line
 from .gpu_scale import compile_blocks, keep_compile_cache
 from .recipe_data import check_data, recipe_datasets, sentence_steps
 from .recipe_models import ensure_pad_token, load_models
@@ -63,10 +66,8 @@ def main(argv: list[str] | None = None, command: str = "finetune") -> int:
     the run, load (calibrating or loading the converted model), evaluate, train, evaluate and save. ``command``:
     what the user ran, named by every error and log line."""
     from accelerate import PartialState
-    from transformers import set_seed
 
     from ..planning.recovery_run import RecoveryRunError, resolve_run
-    from .run_dir import claim_run_dir, finished_run, read_json
     from .sharding import fsdp2_requested, loads_once
 
     launched = time.monotonic()
@@ -86,8 +87,62 @@ def main(argv: list[str] | None = None, command: str = "finetune") -> int:
     except RecoveryRunError as error:  # settings that name no run: a mistake, before anything loads
         fail(str(error))
     check_data(config, run.calibrates)
+    lock = hold_run_dir(config, state)
+    try:
+        return launch(config, run, state, device_memory, launched)
+    except OSError as error:  # a full disk at a write of the run's own (run.json, summary.json, the curve)
+        if error.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        raise stopped(f"cannot write in output_dir {config.output_dir} ({first_line(error)}); free disk space and "
+                      "launch again: it resumes from its last checkpoint") from None
+    except CheckpointError as error:  # a save of the run's own (a Trainer checkpoint, the calibrated cache) failed
+        raise stopped(f"{error}; launch again once that is fixed: it resumes from its last checkpoint") from None
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def hold_run_dir(config, state):
+    """The main process claims output_dir under its lock for the whole launch (``run_lock``) and checks it again
+    under the lock (a launch that ended meanwhile may have changed it); a second launch into the same folder is
+    refused in one line before any model loads, on every process of it. Returns the held lock (None elsewhere)."""
+    from accelerate.utils import broadcast_object_list
+
+    from ..validation import ValidationError
+    from .run_dir import check_run_dir
+    from .run_lock import lock_run_dir
+
+    lock, refusal = None, None
+    if state.is_main_process:
+        try:
+            lock = lock_run_dir(config.output_dir)
+            check_run_dir(config)
+        except ValidationError as error:
+            refusal = str(error)
+    if state.num_processes > 1:
+        refusal = broadcast_object_list([refusal])[0]
+    if refusal is not None:
+        if lock is not None:
+            lock.release()
+        if state.is_main_process:
+            fail(refusal)
+        raise SystemExit(2)
+    return lock
+
+
+def launch(config, run, state, device_memory, launched: float) -> int:
+    """Steps 1 to 4 (module doc) in the claimed output_dir, unless the run there is finished."""
+    from transformers import set_seed
+
+    from ..validation import ValidationError
+    from .run_dir import claim_run_dir, finished_run, read_json
+
+    command = COMMAND.get()
     set_seed(config.seed)
-    done = finished_run(run.output_dir, run.save_path, config.resume, config.train_tokens, run.steps)
+    try:
+        done = finished_run(run.output_dir, run.save_path, config.resume, config.train_tokens, run.steps)
+    except ValidationError as error:
+        fail(str(error))
     if done:
         if state.is_main_process:
             print(f"[{command}] {done}", flush=True)
@@ -208,6 +263,8 @@ def train(run, student, original, tokenizer, state, log, launched: float) -> Tra
     args = TrainingArguments(output_dir=str(Path(config.output_dir)), seed=config.seed, learning_rate=config.lr.base,
                              prediction_loss_only=True, eval_on_start=not encoder,
                              **{"include_num_input_tokens_seen": "non_padding" if encoder else "all",
+                                # a loss that is not finite is logged as it is, not as the average of the rest
+                                "logging_nan_inf_filter": False,
                                 **own_share(train_set, config.streaming),
                                 **config.training, "per_device_train_batch_size": run.batch_size,
                                 "gradient_accumulation_steps": run.accumulation, "use_cpu": run.cpu,

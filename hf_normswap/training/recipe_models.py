@@ -72,6 +72,7 @@ def load_models(run, state):
         student, tokenizer = load_model(config.model, empty=empty)
         original, _ = load_model(run.original, with_tokenizer=False, empty=empty_original)
         check_context_settings(run.context, {config.model: student, run.original: original}, lora_targets)
+        student = fp32_master_weights(trainable_dense(student))
         match_main({"student": student, "original": original}, state)
         if empty:
             storage_for_optimizer(student)
@@ -100,10 +101,18 @@ def load_models(run, state):
                   f"calibration in {time.time() - start:.0f}s", flush=True)
             if state.is_main_process:
                 hf_normswap.save_pretrained(student, cache, tokenizer=tokenizer, overwrite=True)
+    student = fp32_master_weights(trainable_dense(student))
     match_main({"student": student, "original": original}, state)
     if empty:
         storage_for_optimizer(student)
-    return trainable_dense(student), original, tokenizer
+    return student, original, tokenizer
+
+
+def fp32_master_weights(student):
+    """The student in float32 whatever its checkpoint's dtype: the optimizer updates the weights it is given, and a
+    bfloat16 weight rounds most updates of a small learning rate away (bf16 compute is the autocast of
+    ``precision``). It is saved in float32 too: the model that was trained."""
+    return student.float()
 
 
 def match_main(models: dict, state) -> None:

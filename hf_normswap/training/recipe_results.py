@@ -5,6 +5,7 @@ and the loss / learning-rate / perplexity curve drawn."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import gc
 import math
 from pathlib import Path
@@ -104,13 +105,35 @@ def reloads_identically(expected: torch.Tensor, directory: Path, tokenizer) -> b
 
 
 
+def save_final(model, save_dir: Path, tokenizer, evaluation: dict | None) -> None:
+    """The final checkpoint; a save that fails (a full disk) keeps the trained model in a temporary directory that
+    the one-line error names, as a convert's save does."""
+    import hf_normswap
+
+    from ..checkpoint.directory import CheckpointError
+    from ..checkpoint.kept import keep
+    from ..validation import first_line
+    from .recipe_settings import stopped
+
+    save = functools.partial(hf_normswap.save_pretrained, model, tokenizer=tokenizer, evaluation=evaluation)
+    try:
+        save(save_dir, overwrite=True)
+    except (OSError, CheckpointError) as error:
+        try:
+            kept = keep(save, save_dir.name)
+        except CheckpointError as lost:
+            raise stopped(f"cannot save to {save_dir} ({first_line(error)}); {lost}") from None
+        raise stopped(f"cannot save to {save_dir} ({first_line(error)}); the trained model is kept in {kept}: move "
+                      "it into place") from None
+
+
 def finish(config, state, run, original, tokenizer, eval_texts, summary: dict, log) -> None:
     """After training: evaluate (every process when sharded), then on the main process save the checkpoint with
     the record of its training (the ``training`` part of its :class:`~hf_normswap.checkpoint.record.ConversionRecord`) and its evaluation, check that it reloads with
-    identical logits, draw the curve, write ``summary.json`` and push if asked."""
-    import hf_normswap
-
+    identical logits, draw the curve, write ``summary.json`` and push if asked. A model with weights that are not
+    finite (a diverged training) stops the run before any of it (``divergence``)."""
     from ..checkpoint.record import ConversionRecord
+    from .divergence import check_finite
     from .trainable import merge_lora
     from .trainer import without_autocast_wrapper
     from .recipe_models import whole_student
@@ -120,6 +143,7 @@ def finish(config, state, run, original, tokenizer, eval_texts, summary: dict, l
     out, save_dir, trainer, encoder = Path(config.output_dir), config.save_path, run.trainer, run.encoder
     skeleton, run.skeleton = run.skeleton, None  # held here alone, so that it is freed once the save is checked
     model = without_autocast_wrapper(trainer.accelerator.unwrap_model(trainer.model))
+    check_finite(model, trainer, state)  # before the evaluation, the save and the push
     sharded = skeleton is not None and is_sharded(model)
     if state.is_main_process or sharded:
         after = final_evaluation(model, original, tokenizer, eval_texts, config.eval_data, config.final_eval,
@@ -147,9 +171,8 @@ def finish(config, state, run, original, tokenizer, eval_texts, summary: dict, l
                 "world_size": state.num_processes, "train_loss": run.result.training_loss}
     ConversionRecord.amend(model, training=training)
     expected = probe_logits(model, tokenizer)
-    hf_normswap.save_pretrained(model, save_dir, tokenizer=tokenizer, overwrite=True,
-                                evaluation=None if encoder else after.card("finetuned"))
-    record_save(out, save_dir)
+    save_final(model, save_dir, tokenizer, None if encoder else after.card("finetuned"))
+    record_save(out, save_dir, trainer.state.global_step, tokens)
     if sharded:  # the gathered copy (the skeleton filled) goes before the reloaded one comes; reference cycles
         del model, skeleton  # hold the module past ``del``, so they are collected here
         gc.collect()

@@ -18,6 +18,7 @@ from ..checkpoint.loading import resolve
 from ..checkpoint.packaged import PREFIX as PACKAGED
 from ..checkpoint.directory import check_output_dir
 from ..validation import ValidationError, check_path_length, first_line, shown
+from .run_lock import LOCK
 
 RECORD = "run.json"
 WRITTEN_BY = "hf-normswap recipes/finetune.py"
@@ -82,6 +83,36 @@ def trained_parameters(config) -> dict:
             "lora": dataclasses.asdict(config.lora) if config.trainable == "lora" else None}
 
 
+# TrainingArguments' settings that a resume takes from the checkpoint's optimizer state (each parameter group's
+# hyperparameters are restored with it), whatever the config says
+RESTORED_TRAINING_ARGUMENTS = ("weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon", "optim", "optim_args")
+
+
+def optimizer_settings(config) -> dict:
+    """The settings a resumed optimizer would silently drop, as the run records them: the learning rates (each
+    group's, and the scheduler's base rates, come back from the checkpoint) and the optimizer's own."""
+    from transformers import TrainingArguments
+
+    defaults = {f.name: f.default for f in dataclasses.fields(TrainingArguments)}
+    restored = {f"training.{key}": config.training.get(key, defaults[key]) for key in RESTORED_TRAINING_ARGUMENTS}
+    return {"lr.base": config.lr.base, "lr.shape": config.lr.shape, "lr.gamma": config.lr.gamma,
+            **{key: getattr(value, "value", value) for key, value in restored.items()}}  # an enum: its name
+
+
+def check_optimizer_settings(out: Path, record: dict, config, last: Path) -> None:
+    """A resume from ``last`` keeps the optimizer settings recorded in ``record`` (run.json): refuse a config that
+    changes one, which would be recorded in the checkpoint's card while the run trains with the old value."""
+    recorded, asked = record.get("optimizer"), optimizer_settings(config)
+    if not isinstance(recorded, dict):  # a run recorded before these were: nothing to compare with
+        return
+    changed = [f"{key} {shown(recorded.get(key))} (the config: {shown(value)})" for key, value in asked.items()
+               if key in recorded and recorded[key] != value]
+    if changed:
+        raise ValidationError(f"output_dir {out} trained with {', '.join(changed)}: a resume restores them from "
+                              f"{last.name}'s optimizer state and would train with the old values; set them back, "
+                              "name a new output_dir, or set resume=false to start over")
+
+
 def launch_history(summary: dict, resumed_state: dict, log_history: list[dict]) -> list[dict]:
     """The logged rows of every launch: the earlier launches' as ``summary.json`` holds them, then the rows this one
     logged. The Trainer's own history, restored from the checkpoint it resumed (``resumed_state``), ends at that
@@ -106,16 +137,24 @@ def last_checkpoint(output_dir: Path) -> Path | None:
 
 def finished_run(output_dir: Path, save_path: Path, resume: bool, train_tokens: int | None,
                  steps: int) -> str | None:
-    """Where a finished run stands, when a relaunch would train nothing: its last checkpoint reached
-    ``train_tokens`` (else the run's ``steps``) and the final checkpoint was saved from it; None otherwise. (The
-    Trainer, resumed from a checkpoint at ``max_steps``, would train one more step and replace ``final``.)"""
+    """Where a finished run stands, when a relaunch would train nothing: the run recorded in run.json that it
+    finished (else its last checkpoint says so) at ``train_tokens`` or more (else at the run's ``steps``), and the
+    final checkpoint is still the one saved then; None otherwise. (The Trainer, resumed from a checkpoint at
+    ``max_steps``, would train one more step and replace ``final``.) A larger budget with no Trainer checkpoint left
+    to continue from would train again from the calibrated model and replace ``final``: a ValidationError."""
     from ..checkpoint.record import ConversionRecord
 
-    last = last_checkpoint(output_dir) if resume and output_dir.is_dir() else None
-    state = read_json(last / "trainer_state.json") if last else None
+    if not (resume and output_dir.is_dir()):
+        return None
+    last = last_checkpoint(output_dir)
+    record = read_json(output_dir / RECORD) or {}
+    fact = record.get("finished")
+    fact = fact if isinstance(fact, dict) and all(type(fact.get(k)) is int for k in ("steps", "tokens")) else None
+    state = fact or (read_json(last / "trainer_state.json") if last else None)
     if not state:
         return None
-    step, tokens = state.get("global_step") or 0, state.get("num_input_tokens_seen") or 0
+    step = state.get("steps", state.get("global_step")) or 0
+    tokens = state.get("tokens", state.get("num_input_tokens_seen")) or 0
     try:
         saved = ConversionRecord.read(save_path).training
     except ValidationError:  # no final checkpoint yet, or not one this package saved
@@ -123,8 +162,19 @@ def finished_run(output_dir: Path, save_path: Path, resume: bool, train_tokens: 
     if not isinstance(saved, dict) or saved.get("steps") != step:
         return None  # stopped before its final checkpoint was saved: the relaunch finishes it
     done = tokens >= train_tokens if train_tokens is not None else 0 < steps <= step
-    return (f"finished at {step} steps / {tokens:,} tokens: nothing to train (final checkpoint {save_path}); "
-            "raise train_tokens or training.max_steps to continue") if done else None
+    where = f"finished at {step} steps / {tokens:,} tokens"
+    if done:
+        more = ("raise train_tokens or training.max_steps to continue" if last is not None else
+                "no Trainer checkpoint is left to continue from (training.save_strategy no, or removed): set "
+                "resume=false to train anew")
+        return f"{where}: nothing to train (final checkpoint {save_path}); {more}"
+    if last is None:
+        raise ValidationError(f"output_dir {output_dir} {where} (final checkpoint {save_path}) and holds no Trainer "
+                              "checkpoint to continue from "
+                              "(training.save_strategy no, or removed): a larger budget would train again from the "
+                              "calibrated model and replace final; set resume=false to do that, or name a new "
+                              "output_dir")
+    return None
 
 
 def damaged_checkpoint(checkpoint: Path) -> str | None:
@@ -163,7 +213,7 @@ def check_run_dir(config) -> None:
     if not out.is_dir():
         raise ValidationError(f"output_dir {out} is not a directory; name a new or empty one")
     entries = sorted(p.name for p in out.iterdir())
-    if not entries:
+    if not entries or entries == [LOCK] and not (out / LOCK).is_symlink():  # a launch killed as it began
         return
     linked = [name for name in entries if (out / name).is_symlink()]
     if linked:  # the recipe writes calibrated/, final/, checkpoints and its JSON files there: never through a link
@@ -171,6 +221,7 @@ def check_run_dir(config) -> None:
                               "recipe writes only inside output_dir: remove the link, or name a new output_dir")
     record = read_json(out / RECORD)
     if record is None or record.get("written_by") != WRITTEN_BY:
+        entries = [name for name in entries if name != LOCK]
         raise ValidationError(f"output_dir {out} holds files the recipe did not write ({', '.join(entries[:3])}"
                               f"{', ...' if len(entries) > 3 else ''}); it deletes and resumes from what is there: "
                               "name a new or empty output_dir")
@@ -200,6 +251,8 @@ def check_run_dir(config) -> None:
         raise ValidationError(f"output_dir {out} trains {record.get('parameters')}, the config {asked}: its "
                               "checkpoints' optimizer state fits those parameters only; set them back, name another "
                               "output_dir, or set resume=false to start over")
+    if last is not None:
+        check_optimizer_settings(out, record, config, last)
 
 
 def read_sources(config):
@@ -231,11 +284,13 @@ def check_save_dir(config) -> None:
                               "replaces only its own: name a new or empty save_dir")
 
 
-def record_save(out: Path, save_path: Path) -> None:
+def record_save(out: Path, save_path: Path, steps: int, tokens: int) -> None:
     """Note in ``out``'s run.json where the final checkpoint went, so that a later launch may replace it
-    (check_save_dir)."""
+    (check_save_dir), and that the run finished there at ``steps`` / ``tokens`` (``finished_run``: a fact of the
+    folder, not of the Trainer checkpoints, which ``save_strategy: no`` never writes and a user may delete)."""
     record = read_json(out / RECORD) or {}
-    write_json(out / RECORD, {**record, "saved": os.path.realpath(save_path.expanduser())})
+    write_json(out / RECORD, {**record, "saved": os.path.realpath(save_path.expanduser()),
+                              "finished": {"steps": steps, "tokens": tokens}})
 
 
 def claim_run_dir(config) -> None:
@@ -246,4 +301,6 @@ def claim_run_dir(config) -> None:
     identity = model_identity(config.model)
     if record is not None and record.get("model", {}).get("weights") is not None:
         identity = record["model"]  # a Hub id recorded once downloaded; check_run_dir compared the two
-    write_json(out / RECORD, {"written_by": WRITTEN_BY, "model": identity, "parameters": trained_parameters(config)})
+    kept = {key: record[key] for key in ("saved", "finished") if key in record} if record is not None else {}
+    write_json(out / RECORD, {"written_by": WRITTEN_BY, "model": identity, "parameters": trained_parameters(config),
+                              "optimizer": optimizer_settings(config), **kept})

@@ -1,21 +1,27 @@
 """Fine-tuning a converted model with the transformers ``Trainer``. Calibration fits each element-wise module to its
 source norm one at a time; what is left is the error the modules make together, which only training on the
 network's output removes. :class:`NormSwapTrainer` keeps the Trainer's machinery (DDP / FSDP2 through accelerate,
-checkpoints, resume, logging) and changes three things:
+checkpoints, resume, logging) and changes these:
 
 - ``compute_loss``: the recovery's loss (``losses.training_loss``, plus ``scale_anchor``'s where given);
 - ``create_optimizer``: the element-wise modules' parameters in their own groups (``trainable.parameter_groups``);
-- ``log``: ``eval_loss`` is also logged as ``eval_perplexity``.
+- ``log``: ``eval_loss`` is also logged as ``eval_perplexity``;
+- ``training_step``: the first step whose loss is not finite is kept (``diverged_at``), for the finiteness gate
+  before the final save (``training.divergence``);
+- ``_save_checkpoint``: a checkpoint that cannot be written (a full disk) is one line naming it.
 """
 
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import torch
 from torch import nn
 from transformers import Trainer
 
+from ..checkpoint.directory import CheckpointError
+from ..validation import first_line
 from . import sharding
 from .head_loss import DEFAULT_CHUNK
 from .losses import head_chunk_for, training_loss
@@ -88,6 +94,7 @@ class NormSwapTrainer(Trainer):
             chunk = broadcast_object_list(chunk)
         self.head_chunk = chunk[0]
         self._component_sums = dict.fromkeys(self.COMPONENTS, 0.0) | {"count": 0}
+        self.diverged_at: int | None = None  # the first step whose loss was not finite
         if self.fsdp2:
             sharding.vectors_for_scalars(self.model)  # before the optimizer is made on its parameters
             if from_main:
@@ -136,6 +143,23 @@ class NormSwapTrainer(Trainer):
             self._component_sums[key] += float(value.detach())
         self._component_sums["count"] += 1
         return (loss, None) if return_outputs else loss
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        if self.diverged_at is None and not bool(torch.isfinite(loss).all()):
+            self.diverged_at = self.state.global_step + 1
+        return loss
+
+    def _save_checkpoint(self, model, trial):
+        """The Trainer's checkpoint; a write that fails (a full disk: an OSError, safetensors' own error, torch's
+        writer's RuntimeError) is one line naming the folder, the checkpoints before it kept."""
+        try:
+            super()._save_checkpoint(model, trial)
+        except (OSError, CheckpointError, RuntimeError) as error:
+            if isinstance(error, RuntimeError) and "inline_container" not in str(error):  # not torch.save's writer
+                raise
+            folder = Path(self.args.output_dir) / f"checkpoint-{self.state.global_step}"
+            raise CheckpointError(f"cannot write the Trainer checkpoint {folder} ({first_line(error)})") from None
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if "eval_loss" in logs:
