@@ -19,8 +19,9 @@ from tiny_models import tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-HOLD = ("import sys\nfrom filelock import FileLock\nlock = FileLock(sys.argv[1])\nlock.acquire()\nprint('held', flush=True)\n"
-        "sys.stdin.read()\n")  # holds the lock as a running launch does, until killed
+# holds the lock as a running launch does, until killed
+HOLD = ("import sys\nfrom filelock import FileLock\nlock = FileLock(sys.argv[1])\nlock.acquire()\n"
+        "print('held', flush=True)\nsys.stdin.read()\n")
 
 
 @pytest.fixture(scope="module")

@@ -25,6 +25,7 @@ read as YAML), checked before anything loads (``recipe_settings``, ``recipe_data
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import errno
@@ -66,8 +67,11 @@ def main(argv: list[str] | None = None, command: str = "finetune") -> int:
     the run, load (calibrating or loading the converted model), evaluate, train, evaluate and save. ``command``:
     what the user ran, named by every error and log line."""
     from accelerate import PartialState
+    from transformers import set_seed
 
     from ..planning.recovery_run import RecoveryRunError, resolve_run
+    from ..validation import ValidationError
+    from .run_dir import claim_run_dir, finished_run, read_json
     from .sharding import fsdp2_requested, loads_once
 
     launched = time.monotonic()
@@ -87,91 +91,85 @@ def main(argv: list[str] | None = None, command: str = "finetune") -> int:
     except RecoveryRunError as error:  # settings that name no run: a mistake, before anything loads
         fail(str(error))
     check_data(config, run.calibrates)
-    lock = hold_run_dir(config, state)
-    try:
-        return launch(config, run, state, device_memory, launched)
-    except OSError as error:  # a full disk at a write of the run's own (run.json, summary.json, the curve)
-        if error.errno not in (errno.ENOSPC, errno.EDQUOT):
-            raise
-        raise stopped(f"cannot write in output_dir {config.output_dir} ({first_line(error)}); free disk space and "
-                      "launch again: it resumes from its last checkpoint") from None
-    except CheckpointError as error:  # a save of the run's own (a Trainer checkpoint, the calibrated cache) failed
-        raise stopped(f"{error}; launch again once that is fixed: it resumes from its last checkpoint") from None
-    finally:
-        if lock is not None:
-            lock.release()
+    with held_run_dir(config.output_dir, state), written_or_stopped(config.output_dir):
+        set_seed(config.seed)
+        try:  # under the lock, on the main process: a launch that ended meanwhile may have changed the folder
+            done = finished_run(run.output_dir, run.save_path, config.resume, config.train_tokens, run.steps)
+            if state.is_main_process and not done:
+                claim_run_dir(config)
+        except ValidationError as error:
+            fail(str(error))
+        if done:
+            if state.is_main_process:
+                print(f"[{command}] {done}", flush=True)
+            return 0
+        summary = (read_json(run.output_dir / "summary.json") or {}) if config.resume else {}
+        summary["config"] = config.to_dict()
+        log = (lambda *a: print(f"[{command}]", *a, flush=True)) if state.is_main_process else (lambda *a: None)
+        log(f"step: {run.batch_size} x {config.block_len} tokens x {run.accumulation} accumulated x "
+            f"{run.processes} processes = {run.tokens_per_step:,} tokens, {run.steps} steps")
+        log_memory_plan(run, device_memory, state, log)
+        keep_compile_cache(run.output_dir)
+
+        student, original, tokenizer = load_models(run, state)
+        ensure_pad_token(tokenizer)
+        original.eval().requires_grad_(False)
+        record = ConversionRecord.of(student)
+        log(f"{len(record.converted)} {record.method.upper()} norms; original {run.original}")
+        eval_texts = evaluate_calibrated(config, student, original, tokenizer, summary, state, log)
+        trained = train(run, student, original, tokenizer, state, log, launched)
+        if trained.taper is not None and not trained.taper.finished:  # half-tapered: not the converted model
+            log(f"taper: stopped at step {trained.taper.stopped_at} of its {trained.taper.steps} (mean g "
+                f"{trained.taper.gate():.3g}); no converted model saved: launch again to resume from the last "
+                "checkpoint")
+            state.wait_for_everyone()
+            return 0
+        finish(config, state, trained, original, tokenizer, eval_texts, summary, log)
+        state.wait_for_everyone()
+    return 0
 
 
-def hold_run_dir(config, state):
-    """The main process claims output_dir under its lock for the whole launch (``run_lock``) and checks it again
-    under the lock (a launch that ended meanwhile may have changed it); a second launch into the same folder is
-    refused in one line before any model loads, on every process of it. Returns the held lock (None elsewhere)."""
+@contextlib.contextmanager
+def held_run_dir(output_dir: str, state):
+    """Held while the launch runs: ``output_dir`` claimed under its lock (``run_lock``) by the main process. A second
+    launch into the same folder is refused in one line before any model loads, on every process of it."""
     from accelerate.utils import broadcast_object_list
 
     from ..validation import ValidationError
-    from .run_dir import check_run_dir
     from .run_lock import lock_run_dir
 
     lock, refusal = None, None
     if state.is_main_process:
         try:
-            lock = lock_run_dir(config.output_dir)
-            check_run_dir(config)
+            lock = lock_run_dir(output_dir)
         except ValidationError as error:
             refusal = str(error)
     if state.num_processes > 1:
         refusal = broadcast_object_list([refusal])[0]
     if refusal is not None:
-        if lock is not None:
-            lock.release()
         if state.is_main_process:
             fail(refusal)
         raise SystemExit(2)
-    return lock
-
-
-def launch(config, run, state, device_memory, launched: float) -> int:
-    """Steps 1 to 4 (module doc) in the claimed output_dir, unless the run there is finished."""
-    from transformers import set_seed
-
-    from ..validation import ValidationError
-    from .run_dir import claim_run_dir, finished_run, read_json
-
-    command = COMMAND.get()
-    set_seed(config.seed)
     try:
-        done = finished_run(run.output_dir, run.save_path, config.resume, config.train_tokens, run.steps)
-    except ValidationError as error:
-        fail(str(error))
-    if done:
-        if state.is_main_process:
-            print(f"[{command}] {done}", flush=True)
-        return 0
-    if state.is_main_process:
-        claim_run_dir(config)
-    summary = (read_json(run.output_dir / "summary.json") or {}) if config.resume else {}
-    summary["config"] = config.to_dict()
-    log = (lambda *a: print(f"[{command}]", *a, flush=True)) if state.is_main_process else (lambda *a: None)
-    log(f"step: {run.batch_size} x {config.block_len} tokens x {run.accumulation} accumulated x {run.processes} "
-        f"processes = {run.tokens_per_step:,} tokens, {run.steps} steps")
-    log_memory_plan(run, device_memory, state, log)
-    keep_compile_cache(run.output_dir)
+        yield
+    finally:
+        if lock is not None:
+            lock.release()
 
-    student, original, tokenizer = load_models(run, state)
-    ensure_pad_token(tokenizer)
-    original.eval().requires_grad_(False)
-    record = ConversionRecord.of(student)
-    log(f"{len(record.converted)} {record.method.upper()} norms; original {run.original}")
-    eval_texts = evaluate_calibrated(config, student, original, tokenizer, summary, state, log)
-    trained = train(run, student, original, tokenizer, state, log, launched)
-    if trained.taper is not None and not trained.taper.finished:  # half-tapered: not the converted model
-        log(f"taper: stopped at step {trained.taper.stopped_at} of its {trained.taper.steps} (mean g "
-            f"{trained.taper.gate():.3g}); no converted model saved: launch again to resume from the last checkpoint")
-        state.wait_for_everyone()
-        return 0
-    finish(config, state, trained, original, tokenizer, eval_texts, summary, log)
-    state.wait_for_everyone()
-    return 0
+
+@contextlib.contextmanager
+def written_or_stopped(output_dir: str):
+    """A write of the run's own that fails (a full disk at run.json, summary.json, the curve, a Trainer checkpoint
+    or the calibrated cache) stops the run in one line; its last checkpoint is kept to resume from."""
+    try:
+        yield
+    except OSError as error:
+        if error.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        raise stopped(f"cannot write in output_dir {output_dir} ({first_line(error)}); free disk space and launch "
+                      "again: it resumes from its last checkpoint") from None
+    except CheckpointError as error:
+        raise stopped(f"{error}; launch again once that is fixed: it resumes from its last checkpoint") from None
 
 
 def log_memory_plan(run, device_memory: int | None, state, log) -> None:

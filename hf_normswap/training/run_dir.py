@@ -99,10 +99,11 @@ def optimizer_settings(config) -> dict:
             **{key: getattr(value, "value", value) for key, value in restored.items()}}  # an enum: its name
 
 
-def check_optimizer_settings(out: Path, record: dict, config, last: Path) -> None:
-    """A resume from ``last`` keeps the optimizer settings recorded in ``record`` (run.json): refuse a config that
-    changes one, which would be recorded in the checkpoint's card while the run trains with the old value."""
-    recorded, asked = record.get("optimizer"), optimizer_settings(config)
+def check_optimizer_settings(out: Path, record: dict, asked: dict, last: Path) -> None:
+    """A resume from ``last`` keeps the optimizer settings recorded in ``record`` (run.json): refuse settings
+    (``asked``: :func:`optimizer_settings`) that change one, which the checkpoint's card would record while the run
+    trains with the old value."""
+    recorded = record.get("optimizer")
     if not isinstance(recorded, dict):  # a run recorded before these were: nothing to compare with
         return
     changed = [f"{key} {shown(recorded.get(key))} (the config: {shown(value)})" for key, value in asked.items()
@@ -252,7 +253,7 @@ def check_run_dir(config) -> None:
                               "checkpoints' optimizer state fits those parameters only; set them back, name another "
                               "output_dir, or set resume=false to start over")
     if last is not None:
-        check_optimizer_settings(out, record, config, last)
+        check_optimizer_settings(out, record, optimizer_settings(config), last)
 
 
 def read_sources(config):
@@ -294,7 +295,10 @@ def record_save(out: Path, save_path: Path, steps: int, tokens: int) -> None:
 
 
 def claim_run_dir(config) -> None:
-    """Create output_dir (main process) and record what it trains, before the models load."""
+    """Create output_dir (main process) and record what it trains, before the models load; checked again first
+    (``check_run_dir``): the recipe holds the folder's lock by now, and a launch that ended since the settings were
+    checked may have changed it."""
+    check_run_dir(config)
     out = Path(config.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     record = read_json(out / RECORD) if config.resume else None
