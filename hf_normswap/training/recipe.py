@@ -157,6 +157,9 @@ def held_run_dir(output_dir: str, state):
             lock.release()
 
 
+RESUMES = "it goes on from its last checkpoint, if any"
+
+
 @contextlib.contextmanager
 def written_or_stopped(output_dir: str):
     """A write of the run's own that fails (a full disk at run.json, summary.json, the curve, a Trainer checkpoint
@@ -167,9 +170,9 @@ def written_or_stopped(output_dir: str):
         if error.errno not in (errno.ENOSPC, errno.EDQUOT):
             raise
         raise stopped(f"cannot write in output_dir {output_dir} ({first_line(error)}); free disk space and launch "
-                      "again: it resumes from its last checkpoint") from None
+                      f"again: {RESUMES}") from None
     except CheckpointError as error:
-        raise stopped(f"{error}; launch again once that is fixed: it resumes from its last checkpoint") from None
+        raise stopped(f"{error}; launch again once that is fixed: {RESUMES}") from None
 
 
 def log_memory_plan(run, device_memory: int | None, state, log) -> None:

@@ -114,5 +114,5 @@ def test_a_full_disk_is_one_line_and_keeps_what_was_trained(tiny_setup, tmp_path
         shutil.rmtree(kept.parent)
     else:
         assert message.startswith(f"finetune: cannot write the Trainer checkpoint {out / 'checkpoint-2'} ("), message
-        assert "it resumes from its last checkpoint" in message
+        assert "it goes on from its last checkpoint, if any" in message
     assert not (out / "final").exists()
