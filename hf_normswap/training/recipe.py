@@ -191,7 +191,6 @@ def train(run, student, original, tokenizer, state, log, launched: float) -> Tra
     if steps <= 0 and not hasattr(train_set, "__len__"):
         fail(f"train_data {config.train_data} is read as a stream, which has no epochs: set train_tokens or "
              "training.max_steps")
-    ConversionRecord.amend(student, hand_over=None)  # a start saved mid hand-over: this run's own is recorded
     swap = progressive_swap(config.progressive, config.taper, steps, run.original_read_once, student, original,
                             state, log)
     hand_over = hand_over_callback(config.progressive, config.taper, swap, log)
@@ -264,6 +263,7 @@ def progressive_swap(progressive, taper, steps: int, from_main: bool, student, o
     from .progressive import ProgressiveSwap, end_step
     from .taper import taper_steps
 
+    ConversionRecord.amend(student, hand_over=None)  # a start saved mid hand-over: this run records its own
     if not (progressive.enabled or taper.fraction):
         return None
     converted = ConversionRecord.of(student).converted

@@ -239,7 +239,8 @@ def test_an_epoch_based_run_tapers_over_the_steps_the_trainer_counts(tiny_setup)
     root, model_dir = tiny_setup
     output = root / "epoch-taper"
     config = write_config(root, model_dir, output, progressive={"enabled": False}, taper={"fraction": 0.5})
-    result = run_recipe(config, "training.max_steps=-1", "training.num_train_epochs=1", "max_train_tokens=512")
+    result = run_recipe(config, "training.max_steps=-1", "training.num_train_epochs=1", "max_train_tokens=512",
+                        "train_data=builtin:calibration")  # read whole: a local file is a stream, without epochs
     summary = json.loads((output / "summary.json").read_text())
     steps = summary["training"]["steps"]
     length = taper_steps(0.5, steps)
