@@ -72,7 +72,8 @@ def end_step(stages) -> int:
 
 def check_fits(name: str, end: int, steps: int, fix: str) -> None:
     """Refuse a hand-over (``name``: progressive, taper) that ends at step ``end``, after a run of ``steps``: its
-    last norms would be swapped in at once when training ends, untrained, and the model saved as converted."""
+    last norms would still be blended when training ends, so the run could not save a converted model (swapping
+    them in then, untrained, saved one that was never trained converted)."""
     if end > steps:
         raise HandOverError(f"{name}: the norms are handed over until step {end}, after the run's {steps} steps: "
                             f"{fix}")
