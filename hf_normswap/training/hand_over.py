@@ -40,25 +40,24 @@ def converted_roles(model) -> dict[str, str] | None:
     return {norm.name: norm.role for norm in selected}
 
 
-def check_hand_over(run, model) -> None:
-    """Build the run's hand-over for ``model``'s norms (the original, or the converted checkpoint) and refuse, in
-    one line, an order that does not fit them or a progressive schedule longer than the run's steps (where they
-    are known before training: ``training.max_steps``, or ``train_tokens`` over a step's tokens; the Trainer's own
-    count is checked again when training starts, :class:`ProgressiveSwapCallback`)."""
-    config = run.settings
-    progressive, taper = config.progressive, config.taper
+def check_hand_over(progressive, taper, steps: int, train_tokens: int | None, model) -> None:
+    """Build the hand-over of the ``progressive`` and ``taper`` settings for ``model``'s norms (the original, or the
+    converted checkpoint) and refuse, in one line, an order that does not fit them or a progressive schedule longer
+    than the run's ``steps`` (``RecoveryRun.steps``: where known before training, ``training.max_steps`` or
+    ``train_tokens`` over a step's tokens; the Trainer's own count is checked again when training starts,
+    :class:`ProgressiveSwapCallback`)."""
     if not (progressive.enabled or taper.fraction and taper.schedule == "progressive"):
         return  # the taper's single stage fits any norms and any run
     roles = converted_roles(model)
     if roles is None:
         return
     try:
-        stages = hand_over_stages(progressive, taper, roles, taper_steps(taper.fraction, max(run.steps, 1)))
+        stages = hand_over_stages(progressive, taper, roles, taper_steps(taper.fraction, max(steps, 1)))
     except ValueError as error:
         fail(f"progressive.order: {first_line(error)}")
-    counted = run.steps > 0 and not (config.train_tokens is not None and ends_in_hidden_states(model))
+    counted = steps > 0 and not (train_tokens is not None and ends_in_hidden_states(model))
     if progressive.enabled and counted:  # an encoder's train_tokens counts sentences, known once they are read
         try:
-            check_fits(ProgressiveSwapCallback.name, end_step(stages), run.steps, ProgressiveSwapCallback.fix)
+            check_fits(ProgressiveSwapCallback.name, end_step(stages), steps, ProgressiveSwapCallback.fix)
         except HandOverError as error:
             fail(str(error))

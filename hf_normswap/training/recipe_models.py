@@ -73,7 +73,7 @@ def load_models(run, state):
         student, tokenizer = load_model(config.model, empty=empty)
         original, _ = load_model(run.original, with_tokenizer=False, empty=empty_original)
         check_context_settings(run.context, {config.model: student, run.original: original}, lora_targets)
-        check_hand_over(run, student)
+        check_hand_over(config.progressive, config.taper, run.steps, config.train_tokens, student)
         match_main({"student": student, "original": original}, state)
         if empty:
             storage_for_optimizer(student)
@@ -81,7 +81,8 @@ def load_models(run, state):
                 place_for_training(original, state.device, run.sharded), tokenizer)
     original, tokenizer = load_model(config.model, empty=empty_original)
     check_context_settings(run.context, {config.model: original}, lora_targets)  # before calibration, slow
-    check_hand_over(run, original)  # the norms the conversion will replace, found on the original
+    # the norms the conversion will replace, found on the original
+    check_hand_over(config.progressive, config.taper, run.steps, config.train_tokens, original)
     original = place_for_training(original, state.device, run.sharded)
     with state.main_process_first():
         # the main process reuses the cache on a resume (check_calibration_cache: it matches the config); the others
