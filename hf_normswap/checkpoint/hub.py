@@ -15,7 +15,7 @@ from huggingface_hub.errors import HFValidationError, HfHubHTTPError
 from huggingface_hub.utils import validate_repo_id
 
 from ..validation import ValidationError, first_line
-from . import directory
+from . import directory, model_card
 from .config_checks import check_block
 from .record import ConversionRecord, converted_config
 
@@ -86,6 +86,9 @@ def push(folder: str | os.PathLike, repo_id: str, *, private: bool = False, toke
         record = check_block(ConversionRecord.read(folder))
     except ValidationError as error:
         raise PushError(f"{folder}: {error}") from None
+    mid_hand_over = model_card.hand_over_warning(record.hand_over)
+    if mid_hand_over:  # it would be published as the converted model, which it is not
+        raise PushError(f"{folder} was {mid_hand_over}; nothing was pushed")
     files = directory.checkpoint_files(folder)
     linked = _link_out_of(folder, files)
     if linked:

@@ -13,6 +13,7 @@ import logging
 import math
 import os
 import struct
+import warnings
 from pathlib import Path
 
 import torch
@@ -27,11 +28,15 @@ from transformers import CONFIG_MAPPING, AutoConfig, AutoModel, AutoModelForCaus
 from .. import kernels, offload
 from ..data import texts as data
 from ..validation import ValidationError, check_path_length, first_line
-from . import config_checks, remote_code
+from . import config_checks, model_card, remote_code
 from .packaged import PREFIX, packaged_path
 from .record import ConversionRecord, converted_config
 from .directory import CheckpointError
 from .saving import enable_save
+
+
+class HandOverWarning(UserWarning):
+    """The checkpoint was saved while training still blended its converted modules with the original's norms."""
 
 
 class ModelLoadError(OSError):
@@ -270,4 +275,8 @@ def load(path: str | os.PathLike, **kwargs) -> nn.Module:
     model = normswap_class(record.base.architecture).from_pretrained(path, config=config, **kwargs)
     enable_save(model)
     kernels.install()
+    mid_hand_over = model_card.hand_over_warning(record.hand_over)
+    if mid_hand_over:  # loaded all the same: a run's checkpoints are worth evaluating while it trains
+        warnings.warn(f"{path} was {mid_hand_over}", HandOverWarning, stacklevel=2)
     return model.eval()
+

@@ -89,10 +89,29 @@ def _training_section(training) -> str | None:
                      f"({training['progressive'].get('order')} order).")
     if training.get("taper"):
         taper = training["taper"]
+        length = (f"its first {taper['steps']} steps" if taper.get("steps") else
+                  f"the first {taper.get('fraction'):g} of the steps")
         lines.append("Each converted module was blended with its original norm, `g * norm(x) + (1 - g) * new(x)`, "
-                     f"`g` falling from 1 to 0 ({taper.get('schedule')}) over the first {taper.get('fraction'):g} "
-                     "of the steps; the saved model has no norm.")
+                     f"`g` falling from 1 to 0 ({taper.get('schedule')}) over {length}; the saved model has no norm.")
     return " ".join(lines)
+
+
+def hand_over_warning(hand_over) -> str | None:
+    """What a checkpoint saved mid hand-over is (a Trainer checkpoint of a tapered or progressive run), or None: the
+    card, ``load`` and ``push`` say it."""
+    if not hand_over:
+        return None
+    fraction = hand_over.get("converted_fraction")
+    fraction = f"{fraction:.3g}" if isinstance(fraction, (int, float)) else "?"
+    return (f"saved at step {hand_over.get('step')} of a {hand_over.get('schedule')} hand-over, which blends the "
+            f"converted modules with the original's norms until step {hand_over.get('ends_at_step')} (converted "
+            f"fraction {fraction}): without those norms it is not the model that was training; resume the run to "
+            "its end, or use its final checkpoint")
+
+
+def _mid_hand_over(hand_over) -> str:
+    warning = hand_over_warning(hand_over)
+    return f"\n**Mid hand-over**: this checkpoint was {warning}.\n" if warning else ""
 
 
 def _evaluation_section(evaluation) -> str | None:
@@ -165,7 +184,7 @@ def render(config: dict) -> str:
 
 This checkpoint is {origin} with {len(converted)} normalization layers replaced by element-wise
 **{method_class.title}** modules, made with [hf-normswap](https://pypi.org/project/hf-normswap/) {version}.
-
+{_mid_hand_over(record.hand_over)}
 ## Method
 
 Each converted norm computes, per element and without any statistics over the channels,

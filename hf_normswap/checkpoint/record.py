@@ -30,7 +30,7 @@ from ..version import __version__
 
 KEY = "normswap"  # the config attribute and config.json key
 FORMAT_VERSION = 2
-PARTS = ("evaluation", "budget", "training", "folded", "check")  # what later stages add to a conversion's record
+PARTS = ("evaluation", "budget", "training", "folded", "check", "hand_over")  # what later stages add to a record
 
 
 @dataclass(kw_only=True)
@@ -141,6 +141,8 @@ class ConversionRecord:
     training: dict | None = None
     folded: dict | None = None
     check: dict | None = None  # the check after the conversion (evaluation.conversion_check)
+    # a Trainer checkpoint saved while the norms were still blended with the original's (training.progressive)
+    hand_over: dict | None = None
 
     # --------------------------------------------------------------------------------------------- reading
 
@@ -204,7 +206,8 @@ class ConversionRecord:
     @classmethod
     def amend(cls, model, **parts) -> "ConversionRecord | None":
         """Add later stages' parts (:data:`PARTS`: ``evaluation=``, ``budget=``, ``training=``, ``folded=``,
-        ``check=``) to the record of ``model``; a model that was not converted is left as it is (None)."""
+        ``check=``, ``hand_over=``; None removes one) to the record of ``model``; a model that was not converted is
+        left as it is (None)."""
         unknown = set(parts) - set(PARTS)
         if unknown:
             raise TypeError(f"a conversion record has no part {', '.join(sorted(unknown))}; parts: {', '.join(PARTS)}")

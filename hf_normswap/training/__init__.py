@@ -12,5 +12,6 @@
 - ``layerwise.py``: every block's output pulled toward the original's.
 - ``progressive.py``: converting norms a few at a time during training.
 - ``taper.py``: every norm blended with its original, the original's share falling to 0 over the run.
+- ``hand_over.py``: either one's stages from the settings, checked against the norms and the run before calibration.
 - ``saturation.py``: the share of each converted module's elements in the flat part of its function, along the run.
 """

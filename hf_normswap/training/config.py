@@ -87,16 +87,17 @@ class ProgressiveSettings:
     role_order: list[str] | None = None
 
     def __post_init__(self):
-        """The schedule is built after calibration: its settings and its map file are read here, before any load."""
-        from ..evaluation.sensitivity import load_order
-        from .progressive import ORDERS
-
         _at_least(self.every, "progressive.every", 1, whole=True)
         _at_least(self.ramp, "progressive.ramp", 0, whole=True)
         _at_least(self.start, "progressive.start", 0, whole=True)
         _at_least(self.group, "progressive.group", 1, whole=True)
-        if not self.enabled:
-            return
+
+    def check_order(self) -> None:
+        """The order, and its map file read, before any load: the schedule is built after the model loads (by
+        ``progressive.enabled``, or the taper in stages, ``taper.schedule: progressive``)."""
+        from ..evaluation.sensitivity import load_order
+        from .progressive import ORDERS
+
         if self.order.endswith(".json"):
             try:
                 load_order(self.order)
@@ -288,6 +289,8 @@ class RecipeConfig:
                                   "false (taper.schedule=progressive tapers in progressive.order)")
         if self.taper.fraction and self.trainable == "lora":
             raise ValidationError("the taper works with trainable: norms or all, not lora")
+        if self.progressive.enabled or self.taper.fraction and self.taper.schedule == "progressive":
+            self.progressive.check_order()
         output = Path(self.output_dir).absolute()
         if self.save_path.absolute() in (output, *output.parents, output / "calibrated"):
             raise ValidationError(f"save_dir {self.save_dir} is output_dir, holds it or its calibrated/: the final "

@@ -59,7 +59,7 @@ class TrainingRun:
     last: str | None
     resumed: dict
     first_step: float | None  # seconds from the launch to its first step
-    taper: object = None
+    hand_over: object = None  # the taper's or the progressive swap's callback
 
 
 def main(argv: list[str] | None = None, command: str = "finetune") -> int:
@@ -118,10 +118,10 @@ def main(argv: list[str] | None = None, command: str = "finetune") -> int:
         log(f"{len(record.converted)} {record.method.upper()} norms; original {run.original}")
         eval_texts = evaluate_calibrated(config, student, original, tokenizer, summary, state, log)
         trained = train(run, student, original, tokenizer, state, log, launched)
-        if trained.taper is not None and not trained.taper.finished:  # half-tapered: not the converted model
-            log(f"taper: stopped at step {trained.taper.stopped_at} of its {trained.taper.steps} (mean g "
-                f"{trained.taper.gate():.3g}); no converted model saved: launch again to resume from the last "
-                "checkpoint")
+        hand_over = trained.hand_over
+        if hand_over is not None and not hand_over.finished:  # half handed over: not the converted model
+            log(f"{hand_over.name}: stopped at step {hand_over.stopped_at} of its {hand_over.end} "
+                f"({hand_over.status()}); no converted model saved: launch again to resume from the last checkpoint")
             state.wait_for_everyone()
             return 0
         finish(config, state, trained, original, tokenizer, eval_texts, summary, log)
@@ -229,7 +229,7 @@ def train(run, student, original, tokenizer, state, log, launched: float) -> Tra
     from ..model_inputs import ends_in_hidden_states
     from .trainer import NormSwapTrainer
     from .wall_clock import FirstStepClock, WallClockStop
-    from .progressive import ProgressiveSwapCallback
+    from .progressive import HandOverError
     from .saturation import SaturationLog
     from .recipe_models import skeleton_to_gather
     from .run_dir import last_checkpoint, read_json
@@ -248,7 +248,7 @@ def train(run, student, original, tokenizer, state, log, launched: float) -> Tra
              "training.max_steps")
     swap = progressive_swap(config.progressive, config.taper, steps, run.original_read_once, student, original,
                             state, log)
-    taper = taper_callback(config.taper, steps, swap)
+    hand_over = hand_over_callback(config.progressive, config.taper, swap, log)
     anchor = scale_anchor(distill.scale, student)
     student, trainable = choose_trainable(student, config.trainable, config.lora, config.freeze_embeddings, log)
     rows = f"sentences (at most {config.block_len} tokens)" if encoder else f"blocks of {config.block_len} tokens"
@@ -274,8 +274,8 @@ def train(run, student, original, tokenizer, state, log, launched: float) -> Tra
     callbacks = [first_step, *([WallClockStop(config.max_minutes)] if config.max_minutes else [])]
     callbacks.append(SaturationLog(student, Path(config.output_dir) / "saturation.jsonl" if state.is_main_process
                                    else None))
-    if swap is not None:
-        callbacks.append(taper or ProgressiveSwapCallback(swap))
+    if hand_over is not None:
+        callbacks.append(hand_over)
     skeleton = skeleton_to_gather(student)  # after LoRA and the trainable choice: the model as it is sharded
     trainer = NormSwapTrainer(model=student, args=args, train_dataset=train_set, eval_dataset=eval_set,
                               processing_class=tokenizer, callbacks=callbacks,
@@ -290,10 +290,13 @@ def train(run, student, original, tokenizer, state, log, launched: float) -> Tra
     resumed = read_json(last / "trainer_state.json") if last else {}
     last = str(last) if last else None
     start = time.time()
-    result = trainer.train(resume_from_checkpoint=last)
+    try:
+        result = trainer.train(resume_from_checkpoint=last)
+    except HandOverError as error:  # checked with the Trainer's count of steps: an epoch-based run's, a resume's
+        fail(str(error))
     return TrainingRun(trainer=trainer, result=result, precision=precision, swap=swap, skeleton=skeleton,
                        eval_set=eval_set, encoder=encoder, wall=time.time() - start, last=last, resumed=resumed,
-                       first_step=first_step.seconds, taper=taper)
+                       first_step=first_step.seconds, hand_over=hand_over)
 
 
 def own_share(train_set, hub_stream: bool) -> dict:
@@ -309,22 +312,20 @@ def own_share(train_set, hub_stream: bool) -> dict:
 def progressive_swap(progressive, taper, steps: int, from_main: bool, student, original, state, log):
     """The :class:`ProgressiveSwap` of the ``progressive`` settings or of the ``taper`` (None when both are off):
     the converted norms blended with the original's (the main process's, ``from_main``, where the others hold the
-    original on the meta device), handed over a few at a time or all along the taper's gate over ``steps``."""
+    original on the meta device), handed over a few at a time or all along the taper's gate (whose length the
+    taper's callback fixes when training starts; ``steps`` until then, -1 in an epoch-based run)."""
     from accelerate.utils import broadcast_object_list
 
-    from .progressive import ProgressiveSwap, schedule
-    from .taper import taper_stages, taper_steps
+    from .hand_over import hand_over_stages
+    from .progressive import ProgressiveSwap, end_step
+    from .taper import taper_steps
 
+    ConversionRecord.amend(student, hand_over=None)  # a start saved mid hand-over: this run records its own
     if not (progressive.enabled or taper.fraction):
         return None
     converted = ConversionRecord.of(student).converted
     roles = {name: entry.role for name, entry in converted.items()}
-    if taper.fraction:
-        stages = taper_stages(roles, taper_steps(taper.fraction, steps), taper.schedule,
-                              order=progressive.order, role_order=progressive.role_order, group=progressive.group)
-    else:
-        stages = schedule(roles, start=progressive.start, every=progressive.every, ramp=progressive.ramp,
-                          order=progressive.order, role_order=progressive.role_order, group=progressive.group)
+    stages = hand_over_stages(progressive, taper, roles, taper_steps(taper.fraction, max(steps, 1)))
     norms = {n: original.get_submodule(n) for n in converted}
     if from_main:
         weights = broadcast_object_list([{n: m.state_dict() for n, m in norms.items()}
@@ -333,9 +334,9 @@ def progressive_swap(progressive, taper, steps: int, from_main: bool, student, o
             norms[name] = copy.deepcopy(module)
             norms[name].load_state_dict(weights[name], assign=True)
     swap = ProgressiveSwap(student, norms, stages)
-    log(f"taper: g from 1 to 0 over {taper_steps(taper.fraction, steps)} steps, "
-        f"{taper.schedule}, {len(stages)} stage(s)" if taper.fraction else
-        f"progressive: {len(stages)} stages by {progressive.order}, every {progressive.every} steps")
+    if not taper.fraction:  # the taper's line comes with its length, when training starts
+        log(f"progressive: {len(stages)} stages by {progressive.order}, every {progressive.every} steps, all "
+            f"converted from step {end_step(stages)}")
     return swap
 
 
@@ -353,13 +354,19 @@ def scale_anchor(weight: float, student):
         fail(str(error))
 
 
-def taper_callback(taper, steps: int, swap):
-    """The taper's callback (None without a taper), which tells whether the run reached the taper's end."""
-    from .taper import TaperCallback, taper_steps
+def hand_over_callback(progressive, taper, swap, log):
+    """The callback of the hand-over ``swap`` (None without one), which tells whether the run reached its end; the
+    taper's fixes the taper's length when training starts."""
+    from .hand_over import hand_over_stages
+    from .progressive import ProgressiveSwapCallback
+    from .taper import TaperCallback
 
-    if not taper.fraction:
+    if swap is None:
         return None
-    return TaperCallback(swap, taper_steps(taper.fraction, steps))
+    if not taper.fraction:
+        return ProgressiveSwapCallback(swap)
+    roles = {name: entry.role for name, entry in ConversionRecord.of(swap.model).converted.items()}
+    return TaperCallback(swap, taper.fraction, lambda steps: hand_over_stages(progressive, taper, roles, steps), log)
 
 
 def choose_trainable(student, which: str, lora, freeze: bool, log):

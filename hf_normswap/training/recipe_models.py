@@ -62,6 +62,7 @@ def load_models(run, state):
     from ..checkpoint.loading import load_model
     from ..checkpoint.record import converted_config
     from ..data import DataError
+    from .hand_over import check_hand_over
     from .sharding import storage_for_optimizer
 
     config, cache = run.settings, run.calibrated_cache
@@ -72,6 +73,7 @@ def load_models(run, state):
         student, tokenizer = load_model(config.model, empty=empty)
         original, _ = load_model(run.original, with_tokenizer=False, empty=empty_original)
         check_context_settings(run.context, {config.model: student, run.original: original}, lora_targets)
+        check_hand_over(config.progressive, config.taper, run.steps, config.train_tokens, student)
         student = fp32_master_weights(trainable_dense(student))
         match_main({"student": student, "original": original}, state)
         if empty:
@@ -80,6 +82,8 @@ def load_models(run, state):
                 place_for_training(original, state.device, run.sharded), tokenizer)
     original, tokenizer = load_model(config.model, empty=empty_original)
     check_context_settings(run.context, {config.model: original}, lora_targets)  # before calibration, slow
+    # the norms the conversion will replace, found on the original
+    check_hand_over(config.progressive, config.taper, run.steps, config.train_tokens, original)
     original = place_for_training(original, state.device, run.sharded)
     with state.main_process_first():
         # the main process reuses the cache on a resume (check_calibration_cache: it matches the config); the others
@@ -111,8 +115,14 @@ def load_models(run, state):
 def fp32_master_weights(student):
     """The student in float32 whatever its checkpoint's dtype: the optimizer updates the weights it is given, and a
     bfloat16 weight rounds most updates of a small learning rate away (bf16 compute is the autocast of
-    ``precision``). It is saved in float32 too: the model that was trained."""
-    return student.float()
+    ``precision``). It is saved in float32 too: the model that was trained. A model read from a GGUF file is float32
+    already and transformers refuses its ``.float()``, so a float32 model is left as it is and any other is cast by
+    torch's own cast."""
+    import torch
+
+    if all(p.dtype == torch.float32 for p in student.parameters() if p.is_floating_point()):
+        return student
+    return torch.nn.Module.float(student)
 
 
 def match_main(models: dict, state) -> None:

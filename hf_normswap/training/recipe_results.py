@@ -164,7 +164,8 @@ def finish(config, state, run, original, tokenizer, eval_texts, summary: dict, l
     training = {"steps": trainer.state.global_step, "tokens_seen": tokens, "trainable": config.trainable,
                 "distill": dataclasses.asdict(config.distill), "lr": dataclasses.asdict(config.lr),
                 "progressive": dataclasses.asdict(config.progressive) if config.progressive.enabled else None,
-                "taper": dataclasses.asdict(config.taper) if config.taper.fraction else None,
+                "taper": {**dataclasses.asdict(config.taper), "steps": run.hand_over.steps} if config.taper.fraction
+                else None,
                 "train_data": config.train_data, "block_len": config.block_len,
                 "precision": vars(run.precision), "freeze_embeddings": config.freeze_embeddings,
                 "wall_seconds": round(sum(s["wall_seconds"] for s in launches), 1),

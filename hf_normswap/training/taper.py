@@ -12,19 +12,23 @@ while the error of the element-wise replacement grows, instead of meeting all of
 
 ``g`` is 0 from step ``S`` on, so the model saved at the end is the plain converted model. The blend is the forward
 hook of :class:`~hf_normswap.training.progressive.ProgressiveSwap` (original norms frozen and outside the
-``state_dict``; the gradient reaches ``x`` through both branches), with the mix ``1 - g``. The gate is a function
-of the global step and the run's ``max_steps``, so a resumed launch continues the schedule; a launch that stops
-before step ``S`` leaves a half-tapered model, which the recipe does not save as converted (:attr:`TaperCallback.finished`).
+``state_dict``; the gradient reaches ``x`` through both branches), with the mix ``1 - g``. ``S`` is fixed when the
+taper starts, from the steps the Trainer counts (an epoch-based run's too), and recorded in the Trainer's state, so
+a resumed launch continues the same schedule, and one that extends a run (a larger ``max_steps`` or
+``train_tokens``) keeps ``g`` at 0 once it got there; a launch that stops before step ``S`` leaves a half-tapered
+model, which the recipe does not save as converted (:attr:`TaperCallback.finished`).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from .progressive import ProgressiveSwapCallback, schedule
 
 SCHEDULES = ("cosine", "linear", "progressive")
+LENGTH = "normswap_taper"  # the taper's entry in the Trainer state's stateful_callbacks: {"steps": S}
 
 
 def taper_steps(fraction: float, max_steps: int) -> int:
@@ -49,6 +53,11 @@ class TaperStage:
             return 0.0
         return 0.5 * (1 + math.cos(math.pi * t)) if self.shape == "cosine" else 1.0 - t
 
+    @property
+    def done_at(self) -> int:
+        """The first global step at which the gate is 0."""
+        return math.ceil(self.end)
+
     def mix(self, step: int) -> float:
         """The converted module's share, as :class:`ProgressiveSwap` reads it."""
         return 1.0 - self.gate(step)
@@ -63,26 +72,37 @@ def taper_stages(roles: dict[str, str], steps: int, shape: str, *, order: str = 
     if shape != "progressive":
         return [TaperStage(0, steps, list(roles), shape)]
     buckets = [stage.names for stage in schedule(roles, order=order, role_order=role_order, group=group)]
-    share = steps / len(buckets)
-    return [TaperStage(i * share, (i + 1) * share, names) for i, names in enumerate(buckets)]
+    n = len(buckets)  # steps * i / n: the last stage ends at exactly ``steps``
+    return [TaperStage(steps * i / n, steps * (i + 1) / n, names) for i, names in enumerate(buckets)]
 
 
 class TaperCallback(ProgressiveSwapCallback):
-    """The progressive swap's callback (gates set from the global step, the converted share logged) that also knows
-    where the taper ends: :attr:`finished` is False when training stopped before every gate reached 0, and then the
-    hooks stay, so the model is not mistaken for the converted one."""
+    """The progressive swap's callback with the taper's length: fixed at the start of training from the Trainer's
+    count of steps (``fraction`` of it; ``stages_of(S)`` builds the stages) unless the resumed state records it,
+    then recorded there (:data:`LENGTH`), so that every later launch keeps it."""
 
-    def __init__(self, swap, steps: int):
+    name = "taper"
+    fix = ("its length was fixed when the taper started; set training.max_steps (or train_tokens) to at least that, "
+           "or resume=false to start over")
+
+    def __init__(self, swap, fraction: float, stages_of: Callable[[int], list], log: Callable = print):
         super().__init__(swap)
-        self.steps = steps
-        self.finished = False
-        self.stopped_at = None
+        self.fraction, self.stages_of, self.log = fraction, stages_of, log
+        self.steps = None
 
-    def on_train_end(self, args, state, control, **kwargs):
-        self.stopped_at = state.global_step
-        self.finished = state.global_step >= self.steps
-        if self.finished:
-            super().on_train_end(args, state, control, **kwargs)
+    def on_train_begin(self, args, state, control, **kwargs):
+        recorded = state.stateful_callbacks.get(LENGTH)
+        steps = recorded.get("steps") if isinstance(recorded, dict) else None
+        kept = isinstance(steps, int) and not isinstance(steps, bool) and steps >= 1
+        self.steps = steps if kept else taper_steps(self.fraction, state.max_steps)
+        state.stateful_callbacks[LENGTH] = {"steps": self.steps}  # saved with every checkpoint's trainer state
+        self.swap.stages = self.stages_of(self.steps)
+        self.log(f"taper: g from 1 to 0 over {self.steps} steps{' (its length when it started)' if kept else ''} "
+                 f"in {len(self.swap.stages)} stage(s)")
+        super().on_train_begin(args, state, control, **kwargs)
+
+    def status(self) -> str:
+        return f"mean g {self.gate():.3g}"
 
     def gate(self) -> float:
         """The mean gate now (1: the original's norms, 0: converted)."""

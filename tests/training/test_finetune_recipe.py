@@ -81,7 +81,7 @@ def write_config(root: Path, model_dir: Path, output: Path, **extra) -> Path:
         "train_data": str(root / "train.txt"), "eval_data": str(root / "eval.txt"),
         "block_len": 32, "eval_blocks": 4, "final_eval": {"max_tokens": 256, "max_length": 32},
         "distill": {"weight": 0.5, "temperature": 2.0}, "lr": {"base": 1e-3, "shape": 1e-2, "gamma": 1e-3},
-        "progressive": {"enabled": True, "order": "depth", "every": 2, "ramp": 2},
+        "progressive": {"enabled": True, "order": "depth", "every": 1, "ramp": 2},  # all converted from step 3
         "output_dir": str(output), "threads": 1,
         "training": {"max_steps": 4, "per_device_train_batch_size": 2, "logging_steps": 1, "eval_steps": 2,
                      "save_steps": 2, "save_total_limit": 2, "warmup_steps": 1, "report_to": "none",

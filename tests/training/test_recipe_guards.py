@@ -120,3 +120,22 @@ def test_a_full_disk_is_one_line_and_keeps_what_was_trained(tiny_setup, tmp_path
         assert message.startswith(f"finetune: cannot write the Trainer checkpoint {out / 'checkpoint-2'} ("), message
     assert message.endswith("it goes on from its last checkpoint, if any") or where == "final", message
     assert not (out / "final").exists()
+
+
+def test_float32_master_weights_cast_by_torch_and_a_float32_model_left_as_it_is():
+    """A model read from a GGUF file (``offline:smollm2``) is float32 and transformers refuses its ``.float()``: the
+    cast must not call it; a bfloat16 model is cast all the same."""
+    from tiny_models import tiny_model
+
+    from hf_normswap.training.recipe_models import fp32_master_weights
+
+    def refused():
+        raise ValueError("`.float()` is not supported for quantized model")
+
+    model = tiny_model("llama")
+    model.float = refused
+    assert fp32_master_weights(model) is model
+    half = tiny_model("llama").to(torch.bfloat16)
+    half.float = refused
+    cast = fp32_master_weights(half)
+    assert {p.dtype for p in cast.parameters()} == {torch.float32}
