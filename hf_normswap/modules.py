@@ -183,6 +183,14 @@ class ElementwiseNorm(nn.Module):
             module.to(device=param.device)
         return module
 
+    def set_first_scale(self, first_scale: float, input_scale: float) -> None:
+        """A scale of its own for the first position (``Linear``); an element-wise method bounds the sink already."""
+
+    def common_rows(self, x: torch.Tensor, is_first: torch.Tensor) -> torch.Tensor:
+        """Token rows ``(N, C)`` as :meth:`squash` without a sequence axis should see them to give what the module
+        gives each in place (``is_first``: rows at position 0); the rows themselves for an element-wise method."""
+        return x
+
     @staticmethod
     def amplitude_of(kind: str, size: int) -> float:
         """The largest output per channel that ``weight`` carries beside gamma (:func:`amplitude_for`)."""
@@ -329,9 +337,15 @@ class Linear(ElementwiseNorm):
     ``alpha = 1 / s`` is one scalar per module, the norm's typical input scale (calibration's measured median of
     the per-token RMS / std over ordinary tokens); it stays fixed (a learning-rate factor of 0) while ``weight``
     carries the source's gamma over and is what calibration and recovery fit, so a per-channel ``alpha`` would
-    only repeat ``weight`` (``per_channel`` is ignored). Nothing saturates and the amplitude is 1. A model whose
-    every norm is one of these is linear between its blocks' residual adds, and can be exported as its original
-    architecture (``hf_normswap.checkpoint.stock_export``).
+    only repeat ``weight`` (``per_channel`` is ignored). Nothing saturates and the amplitude is 1.
+
+    The first position (the attention sink, 10-180x the RMS of other tokens in SmolLM2) may have a scale of its
+    own while a model recovers, as the anchors kept it: ``log_first`` is ``log(alpha_0 / alpha)`` for row 0 of an
+    input with a sequence axis longer than one (packed or right-padded rows; a decoding step of one token is never
+    position 0), 0 for one scale. Calibration measures it (``calibration.first_scale``), the recipe hands it over
+    to 0 by the end of the run (``first_scale_handover``, ``training.first_scale``); nothing trains it. A model
+    whose every norm is one of these with ``log_first`` 0 is linear between its blocks' residual adds and exports
+    as its original architecture (``hf_normswap.checkpoint.stock_export``).
     """
 
     key = "linear"
@@ -355,6 +369,7 @@ class Linear(ElementwiseNorm):
     shape_name = "alpha"
     log_limit = LOG_ALPHA_LIMIT
     scale_power = -1  # alpha = 1 / scale
+    squash_extras = ("log_first",)
     saturates = False
 
     def __init__(self, normalized_shape, shape_value, *, per_channel: bool = False, bias: bool = True,
@@ -370,11 +385,26 @@ class Linear(ElementwiseNorm):
         return self.kind == "layernorm"
 
     def lr_factor(self, param_name: str) -> float:
-        """0 for ``log_alpha``: the scale stays where calibration measured it; ``weight`` moves instead."""
-        return 0 if param_name == "log_alpha" else 1
+        """0 for ``log_alpha`` and ``log_first``: the scales stay where calibration put them (the recipe's hand-over
+        moves ``log_first``); ``weight`` moves instead."""
+        return 0 if param_name.startswith("log_") else 1
 
-    def squash(self, x: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
-        return (x - x.mean(-1, keepdim=True) if self.centred else x) * alpha
+    def squash(self, x: torch.Tensor, alpha: torch.Tensor, log_first: torch.Tensor) -> torch.Tensor:
+        y = (x - x.mean(-1, keepdim=True) if self.centred else x) * alpha
+        if x.dim() < 3 or x.shape[-2] < 2:  # no sequence axis, or one decoding step
+            return y
+        first = log_first.clamp(-self.log_limit, self.log_limit).exp().reshape(1, 1)
+        return y * torch.cat([first, torch.ones_like(first).expand(x.shape[-2] - 1, 1)])
+
+    def set_first_scale(self, first_scale: float, input_scale: float) -> None:
+        """Row 0 divided by ``first_scale`` where the other rows are divided by ``input_scale``."""
+        with torch.no_grad():
+            self.log_first.fill_(math.log(input_scale / first_scale))
+
+    def common_rows(self, x: torch.Tensor, is_first: torch.Tensor) -> torch.Tensor:
+        """First-position rows times ``alpha_0 / alpha``: the module is linear, so this is its first-row output."""
+        factor = self.log_first.detach().to(x).exp()
+        return torch.where(is_first.reshape(-1, 1).to(x.device), x * factor, x)
 
     @staticmethod
     def amplitude_of(kind: str, size: int) -> float:

@@ -85,3 +85,24 @@ def test_linear_gpt2_reloads_through_remote_code_with_its_centring(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     with torch.no_grad():
         assert torch.equal(torch.load(tmp_path / "remote.pt"), model(**inputs).logits)
+
+
+def test_the_first_position_has_its_own_scale_in_a_sequence_and_none_in_one_decoding_step():
+    module = Linear.from_norm(torch.ones(8), None, kind="rmsnorm", normalized_shape=(8,), input_scale=2.0)
+    module.set_first_scale(50.0, 2.0)
+    x = torch.randn(3, 5, 8)
+    y = module(x)
+    torch.testing.assert_close(y[:, 0], x[:, 0] / 50.0)
+    torch.testing.assert_close(y[:, 1:], x[:, 1:] / 2.0)
+    torch.testing.assert_close(module(x[:, :1]), x[:, :1] / 2.0)  # a decoding step is never position 0
+    torch.testing.assert_close(module.common_rows(x[:, 0], torch.ones(3, dtype=torch.bool)) / 2.0, x[:, 0] / 50.0)
+
+
+@pytest.mark.parametrize("first_scale", [True, False])
+def test_calibration_measures_the_first_position_scale_only_when_asked(first_scale):
+    model = tiny_model("llama")
+    hf_normswap.convert(model, "linear", calibration=CalibrationConfig(
+        data=_ids(), batch_size=4, block_steps=2, tune_steps=0, first_scale=first_scale, progress=False))
+    firsts = torch.stack([m.log_first.detach() for m in model.modules() if isinstance(m, Linear)])
+    assert bool(firsts.ne(0).any()) == first_scale
+    assert model.config.normswap["calibration"]["first_scale"] is first_scale
