@@ -141,6 +141,7 @@ class ConversionRecord:
     training: dict | None = None
     folded: dict | None = None
     check: dict | None = None  # the check after the conversion (evaluation.conversion_check)
+    stock: dict | None = None  # a stock export (stock_export.py): the norms' epsilon and its config keys
 
     # --------------------------------------------------------------------------------------------- reading
 
