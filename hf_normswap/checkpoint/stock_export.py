@@ -107,9 +107,8 @@ def stock_model(model: nn.Module, record: ConversionRecord, eps: float) -> nn.Mo
         raise StockExportError(f"transformers has no class {architecture} to export to")
     config = copy.deepcopy(model.config)
     config.architectures = [architecture]
-    for attribute in ("auto_map", "normswap"):
-        if hasattr(config, attribute):
-            delattr(config, attribute)
+    if hasattr(config, "auto_map"):
+        del config.auto_map
     keys = _eps_keys(config)
     for key in keys:
         setattr(config, key, eps)
@@ -127,7 +126,7 @@ def stock_model(model: nn.Module, record: ConversionRecord, eps: float) -> nn.Mo
         state[f"{name}.weight"] = (weight - 1 if offset else weight).to(module.weight.dtype)
     stock.load_state_dict(state, strict=True)
     base = record.base or OriginalArchitecture(architecture, type(config).__name__, config.model_type)
-    stock.config.normswap = dataclasses.replace(record, base=base, stock={"eps": eps, "eps_keys": keys}).to_dict()
+    dataclasses.replace(record, base=base, stock={"eps": eps, "eps_keys": keys}).attach(stock)
     return stock
 
 
