@@ -111,7 +111,7 @@ class ElementwiseNorm(nn.Module):
         return tuple(getattr(self, name) for name in self.squash_extras)
 
     def squash(self, x: torch.Tensor, shape: torch.Tensor, *extras: torch.Tensor) -> torch.Tensor:
-        """The element-wise function f with |f| < 1, on fp32 input."""
+        """The function f on fp32 input: element-wise with |f| < 1, or ``Linear``'s fixed scale."""
         raise NotImplementedError
 
     @staticmethod
@@ -352,7 +352,7 @@ class Linear(ElementwiseNorm):
     title = "Linear (a fixed scale per module, FakeLN)"
     formula = "y = weight * alpha * x + bias   (x - mean(x) in place of x where the source is a LayerNorm)"
     shape_note = ("`alpha = 1 / s` is one fixed scalar per module, the source norm's typical input scale measured "
-                  "at calibration")
+                  "at calibration (position 0 times `exp(log_first)`, 0 once a recovery has handed it over)")
     citation = """@article{heimersheim2024removing,
   title   = {You can remove GPT2's LayerNorm by fine-tuning},
   author  = {Heimersheim, Stefan},

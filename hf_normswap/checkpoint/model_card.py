@@ -63,8 +63,8 @@ def _loss(distill: dict) -> str:
     if distill.get("embedding"):
         terms.append(f"1 - cosine of the pooled embedding to the original's (weight {_number(distill['embedding'])})")
     if distill.get("scale"):
-        terms.append("the spread of the final norm's input scale across tokens (weight "
-                     f"{_number(distill['scale'])})")
+        where = "every converted norm's" if distill.get("scale_at") == "all" else "the final norm's"
+        terms.append(f"the spread of {where} input scale across tokens (weight {_number(distill['scale'])})")
     distillation = " plus ".join(terms)
     weight = distill.get("weight") or 0
     if not weight or not distillation:
@@ -169,14 +169,15 @@ This checkpoint is {origin} with {len(converted)} normalization layers replaced 
 
 ## Method
 
-Each converted norm computes, per element and without any statistics over the channels,
+Each converted norm computes, {"per element and without any statistics over the channels" if
+method_class.saturates else "with one fixed scale per module instead of each token's own"},
 
 ```
 {method_class.formula}
 ```
 
-where {method_class.shape_note}, and `weight` is the source norm's learned scale times the theory's amplitude
-(`sqrt(C-1)` for LayerNorm, `sqrt(C)` for RMSNorm, `C` the channel count). Shape parameters are computed in fp32.
+where {method_class.shape_note}, and `weight` is the source norm's learned scale times the amplitude
+(`sqrt(C-1)` for LayerNorm, `sqrt(C)` for RMSNorm, `C` the channel count; 1 for `linear`). Shape parameters are computed in fp32.
 ELN is the exact solution of LayerNorm's differential equation once its channel-dependent term becomes one learnable
 constant; DyT additionally assumes a constant standard deviation.
 
