@@ -96,7 +96,8 @@ def linearise(model: nn.Module, batches: list[dict],
             report.kept[name] = share
             continue
         parent, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent) if parent else model, child, linear_part(module, record.converted[name].kind))
+        replacement = linear_part(module, record.converted[name].kind)
+        setattr(model.get_submodule(parent) if parent else model, child, replacement)
         report.linearised[name] = share
     entries = {name: dataclasses.replace(entry, method="linear" if name in report.linearised else entry.method)
                for name, entry in record.converted.items()}

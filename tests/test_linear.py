@@ -45,7 +45,8 @@ def test_the_scale_has_no_learning_rate_so_the_weight_carries_every_change():
     groups = adam_groups(modules, 1e-2)
     assert all(g["lr"] == 0 for g in groups if any(id(p) in scales for p in g["params"]))
     assert any(g["lr"] == 1e-2 for g in groups)
-    shape_groups = [g for g in parameter_groups(model, lr=1e-3, weight_decay=0.0, shape_lr=1e-1) if g["name"] == "shape"]
+    groups = parameter_groups(model, lr=1e-3, weight_decay=0.0, shape_lr=1e-1)
+    shape_groups = [g for g in groups if g["name"] == "shape"]
     assert shape_groups and all(g["lr"] == 0 for g in shape_groups)
 
 
