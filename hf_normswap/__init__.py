@@ -1,4 +1,5 @@
-"""hf-normswap: replace LayerNorm / RMSNorm in Hugging Face models with element-wise normalizers (``modules.METHODS``).
+"""hf-normswap: replace LayerNorm / RMSNorm in Hugging Face models with element-wise normalizers or a fixed linear
+scale (``modules.METHODS``).
 
 The package follows the pipeline, bottom layer first; a layer imports only the layers listed before it (siblings
 on one line not each other). pyproject.toml's import-linter contract holds the same list, top first:
@@ -14,7 +15,7 @@ on one line not each other). pyproject.toml's import-linter contract holds the s
     checkpoint                                      load originals; save, load and push converted checkpoints
     calibration                                     fit the new parameters to the model's activations
     planning                                        the memory plan
-    convert | fold                                  the verb: plan, inspect, convert; folding for inference
+    convert | fold | linearise                      the verb: plan, inspect, convert; folding; linearising
     evaluation                                      perplexity, sentence embeddings, per-norm sensitivity
     training                                        recovery against the original (the recipe)
     cli                                             the ``normswap`` command
@@ -31,14 +32,16 @@ from .checkpoint.saving import save_pretrained
 from .convert import ConversionError, ConversionReport, ConvertConfig, convert, inspect, plan
 from .discovery.norms import NormInfo, find_norms
 from .fold import fold
+from .linearise import linearise
+from .checkpoint.stock_export import export_stock
 from .evaluation.perplexity import EvaluationError, evaluate
-from .modules import ELN, METHODS, Derf, DyISRU, DyT, ElementwiseNorm
+from .modules import ELN, METHODS, Derf, DyISRU, DyT, ElementwiseNorm, Linear
 from .validation import ValidationError
 
 __all__ = [
     "__version__",
-    "convert", "inspect", "plan", "fold", "load", "load_model", "save_pretrained", "evaluate", "find_norms",
+    "convert", "inspect", "plan", "fold", "linearise", "export_stock", "load", "load_model", "save_pretrained", "evaluate", "find_norms",
     "ConvertConfig", "CalibrationConfig", "ConversionReport", "NormInfo",
-    "METHODS", "DyT", "ELN", "DyISRU", "Derf", "ElementwiseNorm",
+    "METHODS", "DyT", "ELN", "DyISRU", "Derf", "Linear", "ElementwiseNorm",
     "ConversionError", "CheckpointError", "EvaluationError", "ValidationError",
 ]

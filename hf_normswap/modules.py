@@ -1,7 +1,7 @@
-"""Element-wise replacements for LayerNorm / RMSNorm: Dynamic Tanh (DyT), Elementwise LayerNorm (ELN), Dynamic erf
-(Derf).
+"""Replacements for LayerNorm / RMSNorm without a per-token statistic: Dynamic Tanh (DyT), Elementwise LayerNorm
+(ELN), Dynamic erf (Derf), and a fixed linear scale (``linear``, the FakeLN of the LayerNorm-removal papers).
 
-Each computes ``y = weight * f(x) + bias`` with ``|f| < 1``, so ``weight`` carries the source norm's learned
+Each computes ``y = weight * f(x) + bias``; for the element-wise ones ``|f| < 1``, so ``weight`` carries the source norm's learned
 scale times the *amplitude* of the theory (``sqrt(C-1)`` for LayerNorm, ``sqrt(C)`` for RMSNorm; Stollenwerk 2025,
 referenced in README.md). The shape parameter (``alpha`` for DyT and Derf, ``beta`` for ELN) is stored as a clamped
 log so that any optimizer step leaves ``alpha`` finite and ``beta`` positive and finite. Arithmetic runs in fp32 and the
@@ -59,6 +59,7 @@ class ElementwiseNorm(nn.Module):
     # scalar parameters ``squash`` takes after the shape parameter, stored as they are and starting at 0: fitted with
     # the shape parameter, carried and reduced by the fused kernels, trained in the gamma / bias group
     squash_extras: tuple[str, ...] = ()
+    saturates: bool = True  # f has a flat part (calibration's saturating start and the saturation log apply)
 
     def __init__(
         self,
@@ -68,8 +69,10 @@ class ElementwiseNorm(nn.Module):
         per_channel: bool = False,
         bias: bool = True,
         amplitude: float = 1.0,
+        kind: str = "rmsnorm",
     ):
         super().__init__()
+        self.kind = kind  # the source norm's kind: the element-wise methods ignore it, ``Linear`` centres a LayerNorm
         self.normalized_shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
         self.amplitude = float(amplitude)
         self.weight = nn.Parameter(torch.full(self.normalized_shape, self.amplitude))
@@ -108,7 +111,7 @@ class ElementwiseNorm(nn.Module):
         return tuple(getattr(self, name) for name in self.squash_extras)
 
     def squash(self, x: torch.Tensor, shape: torch.Tensor, *extras: torch.Tensor) -> torch.Tensor:
-        """The element-wise function f with |f| < 1, on fp32 input."""
+        """The function f on fp32 input: element-wise with |f| < 1, or ``Linear``'s fixed scale."""
         raise NotImplementedError
 
     @staticmethod
@@ -161,13 +164,14 @@ class ElementwiseNorm(nn.Module):
         affine map; the shape parameter comes from the theory for inputs of scale ``input_scale``.
         """
         size = normalized_shape[-1]
-        amplitude = amplitude_for(kind, size)
+        amplitude = cls.amplitude_of(kind, size)
         module = cls(
             normalized_shape,
             cls.analytic_shape_value(kind, size, input_scale),
             per_channel=per_channel,
             bias=bias is not None,
             amplitude=amplitude,
+            kind=kind,
         )
         with torch.no_grad():
             if effective_weight is not None:
@@ -178,6 +182,19 @@ class ElementwiseNorm(nn.Module):
         if param is not None:
             module.to(device=param.device)
         return module
+
+    def set_first_scale(self, first_scale: float, input_scale: float) -> None:
+        """A scale of its own for the first position (``Linear``); an element-wise method bounds the sink already."""
+
+    def common_rows(self, x: torch.Tensor, is_first: torch.Tensor) -> torch.Tensor:
+        """Token rows ``(N, C)`` as :meth:`squash` without a sequence axis should see them to give what the module
+        gives each in place (``is_first``: rows at position 0); the rows themselves for an element-wise method."""
+        return x
+
+    @staticmethod
+    def amplitude_of(kind: str, size: int) -> float:
+        """The largest output per channel that ``weight`` carries beside gamma (:func:`amplitude_for`)."""
+        return amplitude_for(kind, size)
 
     @staticmethod
     def analytic_shape_value(kind: str, size: int, input_scale: float) -> float:
@@ -313,6 +330,92 @@ class Derf(ElementwiseNorm):
         return ERF_SLOPE_RATIO * slope_at_zero(kind, size, input_scale) / amplitude_for(kind, size)
 
 
+class Linear(ElementwiseNorm):
+    """A fixed linear scale (FakeLN; Heimersheim 2024, Baroni et al. 2025): ``y = weight * alpha * x + bias``, with
+    ``x`` centred first (``x - mean(x)`` over the channels, still a linear map) where the source is a LayerNorm.
+
+    ``alpha = 1 / s`` is one scalar per module, the norm's typical input scale (calibration's measured median of
+    the per-token RMS / std over ordinary tokens); it stays fixed (a learning-rate factor of 0) while ``weight``
+    carries the source's gamma over and is what calibration and recovery fit, so a per-channel ``alpha`` would
+    only repeat ``weight`` (``per_channel`` is ignored). Nothing saturates and the amplitude is 1.
+
+    The first position (the attention sink, 10-180x the RMS of other tokens in SmolLM2) may have a scale of its
+    own while a model recovers, as the anchors kept it: ``log_first`` is ``log(alpha_0 / alpha)`` for row 0 of an
+    input with a sequence axis longer than one (packed or right-padded rows; a decoding step of one token is never
+    position 0), 0 for one scale. Calibration measures it (``calibration.first_scale``), the recipe hands it over
+    to 0 by the end of the run (``first_scale_handover``, ``training.first_scale``); nothing trains it. A model
+    whose every norm is one of these with ``log_first`` 0 is linear between its blocks' residual adds and exports
+    as its original architecture (``hf_normswap.checkpoint.stock_export``).
+    """
+
+    key = "linear"
+    title = "Linear (a fixed scale per module, FakeLN)"
+    formula = "y = weight * alpha * x + bias   (x - mean(x) in place of x where the source is a LayerNorm)"
+    shape_note = ("`alpha = 1 / s` is one fixed scalar per module, the source norm's typical input scale measured "
+                  "at calibration (position 0 times `exp(log_first)`, 0 once a recovery has handed it over)")
+    citation = """@article{heimersheim2024removing,
+  title   = {You can remove GPT2's LayerNorm by fine-tuning},
+  author  = {Heimersheim, Stefan},
+  journal = {arXiv preprint arXiv:2409.13710},
+  year    = {2024}
+}
+@article{baroni2025layernorm,
+  title   = {Transformers Don't Need LayerNorm at Inference Time: Scaling LayerNorm Removal to GPT-2 XL and the
+             Implications for Mechanistic Interpretability},
+  author  = {Baroni, Luca and Khara, Galvin and Schaeffer, Joachim and Subkhankulov, Marat and Heimersheim, Stefan},
+  journal = {arXiv preprint arXiv:2507.02559},
+  year    = {2025}
+}"""
+    shape_name = "alpha"
+    log_limit = LOG_ALPHA_LIMIT
+    scale_power = -1  # alpha = 1 / scale
+    squash_extras = ("log_first",)
+    saturates = False
+
+    def __init__(self, normalized_shape, shape_value, *, per_channel: bool = False, bias: bool = True,
+                 amplitude: float = 1.0, kind: str = "rmsnorm"):
+        super().__init__(normalized_shape, shape_value, per_channel=False, bias=bias, amplitude=amplitude, kind=kind)
+
+    @property
+    def alpha(self) -> torch.Tensor:
+        return self.shape_parameter()
+
+    @property
+    def centred(self) -> bool:
+        return self.kind == "layernorm"
+
+    def lr_factor(self, param_name: str) -> float:
+        """0 for ``log_alpha`` and ``log_first``: the scales stay where calibration put them (the recipe's hand-over
+        moves ``log_first``); ``weight`` moves instead."""
+        return 0 if param_name.startswith("log_") else 1
+
+    def squash(self, x: torch.Tensor, alpha: torch.Tensor, log_first: torch.Tensor) -> torch.Tensor:
+        y = (x - x.mean(-1, keepdim=True) if self.centred else x) * alpha
+        if x.dim() < 3 or x.shape[-2] < 2:  # no sequence axis, or one decoding step
+            return y
+        first = log_first.clamp(-self.log_limit, self.log_limit).exp().reshape(1, 1)
+        return y * torch.cat([first, torch.ones_like(first).expand(x.shape[-2] - 1, 1)])
+
+    def set_first_scale(self, first_scale: float, input_scale: float) -> None:
+        """Row 0 divided by ``first_scale`` where the other rows are divided by ``input_scale``."""
+        with torch.no_grad():
+            self.log_first.fill_(math.log(input_scale / first_scale))
+
+    def common_rows(self, x: torch.Tensor, is_first: torch.Tensor) -> torch.Tensor:
+        """First-position rows times ``alpha_0 / alpha``: the module is linear, so this is its first-row output."""
+        factor = self.log_first.detach().to(x).exp()
+        return torch.where(is_first.reshape(-1, 1).to(x.device), x * factor, x)
+
+    @staticmethod
+    def amplitude_of(kind: str, size: int) -> float:
+        return 1.0
+
+    @staticmethod
+    def analytic_shape_value(kind: str, size: int, input_scale: float) -> float:
+        """The source norm's slope for a token of the typical scale: ``norm(x) = gamma * x / s``."""
+        return 1.0 / input_scale
+
+
 DyISRU = ELN
 
 
@@ -325,5 +428,5 @@ def adam_groups(modules: list[ElementwiseNorm], lr: float) -> list[dict]:
     return [{"params": params, "lr": group_lr} for group_lr, params in groups.items()]
 
 
-METHODS: dict[str, type[ElementwiseNorm]] = {cls.key: cls for cls in (ELN, DyT, Derf)}
+METHODS: dict[str, type[ElementwiseNorm]] = {cls.key: cls for cls in (ELN, DyT, Derf, Linear)}
 DEFAULT_METHOD = next(iter(METHODS))  # what convert and the recipe take when no method is named

@@ -88,7 +88,7 @@ def test_a_method_added_in_modules_py_alone_works_everywhere(tmp_path):
     copy, env = copy_package(tmp_path)
     modules = copy / "modules.py"
     text = modules.read_text()
-    listed = "{cls.key: cls for cls in (ELN, DyT, Derf)}"
+    listed = "{cls.key: cls for cls in (ELN, DyT, Derf, Linear)}"
     assert text.count(listed) == 1, "modules.METHODS changed form: update this test's edit"
     head, _, tail = text.partition("\nMETHODS")
     modules.write_text(head + SOFTSIGN + "\nMETHODS" + tail.replace(listed, listed[:-2] + ", Softsign)}"))

@@ -118,6 +118,7 @@ class CalibrationConfig:
     tune_blocks: int | None = None  # sequences the end-to-end steps cycle over
     tune_lr: float = 5e-3
     max_iter: int = 100  # L-BFGS iterations of each least-squares fit
+    first_scale: bool = True  # a linear module's first position gets a scale of its own (modules.Linear.log_first)
     seed: int = 0
     precision: str = "fp32"  # or "bf16" (autocast), or "auto": bf16 where a timed probe finds it faster (precision.py)
     # the block pass (block_pass.sequential): where each block is computed, one at a time (None: where the model is;
@@ -245,10 +246,13 @@ class _Fitter:
         replacement = self.build(source, info, input_scale=scale, per_channel=True)
         if preset.init == "saturating" and x.shape[0]:
             saturating_init(replacement, x, info.kind, scale, is_first, cfg.knee)
+        if cfg.first_scale and is_first.any() and (~is_first).any():
+            replacement.set_first_scale(analytic_input_scale(x[is_first], info.kind), scale)
         reference = copy.deepcopy(source).to("cpu", torch.float32)
         with torch.no_grad():
             target = torch.cat([reference(chunk) for chunk in x.split(4096)]) if x.shape[0] else x
-        stats = fit_module(replacement, x, target, weight=_natural_frequency(is_first, sample),
+        stats = fit_module(replacement, replacement.common_rows(x, is_first), target,
+                           weight=_natural_frequency(is_first, sample),
                            params=preset.fit, is_first=is_first, max_iter=cfg.max_iter)
         shape = replacement.shape_parameter().detach().float()
         self.fits[info.name] = NormFit(

@@ -64,6 +64,8 @@ def saturating_init(module: ElementwiseNorm, x: torch.Tensor, kind: str, input_s
     1, larger for channels that are large in every token). The module must be per-channel; its ``weight`` becomes
     ``w * knee * s_c``.
     """
+    if not module.saturates:
+        return  # a linear module keeps the theory's start: nothing to squash
     if not module.per_channel:
         raise ValueError("saturating_init needs a per-channel module (per_channel=True)")
     if is_first is not None and (~is_first).any():
@@ -87,6 +89,14 @@ def squash_share(module: ElementwiseNorm, x: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
         extras = (e.detach().float().to(x.device) for e in module.extras())
         return module.squash(x.float(), module.shape_parameter().float().to(x.device), *extras)
+
+
+def saturated_share(module: ElementwiseNorm, x: torch.Tensor) -> float:
+    """Share of the elements of ``x`` in the flat part of the module's squash (``|f| > SATURATION``); 0 for a method
+    without one (``ElementwiseNorm.saturates``)."""
+    if not module.saturates:
+        return 0.0
+    return float((squash_share(module, x).abs() > SATURATION).double().mean())
 
 
 def _weighted_mse(pred: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
@@ -177,11 +187,10 @@ def _stats(module, x, target, fitted, weight, is_first, loss_before, loss, itera
             return float(diff[rows].norm() / target[rows].norm().clamp_min(1e-30))
 
         rel_ordinary = rel(~first)
-        share = squash_share(module, x).abs()
         return FitStats(
             loss_before=loss_before, loss=loss, mean_abs_residual=mean_abs,
             rel_error=rel_ordinary if rel_ordinary is not None else float("nan"),
-            rel_error_first=rel(first), saturation=float((share > SATURATION).double().mean()),
+            rel_error_first=rel(first), saturation=saturated_share(module, x),
             iterations=iterations,
         )
 

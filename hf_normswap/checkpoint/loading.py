@@ -28,7 +28,7 @@ from transformers import CONFIG_MAPPING, AutoConfig, AutoModel, AutoModelForCaus
 from .. import kernels, offload
 from ..data import texts as data
 from ..validation import ValidationError, check_path_length, first_line
-from . import config_checks, model_card, remote_code
+from . import config_checks, model_card, remote_code, stock_export
 from .packaged import PREFIX, packaged_path
 from .record import ConversionRecord, converted_config
 from .directory import CheckpointError
@@ -271,6 +271,10 @@ def load(path: str | os.PathLike, **kwargs) -> nn.Module:
     """
     config = base_config(path)
     record = ConversionRecord.of(config)
+    if record.stock:  # the original architecture with linear norms as huge-epsilon norms
+        model = stock_export.load_stock(path, record, **kwargs)
+        enable_save(model)
+        return model.eval()
     config_checks.check_block_against_weights(record, weight_shapes(path))
     model = normswap_class(record.base.architecture).from_pretrained(path, config=config, **kwargs)
     enable_save(model)

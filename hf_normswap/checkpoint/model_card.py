@@ -14,6 +14,7 @@ import yaml
 from huggingface_hub import ModelCard, ModelCardData, metadata_load
 
 from ..modules import METHODS
+from . import remote_code
 from .packaged import PACKAGED
 from .record import ConversionRecord
 
@@ -62,8 +63,8 @@ def _loss(distill: dict) -> str:
     if distill.get("embedding"):
         terms.append(f"1 - cosine of the pooled embedding to the original's (weight {_number(distill['embedding'])})")
     if distill.get("scale"):
-        terms.append("the spread of the final norm's input scale across tokens (weight "
-                     f"{_number(distill['scale'])})")
+        where = "every converted norm's" if distill.get("scale_at") == "all" else "the final norm's"
+        terms.append(f"the spread of {where} input scale across tokens (weight {_number(distill['scale'])})")
     distillation = " plus ".join(terms)
     weight = distill.get("weight") or 0
     if not weight or not distillation:
@@ -187,14 +188,15 @@ This checkpoint is {origin} with {len(converted)} normalization layers replaced 
 {_mid_hand_over(record.hand_over)}
 ## Method
 
-Each converted norm computes, per element and without any statistics over the channels,
+Each converted norm computes, {"per element and without any statistics over the channels" if
+method_class.saturates else "with one fixed scale per module instead of each token's own"},
 
 ```
 {method_class.formula}
 ```
 
-where {method_class.shape_note}, and `weight` is the source norm's learned scale times the theory's amplitude
-(`sqrt(C-1)` for LayerNorm, `sqrt(C)` for RMSNorm, `C` the channel count). Shape parameters are computed in fp32.
+where {method_class.shape_note}, and `weight` is the source norm's learned scale times the amplitude
+(`sqrt(C-1)` for LayerNorm, `sqrt(C)` for RMSNorm, `C` the channel count; 1 for `linear`). Shape parameters are computed in fp32.
 ELN is the exact solution of LayerNorm's differential equation once its channel-dependent term becomes one learnable
 constant; DyT additionally assumes a constant standard deviation.
 
@@ -266,6 +268,52 @@ was saved; the remote code builds what the record says without those checks.
 
 ```bibtex
 {chr(10).join(citations)}
+```
+"""
+    return ModelCard(f"---\n{data.to_yaml()}\n---\n{body}").content
+
+
+def render_stock(config: dict) -> str:
+    """The card of a stock export (``stock_export.py``): the original architecture, no remote code."""
+    record = ConversionRecord.in_config(config)
+    base, stock = record.base, record.stock
+    auto = next((name for name in ("AutoModelForCausalLM", "AutoModelForMaskedLM")
+                 if name in remote_code.auto_classes(base.architecture, base.model_type)), "AutoModel")
+    data = ModelCardData(base_model=record.base_model, library_name="transformers",
+                         tags=[TAG, "linear", "normalization-free", base.model_type])
+    origin = (f"[{record.base_model}](https://huggingface.co/{record.base_model})" if record.base_model
+              else "a local model")
+    keys = ", ".join(f"`{key}`" for key in stock["eps_keys"])
+    body = f"""
+# {base.architecture} without normalization (stock architecture)
+
+This checkpoint is {origin} with its {len(record.converted)} normalization layers replaced by fixed linear maps
+(`linear`, FakeLN: `y = weight * alpha * x + bias`, centred for a LayerNorm), made with
+[hf-normswap](https://pypi.org/project/hf-normswap/). It is saved as the stock `{base.architecture}`: each norm keeps
+its class with epsilon {stock["eps"]:.0e} ({keys}), so large that the per-token statistic is lost in it and the norm
+is the fixed scale its weight carries. Keep the config's epsilon as it is: it is part of the weights.
+
+## How to load
+
+No remote code and no package needed:
+
+```python
+from transformers import {auto}
+model = {auto}.from_pretrained("REPO_OR_PATH")
+```
+
+Any tool that reads the stock architecture reads it. Compute in fp32 or bf16, not fp16: the norms' weights are
+about `1 / sqrt(epsilon)` times the original's. `hf_normswap.load("REPO_OR_PATH")` rebuilds the `linear` modules
+from the `normswap` record in `config.json`, which transformers leaves unused.
+
+## Training
+
+{_training_section(record.training) or "Not fine-tuned after the conversion."}
+
+## Citation
+
+```bibtex
+{METHODS["linear"].citation}
 ```
 """
     return ModelCard(f"---\n{data.to_yaml()}\n---\n{body}").content

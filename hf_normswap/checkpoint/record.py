@@ -143,6 +143,7 @@ class ConversionRecord:
     check: dict | None = None  # the check after the conversion (evaluation.conversion_check)
     # a Trainer checkpoint saved while the norms were still blended with the original's (training.progressive)
     hand_over: dict | None = None
+    stock: dict | None = None  # a stock export (stock_export.py): the norms' epsilon and its config keys
 
     # --------------------------------------------------------------------------------------------- reading
 

@@ -56,7 +56,7 @@ def rebuild_norms(model: nn.Module, normswap: dict) -> nn.Module:
         parent = model.get_submodule(parent_name) if parent_name else model
         old = getattr(parent, child)
         new = METHODS[entry.method](entry.shape, 1.0, per_channel=entry.per_channel, bias=entry.bias,
-                                    amplitude=entry.amplitude)
+                                    amplitude=entry.amplitude, kind=entry.kind)
         reference = next(old.parameters(), None)
         if reference is not None:
             new.to(device=reference.device)
@@ -174,9 +174,9 @@ def check_remote_modules(text: str, seed: int = 0) -> None:
     x = 30 * torch.randn(4, 6, generator=generator)
     for key, package_class in METHODS.items():
         remote_class = namespace["METHODS"][key]
-        for per_channel in (False, True):
-            ours = package_class(6, 0.7, per_channel=per_channel, amplitude=2.0)
-            theirs = remote_class(6, 0.7, per_channel=per_channel, amplitude=2.0)
+        for per_channel, kind in ((False, "rmsnorm"), (True, "rmsnorm"), (True, "layernorm")):
+            ours = package_class(6, 0.7, per_channel=per_channel, amplitude=2.0, kind=kind)
+            theirs = remote_class(6, 0.7, per_channel=per_channel, amplitude=2.0, kind=kind)
             with torch.no_grad():
                 for p in ours.parameters():
                     p.add_(0.1 * torch.randn(p.shape, generator=generator))

@@ -20,7 +20,7 @@ from ..evaluation.texts import evaluation_texts
 from ..fold import fold
 from ..modules import METHODS
 from ..validation import check_data_files, check_input_scale, check_output_file, first_line
-from . import output, sensitivity
+from . import linear_paths, output, sensitivity
 from .calibration_flags import calibration, calibration_args, calibration_config, check_calibration_args
 from .common import MODEL_HELP, calibration_overlap, check_context_lengths, check_evaluation_args, \
     evaluation_args, placement, placement_args, roles, run_evaluation, selection_args, warn
@@ -58,6 +58,7 @@ def add_parser(commands) -> None:
                            "and print the side-by-side table; it is stored in config.json and the model card")
     evaluation_args(conv, prefix="eval-")
     sensitivity.budget_args(conv)
+    linear_paths.add_args(conv)
 
 
 def run(args) -> None:
@@ -66,6 +67,7 @@ def run(args) -> None:
     if args.input_scale is not None:
         check_input_scale(args.input_scale, "--input-scale")
     check_calibration_args(args)
+    linear_paths.check_args(args)
     check_selection(roles(args.roles), args.include, args.exclude)
     if args.output:
         check_output_dir(args.output, args.overwrite)
@@ -84,6 +86,9 @@ def run(args) -> None:
         check_spec(args.budget_data)
     on_disk = weights_memory(args, budget)
     model, tokenizer = load_model(args.model, **where, weights_memory=on_disk)
+    if args.to == "linear" and linear_paths.is_converted(model):
+        linear_paths.linearise_converted(args, model, tokenizer)
+        return save(args, model, tokenizer)
     check_not_converted(model)
     check_context_lengths(args, model, {"--calib-len": args.calib_len if args.calib else None,
                                         "--eval-max-length": args.eval_max_length if args.eval_data else None},
@@ -111,13 +116,20 @@ def run(args) -> None:
         check_conversion(check, model)
     if original is not None:
         evaluate_or_keep(args, model, original, tokenizer)
-    output.save_and_push(args, model, tokenizer)
+    save(args, model, tokenizer)
     if args.report:  # after the save: a report that cannot be written must not cost the checkpoint
         try:
             output.write_whole(args.report, report.to_json())
         except OSError as error:
             saved = f" (the checkpoint is saved in {args.output})" if args.output else ""
             raise ConversionError(f"cannot write --report {args.report}: {error.strerror}{saved}") from None
+
+
+def save(args, model, tokenizer) -> None:
+    if args.stock:
+        linear_paths.save_stock(args, model, tokenizer)
+    else:
+        output.save_and_push(args, model, tokenizer)
 
 
 def weights_memory(args, budget) -> int | None:

@@ -39,7 +39,8 @@ def _at_least(value, name: str, minimum: float, whole: bool = False) -> None:
 @dataclass
 class DistillSettings:
     """loss = (1 - weight) * CE + weight * (logit KL + hidden * layer-wise + embedding * (1 - embedding cosine)
-    + scale * pre-logit scale error (``hf_normswap.training.scale_anchor``))."""
+    + scale * scale error at ``scale_at``, the final norm's input or every converted norm's
+    (``hf_normswap.training.scale_anchor``))."""
 
     weight: float = 0.5
     temperature: float = 1.0
@@ -48,6 +49,7 @@ class DistillSettings:
     sink_weight: float = 0.0
     embedding: float = 0.0
     scale: float = 0.0
+    scale_at: str = "final"  # final | all
 
     def __post_init__(self):
         # above 1, (1 - weight) * CE turns negative and training pushes cross-entropy up
@@ -55,6 +57,8 @@ class DistillSettings:
         _at_least(self.temperature, "distill.temperature", 1e-6)
         for name in ("hidden", "sink_weight", "embedding", "scale"):
             _at_least(getattr(self, name), f"distill.{name}", 0)
+        if self.scale_at not in ("final", "all"):
+            raise ValidationError(f"distill.scale_at {self.scale_at!r} is unknown: choose final or all")
         if self.scale and not self.weight:
             raise ValidationError("distill.scale is a term of the distillation loss, which distill.weight 0 turns "
                                   "off: set distill.weight > 0 or distill.scale=0")
@@ -234,6 +238,7 @@ class RecipeConfig:
     lr: LearningRates = field(default_factory=LearningRates)
     progressive: ProgressiveSettings = field(default_factory=ProgressiveSettings)
     taper: TaperSettings = field(default_factory=TaperSettings)
+    first_scale_handover: float = 0.25  # share of the run at its end over which a linear position 0 joins the rest
     max_minutes: float | None = None  # wall-clock budget of this launch; stops with a checkpoint
     resume: bool = True  # go on from the last checkpoint in output_dir (false: a new run)
     output_dir: str = "out/finetune"
@@ -268,6 +273,7 @@ class RecipeConfig:
             raise ValidationError(f"threads must be at most {os.cpu_count()} (the CPUs of this machine), got "
                                   f"{self.threads}")
         _at_least(self.max_minutes, "max_minutes", 0)
+        check_number(self.first_scale_handover, "first_scale_handover", minimum=0, maximum=1)
         _at_least(self.head_chunk, "head_chunk", 0, whole=True)
         _at_least(self.step_tokens, "step_tokens", 1, whole=True)
         _at_least(self.seed, "seed", 0, whole=True)

@@ -37,6 +37,7 @@ import torch
 from ..checkpoint.directory import CheckpointError
 from ..checkpoint.record import ConversionRecord
 from ..validation import first_line
+from .first_scale import FirstScaleHandover
 from .gpu_scale import compile_blocks, keep_compile_cache
 from .recipe_data import check_data, recipe_datasets, sentence_steps
 from .recipe_models import ensure_pad_token, load_models
@@ -249,7 +250,7 @@ def train(run, student, original, tokenizer, state, log, launched: float) -> Tra
     swap = progressive_swap(config.progressive, config.taper, steps, run.original_read_once, student, original,
                             state, log)
     hand_over = hand_over_callback(config.progressive, config.taper, swap, log)
-    anchor = scale_anchor(distill.scale, student)
+    anchor = scale_anchor(distill.scale, student, distill.scale_at)
     student, trainable = choose_trainable(student, config.trainable, config.lora, config.freeze_embeddings, log)
     rows = f"sentences (at most {config.block_len} tokens)" if encoder else f"blocks of {config.block_len} tokens"
     mix = f", a mix of {' + '.join(run.text.sources)}" if len(run.text.sources) > 1 else ""
@@ -274,6 +275,7 @@ def train(run, student, original, tokenizer, state, log, launched: float) -> Tra
     callbacks = [first_step, *([WallClockStop(config.max_minutes)] if config.max_minutes else [])]
     callbacks.append(SaturationLog(student, Path(config.output_dir) / "saturation.jsonl" if state.is_main_process
                                    else None))
+    callbacks += [c for c in [FirstScaleHandover.of(student, config.first_scale_handover)] if c is not None]
     if hand_over is not None:
         callbacks.append(hand_over)
     skeleton = skeleton_to_gather(student)  # after LoRA and the trainable choice: the model as it is sharded
@@ -340,16 +342,16 @@ def progressive_swap(progressive, taper, steps: int, from_main: bool, student, o
     return swap
 
 
-def scale_anchor(weight: float, student):
-    """The pre-logit scale anchor on the converted final norm (None when ``weight`` is 0), built before LoRA wraps
-    the student: its hook sits on the module itself."""
+def scale_anchor(weight: float, student, at: str = "final"):
+    """The scale anchor on the converted final norm, or on every converted norm (``at``; None when ``weight`` is 0),
+    built before LoRA wraps the student: its hooks sit on the modules themselves."""
     from .scale_anchor import ScaleAnchor, ScaleAnchorError
 
     if not weight:
         return None
     roles = {name: entry.role for name, entry in ConversionRecord.of(student).converted.items()}
     try:
-        return ScaleAnchor.of(student, roles)
+        return ScaleAnchor.of(student, roles, at)
     except ScaleAnchorError as error:
         fail(str(error))
 

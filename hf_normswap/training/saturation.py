@@ -15,7 +15,7 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
-from ..calibration.fitting import SATURATION, squash_share
+from ..calibration.fitting import saturated_share
 from ..modules import ElementwiseNorm
 
 
@@ -32,8 +32,7 @@ class SaturationLog(TrainerCallback):
     def _hook(self, name: str):
         def hook(module, args, output):
             if self.armed:
-                share = (squash_share(module, args[0].detach()).abs() > SATURATION).double().mean()
-                self.shares.setdefault(name, []).append(float(share))
+                self.shares.setdefault(name, []).append(saturated_share(module, args[0].detach()))
         return hook
 
     def on_step_begin(self, args, state, control, **kwargs):

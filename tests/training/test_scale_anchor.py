@@ -87,3 +87,27 @@ def test_the_recipe_trains_with_the_anchor_logs_it_and_saves_a_model_without_hoo
         assert h["loss"] == pytest.approx(h["kd_loss"] + h["scale_loss"], rel=1e-3, abs=1e-4)
     assert summary["config"]["distill"]["scale"] == 1.0
     assert summary["reload_identical"] is True
+
+
+def test_anchored_at_all_the_loss_is_the_mean_error_over_every_converted_norm_input_and_works_for_dyt():
+    torch.manual_seed(0)
+    model = tiny_model("llama")
+    report = hf_normswap.convert(model, to="dyt", calibration=None)
+    roles = {c.name: c.role for c in report.converted}
+    anchor = ScaleAnchor.of(model, roles, at="all")
+    captured = {}
+    handles = [model.get_submodule(name).register_forward_pre_hook(
+        lambda module, args, name=name: captured.__setitem__(name, args[0])) for name in roles]
+    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(0))
+    model(input_ids=ids[:1])  # an evaluation forward that no loss reads is replaced by the next one
+    model(input_ids=ids)
+    for handle in handles:
+        handle.remove()
+    expected = torch.stack([prelogit_scale_error(x) for x in captured.values()]).mean()
+    assert len(captured) == len(roles) == 5
+    torch.testing.assert_close(anchor.loss(), expected)
+    assert float(expected.detach()) != pytest.approx(float(prelogit_scale_error(captured["model.norm"]).detach()))
+    anchor.on_train_end(None, None, None)
+    assert not any(model.get_submodule(name)._forward_pre_hooks for name in roles)
+    with pytest.raises(ValidationError, match="distill.scale_at"):
+        read_recipe_config(None, ["distill.scale_at=middle"])
