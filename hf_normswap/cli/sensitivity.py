@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 
 from ..checkpoint.loading import load_model
 from ..convert import ConversionError, check_not_converted, plan
@@ -60,7 +61,7 @@ def budget(args) -> tuple[str, float] | None:
     for metric in ("kl", "ppl_ratio", "cosine"):
         limit = getattr(args, f"budget_{metric}")
         if limit is not None:
-            if limit <= 0 or (metric == "ppl_ratio" and limit < 1) or (metric == "cosine" and limit > 1):
+            if not (0 < limit < math.inf) or (metric == "ppl_ratio" and limit < 1) or (metric == "cosine" and limit > 1):
                 raise ConversionError(f"--budget-{metric.replace('_', '-')} {limit} is out of range: give a KL > 0, "
                                       "a perplexity ratio >= 1 or a cosine in (0, 1]")
             return metric, limit

@@ -11,6 +11,7 @@ encoder, its embeddings) on 32 of its sentences. Without a tokenizer the slice i
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import asdict, dataclass
 
 import torch
@@ -29,6 +30,19 @@ MIN_COSINE = 0.5  # output cosine below which it has
 UNIFORM = 0.99  # share of the vocabulary's size at which a perplexity is a uniform guess's
 WINDOWS, WINDOW_LEN, SENTENCES = 4, 128, 32
 DATA = "builtin"
+
+
+def perplexity(nll: float) -> float:
+    """``exp(nll)``, infinite where it is past what a float holds (not capped: a capped 1e304 would read as a
+    number to compare against)."""
+    return math.exp(nll) if nll < math.log(sys.float_info.max) else math.inf
+
+
+def not_comparable(original: float, data: str) -> str:
+    """Why nothing can be compared to an original whose own perplexity (or output) on ``data`` is not finite, and
+    the fix: convert's check and the sensitivity map say the same."""
+    return (f"not comparable: the original model's own perplexity on {data} is {original:.4g} (its outputs are not "
+            "finite). Fix: check the original's weights, or run it in float32 (--dtype float32)")
 
 
 @dataclass
@@ -63,9 +77,7 @@ class CheckResult:
         """None when the check passed; else the warning, with the cause and the fix read from the converted model's
         record."""
         if not self.comparable:
-            return (f"the check cannot compare: the original model's own perplexity on {self.data} is "
-                    f"{self.original:.4g} (its outputs are not finite). Fix: check the original's weights, or run it "
-                    "in float32 (--dtype float32)")
+            return f"the check cannot compare, {not_comparable(self.original, self.data)}"
         if not self.failed:
             return None
         what = (f"perplexity is {self.value:.3g}x the original's" if self.metric == "perplexity"
@@ -144,7 +156,7 @@ class ConversionCheck:
             out, ids = outputs[0], self.batches[0]["input_ids"]
             self.vocabulary = out.shape[-1]
             loss = F.cross_entropy(out[:, :-1].reshape(-1, out.shape[-1]), ids[:, 1:].reshape(-1))
-            return math.exp(min(float(loss), 700.0)) if math.isfinite(float(loss)) else math.inf
+            return perplexity(float(loss)) if math.isfinite(float(loss)) else math.inf
         pooled = []
         for out, inputs in zip(outputs, self.batches):
             mask = inputs.get("attention_mask")
