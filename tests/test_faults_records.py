@@ -17,7 +17,7 @@ TAMPERED = {  # a change of the final norm's entry -> what the one line names
     "role a list": ({"role": ["final"]}, "role: ['final'] is not a role"),
     "role unknown": ({"role": "tail"}, "role: 'tail' is not a role"),
     "kind banana": ({"kind": "banana"}, "kind: 'banana' is not a norm kind (layernorm, rmsnorm)"),
-    "size not the weights'": ({"size": 64}, "size: 64, but its normalized_shape is [32]"),
+    "size not the weights'": ({"size": 64}, "size: 64 is not the last size of normswap.converted.model.norm.normalized_shape [32]"),
     "size and shape not the weights'": ({"size": 64, "normalized_shape": [64]},
                                          "normalized_shape: [64], but the weights hold model.norm.weight of shape"),
     "unknown field": ({"colour": "red"}, "colour: not a field of a converted norm"),

@@ -87,7 +87,8 @@ def check_block(record: ConversionRecord) -> ConversionRecord:
         if not (isinstance(shape, list) and shape and all(_positive_int(n) for n in shape)):
             raise ValidationError(f"config.json {key}.normalized_shape: {shown(shape)} is not a list of positive sizes")
         if shape[-1] != entry.size:  # a norm's size is its normalized shape's last dimension
-            raise ValidationError(f"config.json {key}.size: {entry.size}, but its normalized_shape is {shape}")
+            raise ValidationError(f"config.json {key}.size: {entry.size} is not the last size of "
+                                  f"{key}.normalized_shape {shape}")
         for flag in ("bias", "per_channel"):
             if not isinstance(getattr(entry, flag) or False, bool):
                 raise ValidationError(f"config.json {key}.{flag}: expected true or false, got "
