@@ -10,6 +10,7 @@ encoder, its embeddings) on 32 of its sentences. Without a tokenizer the slice i
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import sys
 from dataclasses import asdict, dataclass
@@ -28,6 +29,7 @@ from .embeddings import sentences
 MAX_RATIO = 50.0  # perplexity ratio above which a conversion has failed
 MIN_COSINE = 0.5  # output cosine below which it has
 UNIFORM = 0.99  # share of the vocabulary's size at which a perplexity is a uniform guess's
+UNTRAINED = 0.9  # share at which the original's own is all but a guess (a randomly initialized model)
 WINDOWS, WINDOW_LEN, SENTENCES = 4, 128, 32
 DATA = "builtin"
 
@@ -55,11 +57,18 @@ class CheckResult:
     converted: float
     value: float  # perplexity ratio, or mean cosine to the original
     failed: bool
+    vocabulary: int | None = None  # tokens a perplexity guesses among: one of the original near it is untrained
 
     @property
     def comparable(self) -> bool:
         """False when the original's own perplexity is not finite: there is nothing to compare against."""
         return self.original is None or math.isfinite(self.original)
+
+    @property
+    def untrained(self) -> bool:
+        """The original itself scores about as a uniform guess: nothing the conversion did can be told from it."""
+        return (self.metric == "perplexity" and self.comparable and self.vocabulary is not None
+                and self.original >= UNTRAINED * self.vocabulary)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -78,6 +87,10 @@ class CheckResult:
         record."""
         if not self.comparable:
             return f"the check cannot compare, {not_comparable(self.original, self.data)}"
+        if self.untrained:
+            return (f"the check cannot judge: the original model's own perplexity on {self.data} is "
+                    f"{self.original:.4g}, a uniform guess over its {self.vocabulary} tokens (it looks untrained), "
+                    f"and the converted model's is {self.converted:.4g}. Fix: convert a trained model")
         if not self.failed:
             return None
         what = (f"perplexity is {self.value:.3g}x the original's" if self.metric == "perplexity"
@@ -172,8 +185,10 @@ class ConversionCheck:
             ratio = converted / self.original if self.original else math.inf
             # no better than a uniform guess over the vocabulary is a failure whatever the ratio (a tiny original)
             uniform = converted >= UNIFORM * self.vocabulary > self.original
-            return CheckResult("perplexity", self.data, self.original, converted, ratio,
-                               failed=not math.isfinite(ratio) or ratio > MAX_RATIO or uniform)
+            result = CheckResult("perplexity", self.data, self.original, converted, ratio,
+                                 failed=not math.isfinite(ratio) or ratio > MAX_RATIO or uniform,
+                                 vocabulary=self.vocabulary)
+            return dataclasses.replace(result, failed=result.failed and not result.untrained)
         cosine = float(F.cosine_similarity(converted, self.original, dim=-1).mean())
         return CheckResult("cosine", self.data, None, cosine, cosine,
                            failed=not math.isfinite(cosine) or cosine < MIN_COSINE)

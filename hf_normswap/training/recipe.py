@@ -35,7 +35,7 @@ import torch
 from ..checkpoint.record import ConversionRecord
 from .gpu_scale import compile_blocks, keep_compile_cache
 from .recipe_data import check_data, recipe_datasets, sentence_steps
-from .recipe_models import ensure_pad_token, load_models
+from .recipe_models import load_models
 from .recipe_results import final_evaluation, finish
 from .recipe_settings import COMMAND, fail, load_config, stopped
 
@@ -103,7 +103,6 @@ def main(argv: list[str] | None = None, command: str = "finetune") -> int:
     keep_compile_cache(run.output_dir)
 
     student, original, tokenizer = load_models(run, state)
-    ensure_pad_token(tokenizer)
     original.eval().requires_grad_(False)
     record = ConversionRecord.of(student)
     log(f"{len(record.converted)} {record.method.upper()} norms; original {run.original}")
