@@ -18,8 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..validation import first_line
-from .texts import DataError, LOADERS
+from .errors import DataError
 
+LOADERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}  # by suffix; any other file is text
 CHUNK = 1 << 20  # bytes of a text file decoded at a time
 ROWS = 4096  # rows of a parquet batch
 

@@ -23,20 +23,17 @@ import torch
 from huggingface_hub import constants, get_session
 
 from ..validation import first_line
+from .errors import DataError
+from .file_scan import LOADERS, table_texts
 from .generated import SamplingSettings
 
 BUILTIN = "builtin"
 BUILTIN_SPLITS = ("calibration", "evaluation")
-LOADERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 HUB_PROBE_TIMEOUT = 3.0  # seconds
 # Text files above LAZY_BYTES are read only up to a token budget where one is given; no tokenizer makes a token of
 # more than CHARS_PER_TOKEN characters of ordinary text, so the prefix holds the budget's tokens.
 LAZY_BYTES = 4 << 20
 CHARS_PER_TOKEN = 32
-
-
-class DataError(ValueError):
-    """The text source cannot be read; the message says what to pass instead."""
 
 
 def is_builtin(spec: str | None) -> bool:
@@ -122,8 +119,6 @@ def read_local(paths: list[Path], max_tokens: int | None = None) -> list[str]:
 def _table_prefix(files: list[Path], chars: int) -> list[str]:
     """The non-blank rows of JSON or parquet files in order, up to the first that brings them to ``chars``
     characters."""
-    from .file_scan import table_texts  # here, not at the top: file_scan reads this module's DataError
-
     texts = []
     for text in table_texts(files):
         if chars <= 0:
