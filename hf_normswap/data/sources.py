@@ -185,8 +185,8 @@ class NoWholeBlock(texts.DataError):
 
 
 def require_text(spec: str, found: FileText, block_len: int | None) -> None:
-    """DataError unless ``found`` holds text, and (``block_len`` given) may hold a whole block: a source without
-    trained 0 steps and saved the start as the result."""
+    """DataError unless ``found`` holds text and, ``block_len`` given, may hold a whole block: a training source
+    without one trained 0 steps and saved its start as the result."""
     if not found.documents:
         raise texts.DataError(f"{spec} holds no text (empty or blank)")
     if block_len is not None and found.most_tokens() < block_len:
