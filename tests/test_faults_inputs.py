@@ -108,6 +108,9 @@ def test_a_json_list_is_read_as_datasets_reads_it(tmp_path):
     (tmp_path / "rows.json").write_text(json.dumps([{"text": "a b c"}, {"text": "  "}, {"text": "d e"}], indent=1))
     assert (scan([tmp_path / "rows.json"]).documents, read_local([tmp_path / "rows.json"], 100)) == \
         (2, ["a b c", "d e"])
+    (tmp_path / "line.json").write_text(json.dumps([{"text": "a b c"}, {"text": "d e"}]))  # on one line
+    assert (scan([tmp_path / "line.json"]).documents, read_local([tmp_path / "line.json"], 100)) == \
+        (2, ["a b c", "d e"])
 
 
 def test_parquet_is_read_by_batches_and_its_column_checked(tmp_path, monkeypatch):

@@ -112,7 +112,7 @@ def _count(found: FileText, value: str | None) -> None:
 def _json(file: Path, column: list[str]) -> Iterator[str | None]:
     """JSON lines, a line at a time; a file that is one JSON document (a list of objects) is read whole, as
     ``datasets`` reads it."""
-    offset = 0
+    offset, first = 0, True
     with open(file, "rb") as handle:
         for number, line in enumerate(handle, 1):
             offset += len(line)
@@ -123,10 +123,15 @@ def _json(file: Path, column: list[str]) -> Iterator[str | None]:
             except UnicodeDecodeError as bad:
                 raise DataError(not_utf8(file, bad.object[bad.start], offset - len(line) + bad.start)) from None
             except ValueError as error:
-                if number == 1 and line.lstrip()[:1] in (b"[", b"{"):
+                if first and line.lstrip()[:1] in (b"[", b"{"):  # a JSON document over several lines
                     yield from _json_document(file, column)
                     return
                 raise DataError(f"{file} line {number}: not a JSON object ({first_line(error)})") from None
+            if first and isinstance(row, list):  # a JSON list of objects on one line
+                for index, item in enumerate(row):
+                    yield _row_text(item, column, f"{file} row {index}")
+                return
+            first = False
             yield _row_text(row, column, f"{file} line {number}")
 
 
