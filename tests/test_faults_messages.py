@@ -67,8 +67,8 @@ def test_a_lock_that_is_a_link_or_a_folder_is_named(tmp_path, kind):
     lock.symlink_to(tmp_path / "mine.txt") if kind == "link" else lock.mkdir()
     with pytest.raises(ValueError) as error:
         draw(model, tiny_tokenizer(), cache, [0], progress=False)
-    assert str(error.value).startswith(f"generated: cannot write the sample cache: {lock} is a {kind}, not its lock "
-                                       "file (") and "move it away" in str(error.value)
+    assert str(error.value).startswith(f"generated: cannot write the sample cache {cache.directory} ({lock.name} is "
+                                       f"a {kind}, not its lock file: ") and f"move {lock} away" in str(error.value)
     assert (tmp_path / "mine.txt").read_text() == "mine"
 
 

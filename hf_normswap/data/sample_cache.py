@@ -89,8 +89,9 @@ class SampleCache:
         except OSError as error:  # a link or a folder in its place (ELOOP, EISDIR) says nothing of which
             if path.is_symlink() or path.is_dir():
                 kind = "link" if path.is_symlink() else "folder"
-                raise ValueError(f"generated: cannot write the sample cache: {path} is a {kind}, not its lock file "
-                                 f"({error.strerror}); move it away, or set {CACHE_ENV} to another folder") from None
+                raise ValueError(f"generated: cannot write the sample cache {self.directory} ({path.name} is a "
+                                 f"{kind}, not its lock file: {error.strerror}); move {path} away, or set "
+                                 f"{CACHE_ENV} to another folder") from None
             raise _unwritable(self.directory, error) from None
         try:
             yield

@@ -66,9 +66,11 @@ class CheckResult:
 
     @property
     def untrained(self) -> bool:
-        """The original itself scores about as a uniform guess: nothing the conversion did can be told from it."""
+        """The converted model guesses uniformly, and so, nearly, does the original (within :data:`MAX_RATIO`):
+        the uniform output is the original's, not the conversion's."""
         return (self.metric == "perplexity" and self.comparable and self.vocabulary is not None
-                and self.original >= UNTRAINED * self.vocabulary)
+                and self.converted >= UNIFORM * self.vocabulary and self.original >= UNTRAINED * self.vocabulary
+                and math.isfinite(self.value) and self.value <= MAX_RATIO)
 
     def to_dict(self) -> dict:
         return asdict(self)
