@@ -160,3 +160,17 @@ def test_a_stream_that_gives_no_block_stops_the_run(files):
     with pytest.raises(NoWholeBlock, match="few.txt gives fewer tokens than one block of 32"):
         source(str(files / "few.txt")).stream(tiny_tokenizer(), 32)
     assert next(iter(source(str(files / "prose.txt")).stream(tiny_tokenizer(), 32)))["input_ids"]
+
+
+def test_a_whole_block_is_asked_only_of_a_run_that_packs_blocks(files, tmp_path):
+    """A sentence encoder (MiniLM's bare BertModel) reads sentences of any length: a short file is its text."""
+    from hf_normswap.training import recipe_data, recipe_settings
+    from tiny_models import tiny_model
+
+    tiny_model("bert").bert.save_pretrained(tmp_path / "encoder")
+    tiny_model("llama").save_pretrained(tmp_path / "decoder")
+    assert not recipe_data.packs_blocks(str(tmp_path / "encoder")) and recipe_data.packs_blocks(str(tmp_path / "decoder"))
+    config = recipe_settings.load_config([f"output_dir={tmp_path / 'run'}", f"train_data={files / 'short.txt'}"])
+    recipe_data.check_data(config, True, packs=False)
+    with pytest.raises(SystemExit):
+        recipe_data.check_data(config, True, packs=True)

@@ -34,7 +34,7 @@ import torch
 
 from ..checkpoint.record import ConversionRecord
 from .gpu_scale import compile_blocks, keep_compile_cache
-from .recipe_data import check_data, recipe_datasets, sentence_steps
+from .recipe_data import check_data, packs_blocks, recipe_datasets, sentence_steps
 from .recipe_models import load_models
 from .recipe_results import final_evaluation, finish
 from .recipe_settings import COMMAND, fail, load_config, stopped
@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None, command: str = "finetune") -> int:
                           device_memory=device_memory)
     except RecoveryRunError as error:  # settings that name no run: a mistake, before anything loads
         fail(str(error))
-    check_data(config, run.calibrates)
+    check_data(config, run.calibrates, packs_blocks(run.original))
     set_seed(config.seed)
     done = finished_run(run.output_dir, run.save_path, config.resume, config.train_tokens, run.steps)
     if done:

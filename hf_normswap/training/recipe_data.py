@@ -8,10 +8,24 @@ import math
 from .recipe_settings import fail, stopped
 
 
-def check_data(config, calibrates: bool) -> None:
+def packs_blocks(original: str) -> bool:
+    """Whether the recipe reads its text as packed blocks for ``original`` (a model with an output head), from its
+    config alone: a sentence encoder (a bare ``...Model``, as MiniLM's ``BertModel``) reads sentences of any length
+    instead. A config that does not read counts as a model with a head (its load names the problem)."""
+    from ..planning.sizes import PlanError, read_config
+
+    try:
+        names = getattr(read_config(original), "architectures", None) or []
+    except (PlanError, OSError, ValueError):
+        return True
+    return not names or not all(n.endswith("Model") and not n.endswith("LMHeadModel") for n in names)
+
+
+def check_data(config, calibrates: bool, packs: bool = True) -> None:
     """Read every text source before any model loads, so a missing file, an unreachable Hub dataset, a byte that
     is not UTF-8 or a source without one whole block stops the run at once with one line naming the key that
-    overrides it (``Source.preflight``)."""
+    overrides it (``Source.preflight``); a whole block is asked of each only where the run ``packs`` its text into
+    blocks (:func:`packs_blocks`)."""
     from ..data import DataError, hub_stream
     from ..data.sources import NoWholeBlock, source
 
@@ -25,7 +39,8 @@ def check_data(config, calibrates: bool) -> None:
             hub_stream(config.train_data, None, config.block_len)
         except DataError as error:
             fail(f"train_data: {error}")
-    lengths = {"block_len": config.block_len, "calibration.block_len": config.calibration.block_len}
+    lengths = {"block_len": config.block_len, "calibration.block_len": config.calibration.block_len} if packs \
+        else {"block_len": None, "calibration.block_len": None}
     for key, spec, split, block_key in sources:
         try:
             source(spec).preflight(split, lengths[block_key])
