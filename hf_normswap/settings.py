@@ -194,6 +194,29 @@ def _relabel(error: ValueError, labels: Mapping[str, str]) -> ValidationError:
     return ValidationError(message)
 
 
+# OmegaConf's words for a value of another type, and the project's
+CONVERSION = re.compile(r"Value '.*' of type '\w+' could not be converted to (Integer|Float|Boolean)")
+EXPECTED = {"Integer": "an integer (digits, e.g. 64)", "Float": "a number (e.g. 0.5)", "Boolean": "true or false"}
+
+
+def _type_problem(message: str, value) -> str | None:
+    """``VALUE is not an integer (digits, e.g. 64)`` for OmegaConf's ``Value '1000000000.0' of type 'float' could
+    not be converted to Integer`` (YAML reads ``1e9`` as a float), naming the value as given; None for others."""
+    found = CONVERSION.fullmatch(message)
+    return f"{shown(value)} is not {EXPECTED[found.group(1)]}" if found else None
+
+
+def _given(key: str, layers) -> object:
+    """The value the last of ``layers`` that sets the dotted ``key`` gives it (None: none does)."""
+    for layer in reversed(layers):
+        value = layer
+        for part in key.split("."):
+            value = value.get(part, _given) if isinstance(value, Mapping) else _given
+        if value is not _given:
+            return value
+    return None
+
+
 def read_settings(schema: type, *layers: Mapping, labels: Mapping[str, str] | None = None,
                   check: Callable | None = None):
     """A ``schema`` dataclass: its defaults updated by each mapping of ``layers`` in turn (a YAML file's, the
@@ -221,6 +244,7 @@ def read_settings(schema: type, *layers: Mapping, labels: Mapping[str, str] | No
     except OmegaConfBaseException as error:
         key = str(getattr(error, "full_key", None) or "")
         name = labels.get(key, f"setting {key}" if key else "settings")
-        raise ValidationError(f"{name}: {first_line(getattr(error, 'msg', None) or error)}") from None
+        message = first_line(getattr(error, 'msg', None) or error)
+        raise ValidationError(f"{name}: {_type_problem(message, _given(key, layers)) or message}") from None
     except ValueError as error:
         raise _relabel(error, labels) from None

@@ -17,11 +17,13 @@ from torch import nn
 from transformers import CONFIG_MAPPING, PreTrainedConfig, PreTrainedModel
 
 from ..discovery.norms import is_norm_candidate
+from ..discovery.roles import ROLES
 from ..modules import METHODS
 from ..validation import ValidationError, shown
 from .record import ConversionRecord, OriginalArchitecture
 
 MODEL_TYPE = re.compile(r"[a-z0-9_\-]+")
+KINDS = ("layernorm", "rmsnorm")  # what the probe classifies a norm as (``discovery.norms.probe``)
 
 
 # ------------------------------------------------------------------------------------------- names in code
@@ -74,14 +76,19 @@ def check_block(record: ConversionRecord) -> ConversionRecord:
         key = f"normswap.converted.{name}"
         if entry.method is not None and entry.method not in METHODS:
             raise ValidationError(f"config.json {key}.method: {shown(entry.method)} is not one of {methods}")
-        if not (isinstance(entry.kind, str) and entry.kind):  # the card and the recipe read them
+        if entry.kind not in KINDS:  # the card and the recipe read them
             raise ValidationError(f"config.json {key}.kind: {shown(entry.kind)} is not a norm kind "
-                                  "(layernorm, rmsnorm)")
+                                  f"({', '.join(KINDS)})")
+        if entry.role is not None and not (isinstance(entry.role, str) and entry.role in ROLES):
+            raise ValidationError(f"config.json {key}.role: {shown(entry.role)} is not a role ({', '.join(ROLES)})")
         if not _positive_int(entry.size):
             raise ValidationError(f"config.json {key}.size: {shown(entry.size)} is not a positive size")
         shape = entry.normalized_shape or [entry.size]
         if not (isinstance(shape, list) and shape and all(_positive_int(n) for n in shape)):
             raise ValidationError(f"config.json {key}.normalized_shape: {shown(shape)} is not a list of positive sizes")
+        if shape[-1] != entry.size:  # a norm's size is its normalized shape's last dimension
+            raise ValidationError(f"config.json {key}.size: {entry.size} is not the last size of "
+                                  f"{key}.normalized_shape {shape}")
         for flag in ("bias", "per_channel"):
             if not isinstance(getattr(entry, flag) or False, bool):
                 raise ValidationError(f"config.json {key}.{flag}: expected true or false, got "

@@ -8,6 +8,7 @@ name and an unreachable endpoint each become one :class:`PushError` line, checke
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 from huggingface_hub import HfApi, constants, get_token
@@ -28,6 +29,7 @@ except ImportError:  # pragma: no cover - older huggingface_hub on httpx
         _TransportError = OSError
 
 UNREACHABLE = (_TransportError, ConnectionError, TimeoutError)
+CREDENTIALS = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*://)[^/@\s]+@")  # a URL's user[:password]@
 
 
 class PushError(Exception):
@@ -36,6 +38,12 @@ class PushError(Exception):
 
 def endpoint() -> str:
     return (os.environ.get("HF_ENDPOINT") or constants.ENDPOINT).rstrip("/")
+
+
+def without_credentials(text: str) -> str:
+    """``text`` with the user and password of every URL in it (``http://user:token@host``, as HF_ENDPOINT may
+    hold them) replaced by ``***``: an error line is printed and logged."""
+    return CREDENTIALS.sub(r"\1***@", text)
 
 
 def check_repo_id(repo_id: str) -> None:
@@ -98,13 +106,22 @@ def push(folder: str | os.PathLike, repo_id: str, *, private: bool = False, toke
         raise PushError(f"{folder} holds no weights to push (model.safetensors or its shards)")
     token = preflight(repo_id, token)
     url = endpoint()
-    api = HfApi(endpoint=url, token=token)
-    method = record.method.upper()
+    try:
+        repo = _upload(HfApi(endpoint=url, token=token), folder, repo_id, files, private,
+                       commit_message or f"{record.method.upper()} checkpoint converted with hf-normswap")
+    except PushError as error:
+        raise PushError(without_credentials(str(error))) from None
+    return str(repo)
+
+
+def _upload(api: HfApi, folder: Path, repo_id: str, files: list[str], private: bool, message: str):
+    """Create the repo and upload ``files``; the Hub's refusals and an unreachable endpoint as PushError lines."""
+    url = api.endpoint
     try:
         repo = api.create_repo(repo_id, private=private or None, exist_ok=True, repo_type="model")  # None: Hub default
         api.upload_folder(folder_path=folder, repo_id=repo.repo_id, repo_type="model",
                           allow_patterns=files,  # names of [\w.-] only: no glob
-                          commit_message=commit_message or f"{method} checkpoint converted with hf-normswap")
+                          commit_message=message)
     except HfHubHTTPError as error:
         status = getattr(getattr(error, "response", None), "status_code", None)
         if status == 401:
@@ -114,4 +131,4 @@ def push(folder: str | os.PathLike, repo_id: str, *, private: bool = False, toke
         raise PushError(f"the Hub at {url} refused the push to {repo_id}: {first_line(error)}") from None
     except UNREACHABLE as error:
         raise PushError(f"cannot reach the Hub at {url} ({type(error).__name__}): check your network or HF_ENDPOINT") from None
-    return str(repo)
+    return repo

@@ -110,6 +110,16 @@ def norm_entries(block: dict) -> dict[str, NormEntry]:
             for name, entry in entries.items()}
 
 
+def _refuse_unknown_fields(data, where: str) -> None:
+    """A converted norm of this format version holds only :class:`NormEntry`'s fields: another key is a typo or
+    tampering, which :func:`from_dict` (kept lenient: it is the checkpoint's remote code too) leaves out silently."""
+    names = {spec.name for spec in dataclasses.fields(NormEntry)}
+    unknown = sorted(map(str, set(data) - names)) if isinstance(data, dict) else []
+    if unknown:
+        raise ValidationError(f"config.json {where}.{unknown[0]}: not a field of a converted norm "
+                              f"({', '.join(sorted(names))}); the checkpoint is damaged or was tampered with")
+
+
 @dataclass
 class OriginalArchitecture:
     """The architecture a converted checkpoint rebuilds: transformers class names, each checked on load
@@ -159,6 +169,9 @@ class ConversionRecord:
         if version > FORMAT_VERSION:
             raise ValidationError(f"config.json {KEY}: format version {version} is newer than this hf-normswap "
                                   f"{__version__} reads (up to {FORMAT_VERSION}); upgrade hf-normswap")
+        converted = block.get("converted")
+        for name, entry in (converted.items() if isinstance(converted, dict) else ()):
+            _refuse_unknown_fields(entry, f"{KEY}.converted.{name}")
         try:
             record = from_dict(cls, block, KEY)
         except ValueError as error:

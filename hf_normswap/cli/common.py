@@ -28,6 +28,17 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"normswap: error: {message} (see `{self.prog} --help`)\n")
 
 
+def positive_int(text: str) -> int:
+    """An argparse type: a whole number of at least 1 (a count of processes), refused as the flags are parsed."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def selection_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--roles", default=",".join(DEFAULT_ROLES),
                         help=f"comma-separated roles to convert, from {', '.join(ROLES)} (default: %(default)s)")

@@ -3,11 +3,10 @@ encoder, the agreement of its sentence embeddings with the original's."""
 
 from __future__ import annotations
 
-import json
-
 from ..checkpoint.loading import load_model
 from ..checkpoint.record import ConversionRecord
 from ..data import check_spec
+from ..evaluation import finite_json
 from ..evaluation.perplexity import EvaluationError, check_window
 from ..evaluation.texts import evaluation_texts
 from ..model_inputs import is_encoder
@@ -92,6 +91,6 @@ def run(args) -> None:
     else:
         evaluation = run_evaluation(args, "", model, tokenizer, against, args.data, texts)
     if args.json:
-        print(json.dumps(evaluation.to_dict(), indent=2))
+        print(finite_json.dumps(evaluation.to_dict(), indent=2))
     else:
         print(f"{args.model} on {evaluation.describe()}\n{evaluation.table()}")

@@ -8,6 +8,7 @@ import argparse
 import sys
 
 from ..planning.plan_settings import PRECISIONS, SHARDING, TRAINABLE
+from .common import positive_int
 
 
 # what a recipe's config decides, which its plan takes from there
@@ -30,8 +31,8 @@ def add_parser(commands) -> None:
                              "--node-processes, --sharding, --device-memory, --host-memory and "
                              "--load-on-every-process say how it is launched")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="with --config: the recipe's overrides")
-    parser.add_argument("--processes", type=int, default=1, help="processes (GPUs) of the recipe (default 1)")
-    parser.add_argument("--node-processes", type=int, default=None,
+    parser.add_argument("--processes", type=positive_int, default=1, help="processes (GPUs) of the recipe (default 1)")
+    parser.add_argument("--node-processes", type=positive_int, default=None,
                         help="processes on one node, sharing its host memory (default: all)")
     parser.add_argument("--sharding", choices=SHARDING, default="ddp", help="with several processes (default ddp)")
     parser.add_argument("--device-memory", default=None, help="memory of one GPU, e.g. 80GB (default: a CPU run)")

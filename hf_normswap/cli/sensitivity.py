@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
+import math
 
 from ..checkpoint.loading import load_model
 from ..convert import ConversionError, check_not_converted, plan
 from ..data import check_spec
 from ..model_inputs import context_length
+from ..evaluation import finite_json
 from ..evaluation.texts import evaluation_texts
 from ..modules import METHODS
 from ..validation import check_number, check_output_file
@@ -60,7 +61,7 @@ def budget(args) -> tuple[str, float] | None:
     for metric in ("kl", "ppl_ratio", "cosine"):
         limit = getattr(args, f"budget_{metric}")
         if limit is not None:
-            if limit <= 0 or (metric == "ppl_ratio" and limit < 1) or (metric == "cosine" and limit > 1):
+            if not (0 < limit < math.inf) or (metric == "ppl_ratio" and limit < 1) or (metric == "cosine" and limit > 1):
                 raise ConversionError(f"--budget-{metric.replace('_', '-')} {limit} is out of range: give a KL > 0, "
                                       "a perplexity ratio >= 1 or a cosine in (0, 1]")
             return metric, limit
@@ -141,10 +142,10 @@ def run(args) -> None:
                        sentences=args.sentences)
     with open(args.log, "a") if args.log else contextlib.nullcontext() as log:
         def write(entry: dict) -> None:
-            log.write(json.dumps(entry) + "\n")
+            log.write(finite_json.dumps(entry) + "\n")
             log.flush()
 
         sensitivity = measure_map(measure, selected, log=write if log else None)
     if args.plot:
         plot(sensitivity, args.plot)
-    print(json.dumps(sensitivity.to_dict(), indent=2) if args.json else sensitivity.table())
+    print(finite_json.dumps(sensitivity.to_dict(), indent=2) if args.json else sensitivity.table())

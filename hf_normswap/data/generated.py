@@ -257,7 +257,9 @@ def _prompts(settings: SamplingSettings, tokenizer, prompts: Prompts | None, cou
     if settings.prompt == "bos":
         bos = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
         if bos is None:
-            raise ValueError("generated: the tokenizer has no BOS or EOS token to start from; set prompt=SOURCE")
+            raise ValueError("generated: the tokenizer has no BOS or EOS token to start the original's samples "
+                             "from: calibrate on text instead (--calib FILE; in the recipe calibration.data=FILE), "
+                             "or start the samples from text (generated:prompt=FILE)")
         return torch.full((count, 1), bos, dtype=torch.long)
     return torch.tensor([prompts(start + i) for i in range(count)], dtype=torch.long)
 
@@ -359,22 +361,33 @@ def sample_texts(model: nn.Module, tokenizer, settings: SamplingSettings, max_to
     prompts = None if settings.prompt == "bos" else Prompts(settings, tokenizer, prompt_texts or [])
     wait = wait_seconds if wait_seconds is not None else (0.0 if world_size == 1 else 6 * 3600.0)
     rows, have, read, count = [], 0, 0, batches_for(max_tokens, settings)
-    start, drawn = time.time(), 0
+    start, missing = time.time(), set()
     while have < max_tokens:
         needed = range(read, count)
         mine = [i for i in needed if i % world_size == rank and not cache.has(i)]
-        if draw(model, tokenizer, cache, mine, prompts=prompts, progress=progress) is not None:
-            drawn += len(mine)
+        missing.update(mine)
+        draw(model, tokenizer, cache, mine, prompts=prompts, progress=progress)
         wait_for(cache, needed, wait)
         for index in needed:
             batch = read_or_redraw(model, tokenizer, cache, index, prompts)
             rows.extend(batch)
             have += sum(map(len, batch))
         read, count = count, count + batches_for(max_tokens - have, settings)
-    if drawn and progress:
-        print(f"[generated] {drawn * settings.batch_size * settings.length:,} tokens sampled in "
-              f"{time.time() - start:.0f} s into {cache.directory}", file=sys.stderr, flush=True)
+    if progress:
+        _say_drawn(settings, cache, len(cache.written & missing), len(missing - cache.written), time.time() - start)
     return [tokenizer.decode(ids, skip_special_tokens=True) for ids in rows]
+
+
+def _say_drawn(settings: SamplingSettings, cache: SampleCache, drawn: int, reused: int, seconds: float) -> None:
+    """What this call sampled, and what another run sampling the same batches at once drew for it (two runs
+    sharing a draw would each claim the whole of it)."""
+    tokens = settings.batch_size * settings.length
+    others = f"{reused * tokens:,} tokens another run drew at the same time reused from {cache.directory}"
+    if drawn:
+        print(f"[generated] {drawn * tokens:,} tokens sampled in {seconds:.0f} s into {cache.directory}"
+              + (f"; {others}" if reused else ""), file=sys.stderr, flush=True)
+    elif reused:
+        print(f"[generated] {others}", file=sys.stderr, flush=True)
 
 
 def read_or_redraw(model, tokenizer, cache: SampleCache, index: int, prompts) -> list[list[int]]:

@@ -65,6 +65,7 @@ class SampleCache:
         self.directory = (root or cache_root()) / name
         self.key = key
         self.vocabulary = vocabulary_size(model)
+        self.written: set[int] = set()  # the batches this object wrote (a run sharing the folder writes others)
 
     def path(self, index: int) -> Path:
         return self.directory / f"batch-{index:06d}.safetensors"
@@ -85,7 +86,12 @@ class SampleCache:
         lock = FileLock(path)
         try:
             lock.acquire()
-        except OSError as error:
+        except OSError as error:  # a link or a folder in its place (ELOOP, EISDIR) says nothing of which
+            if path.is_symlink() or path.is_dir():
+                kind = "link" if path.is_symlink() else "folder"
+                raise ValueError(f"generated: cannot write the sample cache {self.directory} ({path.name} is a "
+                                 f"{kind}, not its lock file: {error.strerror}); move {path} away, or set "
+                                 f"{CACHE_ENV} to another folder") from None
             raise _unwritable(self.directory, error) from None
         try:
             yield
@@ -113,6 +119,7 @@ class SampleCache:
                           partial, metadata={"precision": precision})
         except (OSError, SafetensorError) as error:
             raise _unwritable(self.directory, error) from None
+        self.written.add(index)
 
     def read(self, index: int) -> list[list[int]]:
         """The rows of batch ``index``; :class:`DamagedBatch` naming the file and why, for anything this cache

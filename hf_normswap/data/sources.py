@@ -12,6 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from . import texts
+from .file_scan import FileText, scan
 from .generated import DEFAULT_TOKENS, SamplingSettings, is_generated, sample_texts
 
 SOURCES: list[type["Source"]] = []
@@ -45,10 +46,12 @@ class Source:
         """What can be checked before a model loads, cheaply; the local files it names (None: no files)."""
         return None
 
-    def preflight(self, split: str) -> None:
-        """Read before any model loads, so a source that cannot be read stops a run at once: a token's worth (a
-        large local file is opened, not read whole)."""
-        self.texts(split, max_tokens=1)
+    def preflight(self, split: str, block_len: int | None = None) -> None:
+        """Read before any model loads, so a source that cannot be read, or that holds no whole block of
+        ``block_len`` tokens (None: any text), stops a run at once."""
+        documents = [t for t in self.texts(split, max_tokens=block_len or 1) if t.strip()]
+        require_text(self.spec, FileText(sum(len(t.encode("utf-8", "surrogatepass")) for t in documents),
+                                         len(documents)), block_len)
 
     def stream(self, tokenizer, block_len: int, *, original=None, rank: int = 0, world_size: int = 1, seed: int = 0):
         """Its training blocks as a ``datasets`` stream read as the run trains; None: read whole."""
@@ -99,7 +102,7 @@ class Generated(Source):
             source(prompt).check()
         return None
 
-    def preflight(self, split):  # sampled once the original is loaded; its prompt file must exist
+    def preflight(self, split, block_len=None):  # sampled once the original is loaded; its prompt file must exist
         self.check()
 
     def stream(self, tokenizer, block_len, *, original=None, rank=0, world_size=1, seed=0):
@@ -143,6 +146,12 @@ class LocalFiles(Source):
     def check(self):
         return texts.named_paths(self.spec)
 
+    def preflight(self, split, block_len=None):  # every byte read, nothing kept: a stream must not fail later
+        files = texts.files_under(texts.named_paths(self.spec))
+        if not files:
+            raise texts.DataError(f"no files under {self.spec}")
+        require_text(self.spec, scan(files), block_len)
+
     def stream(self, tokenizer, block_len, *, original=None, rank=0, world_size=1, seed=0):
         from .streaming import file_stream, table_stream
 
@@ -153,6 +162,8 @@ class LocalFiles(Source):
         loader = loaders.pop()
         stream = file_stream(files, tokenizer, block_len) if loader is None else \
             table_stream(files, loader, tokenizer, block_len)
+        if next(iter(stream.take(1)), None) is None:  # the check before loading bounds the tokens; this counts
+            raise NoWholeBlock(f"{self.spec} gives fewer tokens than one block of {block_len}")
         return stream.shuffle(seed=seed, buffer_size=self.SHUFFLE_BLOCKS)
 
 
@@ -167,6 +178,20 @@ class HubDataset(Source):
     def texts(self, default_split="calibration", **_):
         split = {"calibration": "train", "evaluation": "test"}.get(default_split, default_split)
         return texts.read_hub(self.spec, split)
+
+
+class NoWholeBlock(texts.DataError):
+    """A source that holds text, but fewer tokens than one block of the length asked."""
+
+
+def require_text(spec: str, found: FileText, block_len: int | None) -> None:
+    """DataError unless ``found`` holds text and, ``block_len`` given, may hold a whole block: a training source
+    without one trained 0 steps and saved its start as the result."""
+    if not found.documents:
+        raise texts.DataError(f"{spec} holds no text (empty or blank)")
+    if block_len is not None and found.most_tokens() < block_len:
+        raise NoWholeBlock(f"{spec} holds {found.text_bytes} bytes of text, fewer tokens than one block of "
+                           f"{block_len}")
 
 
 FALLBACKS = (LocalFiles, HubDataset)  # tried after every registered kind: paths, then any other name

@@ -23,20 +23,17 @@ import torch
 from huggingface_hub import constants, get_session
 
 from ..validation import first_line
+from .errors import DataError
+from .file_scan import LOADERS, table_texts
 from .generated import SamplingSettings
 
 BUILTIN = "builtin"
 BUILTIN_SPLITS = ("calibration", "evaluation")
-LOADERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 HUB_PROBE_TIMEOUT = 3.0  # seconds
 # Text files above LAZY_BYTES are read only up to a token budget where one is given; no tokenizer makes a token of
 # more than CHARS_PER_TOKEN characters of ordinary text, so the prefix holds the budget's tokens.
 LAZY_BYTES = 4 << 20
 CHARS_PER_TOKEN = 32
-
-
-class DataError(ValueError):
-    """The text source cannot be read; the message says what to pass instead."""
 
 
 def is_builtin(spec: str | None) -> bool:
@@ -91,7 +88,8 @@ def files_under(paths: list[Path]) -> list[Path]:
 def read_local(paths: list[Path], max_tokens: int | None = None) -> list[str]:
     """The texts of local files: one per text file, read directly (as ``datasets``' text loader with
     ``sample_by="document"`` reads them, so a machine without ``datasets`` reads them too); json/jsonl and parquet
-    through ``datasets``."""
+    a row a document, up to ``max_tokens`` a row at a time (``file_scan.table_texts``), else whole through
+    ``datasets``."""
     files = files_under(paths)
     if not files:
         raise DataError(f"no files under {', '.join(map(str, paths))}")
@@ -107,6 +105,8 @@ def read_local(paths: list[Path], max_tokens: int | None = None) -> list[str]:
             return [text for f in files if (text := f.read_text(encoding="utf-8")).strip()]
         except UnicodeDecodeError:
             raise DataError(_decode_problem(None, files, loader)) from None
+    if max_tokens is not None:  # a budget: the rows up to it, read a row at a time (never the whole file)
+        return _table_prefix(files, max_tokens * CHARS_PER_TOKEN)
     import datasets
 
     try:
@@ -114,6 +114,19 @@ def read_local(paths: list[Path], max_tokens: int | None = None) -> list[str]:
     except Exception as error:  # datasets raises many types for malformed json / parquet
         raise DataError(f"cannot read {', '.join(map(str, paths))} as {loader}: {_decode_problem(error, files, loader)}") from None
     return [t for t in dataset[_text_column(dataset)] if t and t.strip()]
+
+
+def _table_prefix(files: list[Path], chars: int) -> list[str]:
+    """The non-blank rows of JSON or parquet files in order, up to the first that brings them to ``chars``
+    characters."""
+    texts = []
+    for text in table_texts(files):
+        if chars <= 0:
+            break
+        if text and text.strip():
+            texts.append(text)
+            chars -= len(text)
+    return texts
 
 
 def _decode_problem(error: BaseException, files: list[Path], loader: str) -> str:

@@ -5,4 +5,5 @@
 - ``embeddings.py``: a sentence encoder's embeddings against the original's.
 - ``sensitivity.py``: the damage of each norm converted alone, and the greedy order (``normswap sensitivity``).
 - ``conversion_check.py``: original and converted scored on a small slice after a conversion, warning on failure.
+- ``finite_json.py``: results as valid JSON (a score that is not finite as null).
 """

@@ -10,7 +10,9 @@ encoder, its embeddings) on 32 of its sentences. Without a tokenizer the slice i
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import sys
 from dataclasses import asdict, dataclass
 
 import torch
@@ -27,8 +29,22 @@ from .embeddings import sentences
 MAX_RATIO = 50.0  # perplexity ratio above which a conversion has failed
 MIN_COSINE = 0.5  # output cosine below which it has
 UNIFORM = 0.99  # share of the vocabulary's size at which a perplexity is a uniform guess's
+UNTRAINED = 0.9  # share at which the original's own is all but a guess (a randomly initialized model)
 WINDOWS, WINDOW_LEN, SENTENCES = 4, 128, 32
 DATA = "builtin"
+
+
+def perplexity(nll: float) -> float:
+    """``exp(nll)``, infinite where it is past what a float holds (not capped: a capped 1e304 would read as a
+    number to compare against)."""
+    return math.exp(nll) if nll < math.log(sys.float_info.max) else math.inf
+
+
+def not_comparable(original: float, data: str) -> str:
+    """Why nothing can be compared to an original whose own perplexity (or output) on ``data`` is not finite, and
+    the fix: convert's check and the sensitivity map say the same."""
+    return (f"not comparable: the original model's own perplexity on {data} is {original:.4g} (its outputs are not "
+            "finite). Fix: check the original's weights, or run it in float32 (--dtype float32)")
 
 
 @dataclass
@@ -41,11 +57,20 @@ class CheckResult:
     converted: float
     value: float  # perplexity ratio, or mean cosine to the original
     failed: bool
+    vocabulary: int | None = None  # tokens a perplexity guesses among: one of the original near it is untrained
 
     @property
     def comparable(self) -> bool:
         """False when the original's own perplexity is not finite: there is nothing to compare against."""
         return self.original is None or math.isfinite(self.original)
+
+    @property
+    def untrained(self) -> bool:
+        """The converted model guesses uniformly, and so, nearly, does the original (within :data:`MAX_RATIO`):
+        the uniform output is the original's, not the conversion's."""
+        return (self.metric == "perplexity" and self.comparable and self.vocabulary is not None
+                and self.converted >= UNIFORM * self.vocabulary and self.original >= UNTRAINED * self.vocabulary
+                and math.isfinite(self.value) and self.value <= MAX_RATIO)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -63,9 +88,11 @@ class CheckResult:
         """None when the check passed; else the warning, with the cause and the fix read from the converted model's
         record."""
         if not self.comparable:
-            return (f"the check cannot compare: the original model's own perplexity on {self.data} is "
-                    f"{self.original:.4g} (its outputs are not finite). Fix: check the original's weights, or run it "
-                    "in float32 (--dtype float32)")
+            return f"the check cannot compare, {not_comparable(self.original, self.data)}"
+        if self.untrained:
+            return (f"the check cannot judge: the original model's own perplexity on {self.data} is "
+                    f"{self.original:.4g}, a uniform guess over its {self.vocabulary} tokens (it looks untrained), "
+                    f"and the converted model's is {self.converted:.4g}. Fix: convert a trained model")
         if not self.failed:
             return None
         what = (f"perplexity is {self.value:.3g}x the original's" if self.metric == "perplexity"
@@ -144,7 +171,7 @@ class ConversionCheck:
             out, ids = outputs[0], self.batches[0]["input_ids"]
             self.vocabulary = out.shape[-1]
             loss = F.cross_entropy(out[:, :-1].reshape(-1, out.shape[-1]), ids[:, 1:].reshape(-1))
-            return math.exp(min(float(loss), 700.0)) if math.isfinite(float(loss)) else math.inf
+            return perplexity(float(loss)) if math.isfinite(float(loss)) else math.inf
         pooled = []
         for out, inputs in zip(outputs, self.batches):
             mask = inputs.get("attention_mask")
@@ -160,8 +187,10 @@ class ConversionCheck:
             ratio = converted / self.original if self.original else math.inf
             # no better than a uniform guess over the vocabulary is a failure whatever the ratio (a tiny original)
             uniform = converted >= UNIFORM * self.vocabulary > self.original
-            return CheckResult("perplexity", self.data, self.original, converted, ratio,
-                               failed=not math.isfinite(ratio) or ratio > MAX_RATIO or uniform)
+            result = CheckResult("perplexity", self.data, self.original, converted, ratio,
+                                 failed=not math.isfinite(ratio) or ratio > MAX_RATIO or uniform,
+                                 vocabulary=self.vocabulary)
+            return dataclasses.replace(result, failed=result.failed and not result.untrained)
         cosine = float(F.cosine_similarity(converted, self.original, dim=-1).mean())
         return CheckResult("cosine", self.data, None, cosine, cosine,
                            failed=not math.isfinite(cosine) or cosine < MIN_COSINE)

@@ -35,6 +35,7 @@ from ..convert import ConversionError, convert
 from ..discovery.roles import LAYER, layer_of
 from ..model_inputs import ends_in_hidden_states, first_tensor
 from ..placement import model_device
+from .conversion_check import not_comparable, perplexity
 from .embeddings import mean_pooled
 
 EVAL_WINDOWS, EVAL_LEN, SENTENCES = 2, 256, 64  # the default slice: 510 tokens scored, or 64 sentences for an encoder
@@ -86,6 +87,21 @@ class Reference:
                 self.tokens = int(self.inputs[:, 1:].numel())
                 self.target = [torch.log_softmax(_logits(original, row).float(), -1) for row in self.inputs]
                 self.nll = self._nll(self.target)
+        self._check_comparable()
+
+    def _check_comparable(self) -> None:
+        """Every score is relative to the original's outputs: where they are not finite (or its own perplexity
+        overflows), a KL of 1e35 or a ratio of 0 would read as a measurement."""
+        if self.encoder:
+            if not torch.isfinite(self.target).all():
+                raise ConversionError("the sensitivity map is not comparable: the original model's embeddings of the "
+                                      "evaluation text are not finite. Fix: check the original's weights, or run "
+                                      "it in float32 (--dtype float32)")
+            return
+        finite = all(bool(torch.isfinite(t).all()) for t in self.target) and math.isfinite(self.nll)
+        own = perplexity(self.nll) if finite else math.inf
+        if not math.isfinite(own):
+            raise ConversionError(f"the sensitivity map is {not_comparable(own, f'{self.tokens} evaluation tokens')}")
 
     def describe(self) -> dict:
         shape = {"sentences": len(self.inputs["input_ids"])} if self.encoder else \

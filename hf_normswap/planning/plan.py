@@ -23,6 +23,13 @@ def gb(value: int) -> str:
     return f"{value / GB:,.1f} GB"
 
 
+def exceeds(need: int, have: int) -> str:
+    """``need > have`` in GB, with the decimals it takes for the two to read apart (0.73 GB > 0.7 GB, not 0.7 GB >
+    0.7 GB)."""
+    digits = next((d for d in range(1, 10) if f"{need / GB:.{d}f}" != f"{have / GB:.{d}f}"), 9)
+    return f"{need / GB:,.{digits}f} GB > {have / GB:,.{digits}f} GB"
+
+
 @dataclass
 class MemoryPlan:
     sizes: ModelSizes
@@ -50,9 +57,9 @@ class MemoryPlan:
         for run, phases, n in (("convert", self.conversion, 1), ("recipe", self.recipe, s.per_node)):
             for phase in phases:
                 if s.host_memory is not None and phase.host_node(n) > s.host_memory:
-                    found.append(f"{run}, {phase.name}: host {gb(phase.host_node(n))} > {gb(s.host_memory)}")
+                    found.append(f"{run}, {phase.name}: host {exceeds(phase.host_node(n), s.host_memory)}")
                 if s.device_memory is not None and phase.device_bytes > s.device_memory:
-                    found.append(f"{run}, {phase.name}: device {gb(phase.device_bytes)} > {gb(s.device_memory)}")
+                    found.append(f"{run}, {phase.name}: device {exceeds(phase.device_bytes, s.device_memory)}")
         return found
 
     @property

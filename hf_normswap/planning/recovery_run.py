@@ -100,12 +100,20 @@ def resolve_run(config, *, processes: int = 1, is_main: bool = True, device: str
     ``device`` (of ``device_memory`` bytes); :class:`RecoveryRunError` for a converted checkpoint that names no
     original. With ``step_tokens`` (on CUDA by default :data:`STEP_TOKENS_ON_CUDA`) the micro-batch is the largest
     the memory plan fits on the device and the rest of the step is accumulated; else the training section's."""
+    if isinstance(processes, bool) or not isinstance(processes, int) or processes < 1:
+        raise RecoveryRunError(f"processes must be a whole number of at least 1, got {processes!r}")
     converted = converted_checkpoint(config.model)
     original = config.model
     if converted is not None:
+        from ..checkpoint.config_checks import check_block
         from ..checkpoint.record import ConversionRecord
+        from ..validation import ValidationError
 
-        original = config.original or ConversionRecord.in_config(converted).base_model
+        try:  # the record's every entry, before a model loads (a malformed one failed at the first save)
+            record = check_block(ConversionRecord.in_config(converted))
+        except ValidationError as error:
+            raise RecoveryRunError(f"{config.model}: {error}") from None
+        original = config.original or record.base_model
         if not original:
             raise RecoveryRunError("the checkpoint does not name its original; set original: in the config")
     calibration = config.calibration

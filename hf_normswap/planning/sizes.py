@@ -51,7 +51,7 @@ class ModelSizes:
 def read_config(model) -> "transformers.PretrainedConfig":  # noqa: F821
     """The config of ``model``: a ``PreTrainedConfig``, a config.json file, a directory holding one, a GGUF file or
     ``offline:NAME``, or a Hub id (its config.json alone is fetched). Remote code is never run."""
-    from transformers import AutoConfig, PretrainedConfig
+    from transformers import CONFIG_MAPPING, AutoConfig, PretrainedConfig
 
     if isinstance(model, PretrainedConfig):
         return model
@@ -72,6 +72,8 @@ def read_config(model) -> "transformers.PretrainedConfig":  # noqa: F821
             values.pop("auto_map", None)
             if "model_type" not in values:
                 raise PlanError(f"{file} has no model_type: give the original model's config")
+            if values["model_type"] not in CONFIG_MAPPING:  # transformers' message lists every model type it knows
+                raise PlanError(_unknown_model_type(spec, values))
             return AutoConfig.for_model(**values)
         return AutoConfig.from_pretrained(location, trust_remote_code=False, **extra)
     except PlanError:
@@ -82,6 +84,18 @@ def read_config(model) -> "transformers.PretrainedConfig":  # noqa: F821
         first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise PlanError(f"cannot read a config for {spec} ({first}): give a Hub id, a model directory or its "
                         "config.json") from None
+
+
+def _unknown_model_type(spec: str, values: dict) -> str:
+    """Why a config.json's model type does not plan, and what to plan instead: a converted checkpoint's original
+    (its architecture with norms; a recovery from it plans with ``--config``)."""
+    block = values.get("normswap")
+    if isinstance(block, dict):
+        original = block.get("base_model") or "the original model"
+        return (f"{spec} is a converted checkpoint (model_type {values['model_type']!r}): plan {original} instead, "
+                f"or its recovery with normswap plan --config RECIPE.yaml model={spec}")
+    return (f"{spec}: model_type {values['model_type']!r} is not one transformers knows: give a Hub id, a model "
+            "directory or a config.json of a model transformers builds")
 
 
 def empty_model(config) -> nn.Module:

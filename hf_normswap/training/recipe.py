@@ -39,8 +39,8 @@ from ..checkpoint.record import ConversionRecord
 from ..validation import first_line
 from .first_scale import FirstScaleHandover
 from .gpu_scale import compile_blocks, keep_compile_cache
-from .recipe_data import check_data, recipe_datasets, sentence_steps
-from .recipe_models import ensure_pad_token, load_models
+from .recipe_data import check_data, packs_blocks, recipe_datasets, sentence_steps
+from .recipe_models import load_models
 from .recipe_results import final_evaluation, finish
 from .recipe_settings import COMMAND, fail, load_config, stopped
 
@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None, command: str = "finetune") -> int:
                           device_memory=device_memory)
     except RecoveryRunError as error:  # settings that name no run: a mistake, before anything loads
         fail(str(error))
-    check_data(config, run.calibrates)
+    check_data(config, run.calibrates, packs_blocks(run.original))
     with held_run_dir(config.output_dir, state), written_or_stopped(config.output_dir):
         set_seed(config.seed)
         try:  # under the lock, on the main process: a launch that ended meanwhile may have changed the folder
@@ -113,7 +113,6 @@ def main(argv: list[str] | None = None, command: str = "finetune") -> int:
         keep_compile_cache(run.output_dir)
 
         student, original, tokenizer = load_models(run, state)
-        ensure_pad_token(tokenizer)
         original.eval().requires_grad_(False)
         record = ConversionRecord.of(student)
         log(f"{len(record.converted)} {record.method.upper()} norms; original {run.original}")

@@ -8,25 +8,44 @@ import math
 from .recipe_settings import fail, stopped
 
 
-def check_data(config, calibrates: bool) -> None:
-    """Read every text source before any model loads, so a missing file or an unreachable Hub dataset stops the
-    run at once with one line naming the key that overrides it (``Source.preflight``)."""
-    from ..data import DataError, hub_stream
-    from ..data.sources import source
+def packs_blocks(original: str) -> bool:
+    """Whether the recipe reads its text as packed blocks for ``original`` (a model with an output head), from its
+    config alone: a sentence encoder (a bare ``...Model``, as MiniLM's ``BertModel``) reads sentences of any length
+    instead. A config that does not read counts as a model with a head (its load names the problem)."""
+    from ..planning.sizes import PlanError, read_config
 
-    training = [("train_data", spec, "calibration") for spec in config.train_sources]
-    sources = [*training, ("eval_data", config.eval_data, "evaluation")]
+    try:
+        names = getattr(read_config(original), "architectures", None) or []
+    except (PlanError, OSError, ValueError):
+        return True
+    return not names or not all(n.endswith("Model") and not n.endswith("LMHeadModel") for n in names)
+
+
+def check_data(config, calibrates: bool, packs: bool = True) -> None:
+    """Read every text source before any model loads, so a missing file, an unreachable Hub dataset, a byte that
+    is not UTF-8 or a source without one whole block stops the run at once with one line naming the key that
+    overrides it (``Source.preflight``); a whole block is asked of each only where the run ``packs`` its text into
+    blocks (:func:`packs_blocks`)."""
+    from ..data import DataError, hub_stream
+    from ..data.sources import NoWholeBlock, source
+
+    training = [("train_data", spec, "calibration", "block_len") for spec in config.train_sources]
+    sources = [*training, ("eval_data", config.eval_data, "evaluation", "block_len")]
     if calibrates:  # a converted checkpoint is calibrated already
-        sources.insert(0, ("calibration.data", config.calibration.data, "calibration"))
+        sources.insert(0, ("calibration.data", config.calibration.data, "calibration", "calibration.block_len"))
     if config.streaming:  # one row read: the stream is opened, not downloaded
         sources = [s for s in sources if s[0] != "train_data"]
         try:
             hub_stream(config.train_data, None, config.block_len)
         except DataError as error:
             fail(f"train_data: {error}")
-    for key, spec, split in sources:
+    lengths = {"block_len": config.block_len, "calibration.block_len": config.calibration.block_len} if packs \
+        else {"block_len": None, "calibration.block_len": None}
+    for key, spec, split, block_key in sources:
         try:
-            source(spec).preflight(split)
+            source(spec).preflight(split, lengths[block_key])
+        except NoWholeBlock as error:
+            fail(f"{key}: {error} (give more text: {key}=PATH, or a smaller {block_key})")
         except DataError as error:
             fail(f"{key}: {error} ({key}=PATH)")
     same = lambda a, b: source(a).same_sample(source(b))  # noqa: E731

@@ -55,7 +55,8 @@ def check_lora_targets(targets, name: str, model) -> None:
 
 
 def load_models(run, state):
-    """(student, original, tokenizer), on the training device (:func:`place_for_training`). The main process
+    """(student, original, tokenizer), on the training device (:func:`place_for_training`), the tokenizer able to
+    pad (:func:`ensure_pad_token`). The main process
     calibrates and caches; the others load its result, or, loading once a node (``run.loaded_by_main``), build it
     on the meta device and receive their shards when it is sharded."""
     import hf_normswap
@@ -71,6 +72,7 @@ def load_models(run, state):
     empty_original = empty and run.teacher_sharded  # else every process holds the original whole
     if not run.calibrates:
         student, tokenizer = load_model(config.model, empty=empty)
+        ensure_pad_token(tokenizer)
         original, _ = load_model(run.original, with_tokenizer=False, empty=empty_original)
         check_context_settings(run.context, {config.model: student, run.original: original}, lora_targets)
         check_hand_over(config.progressive, config.taper, run.steps, config.train_tokens, student)
@@ -81,6 +83,7 @@ def load_models(run, state):
         return (place_for_training(student, state.device, run.sharded),
                 place_for_training(original, state.device, run.sharded), tokenizer)
     original, tokenizer = load_model(config.model, empty=empty_original)
+    ensure_pad_token(tokenizer)  # before calibration, slow
     check_context_settings(run.context, {config.model: original}, lora_targets)  # before calibration, slow
     # the norms the conversion will replace, found on the original
     check_hand_over(config.progressive, config.taper, run.steps, config.train_tokens, original)

@@ -1,7 +1,7 @@
 """The recipe's ``output_dir``: the recipe deletes (checkpoint rotation) and resumes from what is in it, so it works
 only in a directory it created, recorded in ``run.json`` with the model it trains and the parameters it trains.
 A resume that names another model or trains other parameters is refused before anything loads, an interrupted
-Trainer checkpoint is skipped, and the recipe's JSON files are written whole or not at all.
+Trainer checkpoint is skipped, and the recipe's JSON files are written whole or not at all, as valid JSON.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from ..atomic_write import atomic_write
 from ..checkpoint.loading import resolve
 from ..checkpoint.packaged import PREFIX as PACKAGED
 from ..checkpoint.directory import check_output_dir
+from ..evaluation import finite_json
 from ..validation import ValidationError, check_path_length, first_line, shown
 from .run_lock import LOCK
 
@@ -30,7 +31,7 @@ CHECKPOINT = re.compile(r"checkpoint-(\d+)")
 def write_json(path: Path, data) -> None:
     """``path`` holds the old content or the new, never a part: a kill mid-write must not break the next resume."""
     with atomic_write(path) as staging:
-        staging.write_text(json.dumps(data, indent=1, default=str))
+        staging.write_text(finite_json.dumps(data, indent=1, default=str))
 
 
 def read_json(path: Path) -> dict | None:

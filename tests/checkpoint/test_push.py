@@ -159,3 +159,15 @@ def test_push_api_returns_repo_url(hub, checkpoint_dir):
     url = hf_normswap.checkpoint.hub.push(Path(checkpoint_dir), "org/api-push")
     assert url == f"{hub.url}/org/api-push"
     assert "config.json" in hub.files("org/api-push")
+
+
+def test_credentials_in_the_endpoint_are_not_printed(checkpoint_dir, monkeypatch, capsys):
+    """``HF_ENDPOINT=http://user:token@host``: the push error printed the token."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    monkeypatch.setenv("HF_ENDPOINT", f"http://me:hf_SECRETinURL@127.0.0.1:{port}")
+    monkeypatch.setenv("HF_TOKEN", TOKEN)
+    assert cli.main(["push", str(checkpoint_dir), "someone/x"]) == 2
+    err = _one_line_error(capsys)
+    assert "cannot reach the Hub at http://***@127.0.0.1" in err and "hf_SECRETinURL" not in err and "me:" not in err

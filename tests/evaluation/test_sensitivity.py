@@ -6,6 +6,7 @@ import json
 from contextlib import nullcontext
 
 import pytest
+import torch
 from tiny_models import tiny_model, tiny_tokenizer
 
 from hf_normswap.convert import plan
@@ -126,6 +127,8 @@ def test_encoder_map_scores_embedding_cosine():
 
 @pytest.mark.parametrize("argv, message", [
     (["convert", "m", "--to", "eln", "--budget-ppl-ratio", "0.9"], "--budget-ppl-ratio 0.9 is out of range"),
+    (["convert", "m", "--to", "eln", "--budget-kl", "nan"], "--budget-kl nan is out of range"),  # after the search
+    (["convert", "m", "--to", "eln", "--budget-ppl-ratio", "inf"], "--budget-ppl-ratio inf is out of range"),
     (["convert", "m", "--to", "eln", "--budget-kl", "0.1", "--budget-cosine", "0.9"], "not allowed with"),
     (["sensitivity", "m", "--to", "eln", "--windows", "0"], "--windows must be at least 1"),
     (["sensitivity", "m", "--to", "eln", "--plot", "/no/such/dir/map.png"], "its directory does not exist"),
@@ -208,3 +211,17 @@ def test_sensitivity_json_is_the_whole_of_stdout_with_the_default_calibration(tm
                      "--window-len", "32", "--json"]) == 0
     out, err = capsys.readouterr()
     assert json.loads(out)["norms"] and "calibrating on" in err
+
+
+@pytest.mark.parametrize("scale", [1e37, float("inf")])
+def test_an_original_whose_outputs_are_not_finite_is_not_comparable(scale):
+    """``lm_head`` times 1e37: KL 5.9e35 and a perplexity ratio of 0 or 1e304 were printed as a map, exit 0."""
+    from hf_normswap.convert import ConversionError
+
+    model = tiny_model("llama")
+    with torch.no_grad():
+        model.lm_head.weight.mul_(scale)
+    with pytest.raises(ConversionError, match="the sensitivity map is not comparable: the original model's own "
+                                              r"perplexity on 62 evaluation tokens is (inf|nan)"):
+        Reference(model, tiny_tokenizer(), TEXT * 8, windows=2, window_len=32)
+    Reference(tiny_model("llama"), tiny_tokenizer(), TEXT * 8, windows=2, window_len=32)  # a finite one is compared

@@ -201,3 +201,47 @@ def test_the_command_plans_a_recipe_config_as_the_recipe_resolves_it(tmp_path, c
                                                "(training.per_device_train_batch_size); set it there or as an override")
     assert _command(["--config", recipe, "no_such_setting=1"]) == 2
     assert len(capsys.readouterr().err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("argv", [["--config", "{recipe}", "--processes", "0", "train_tokens=1000"],
+                                  ["--config", "{recipe}", "--processes", "0", "--device-memory", "80GB"],
+                                  ["{dir}", "--processes", "-1"], ["{dir}", "--node-processes", "0"]])
+def test_processes_below_one_are_refused_as_the_flags_are_parsed(tmp_path, capsys, argv):
+    """``--processes 0`` was a ZeroDivisionError in step_count (in resolve_run with --device-memory)."""
+    tiny_config("llama").save_pretrained(tmp_path)
+    recipe = Path(__file__).parents[2] / "recipes" / "configs" / "smollm2-eln.yaml"
+    with pytest.raises(SystemExit) as exit:
+        _command([a.format(recipe=recipe, dir=tmp_path) for a in argv])
+    err = capsys.readouterr().err.strip()
+    assert exit.value.code == 2 and len(err.splitlines()) == 1 and "processes: must be at least 1, got" in err
+
+
+def test_a_run_on_no_process_is_refused_by_resolve_run():
+    from hf_normswap.planning.recovery_run import RecoveryRunError, resolve_run
+    from hf_normswap.training.config import read_recipe_config
+
+    config = read_recipe_config(str(Path(__file__).parents[2] / "recipes" / "configs" / "smollm2-eln.yaml"),
+                                ["train_tokens=1000"])
+    for processes in (0, -2):
+        with pytest.raises(RecoveryRunError, match="processes must be a whole number of at least 1"):
+            resolve_run(config, processes=processes, device="cuda:0", cpu=False, device_memory=80 * 10**9)
+
+
+def test_a_phase_over_the_host_memory_reads_larger_than_it():
+    """``--host-memory 0.7GB`` printed ``host 0.7 GB > 0.7 GB``: the decimals it takes to read apart."""
+    config = tiny_config("llama", num_hidden_layers=8, hidden_size=256, intermediate_size=1024, vocab_size=512)
+    whole = plan(config, seq_len=64, calibrate=False)
+    need = max(p.host_main for p in whole.conversion)
+    for limit in (need - 1, need - 10**6, need // 2, need - 4 * 10**7):
+        for problem in plan(config, whole.settings.replace(host_memory=limit)).problems():
+            shown, _, given = problem.partition(": host ")[2].partition(" > ")
+            assert float(shown.removesuffix(" GB")) > float(given.removesuffix(" GB")), problem
+
+
+def test_planning_a_converted_checkpoint_names_the_problem_and_the_fix(converted, capsys):
+    """It printed transformers' 12,036-character list of every model type."""
+    assert _command([str(converted)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"normswap: error: {converted} is a converted checkpoint (model_type 'normswap_llama'): plan the "
+                   f"original model instead, or its recovery with normswap plan --config RECIPE.yaml "
+                   f"model={converted}")

@@ -42,7 +42,8 @@ WORDS = ("the model layer norm scale token value input output weight train step 
 
 def check_settled(config):
     """``recipe_data.check_data`` as the recipe calls it, once the run is resolved."""
-    recipe_data.check_data(config, converted_checkpoint(config.model) is None)
+    calibrates = converted_checkpoint(config.model) is None
+    recipe_data.check_data(config, calibrates, recipe_data.packs_blocks(config.model if calibrates else config.original))
 
 
 def tiny_tokenizer(directory: Path, text: str):
@@ -432,7 +433,7 @@ def test_configs_name_hub_or_builtin_data_and_local_files_override_them(config, 
     for spec in (named.calibration.data, named.train_data, named.eval_data):
         assert spec.startswith(("wikitext:wikitext-2-raw-v1:", "builtin", "generated")), spec  # nothing outside it
     text = tmp_path / "text.txt"
-    text.write_text(" ".join(WORDS))
+    text.write_text((" ".join(WORDS) + "\n") * 40)  # more than a block of the configs' lengths
     local = [f"calibration.data={text}", f"train_data={text}", "eval_data=builtin:evaluation"]
     check_settled(recipe_settings.load_config(["--config", str(config), *local]))
     capsys.readouterr()
