@@ -11,8 +11,10 @@ checkpoint) is refused unless the user trusts it.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import math
+import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -194,8 +196,9 @@ def run_tasks(models: dict, tokenizer, request: TaskRequest, *, limit: float | N
     found, samples = {}, {}
     for name in (REFERENCE, "converted"):
         lm = HFLM(pretrained=models[name], tokenizer=tokenizer, batch_size=batch_size)
-        output = simple_evaluate(model=lm, tasks=request.names, limit=limit, num_fewshot=num_fewshot,
-                                 task_manager=manager, log_samples=False)
+        with contextlib.redirect_stdout(sys.stderr):  # lm-eval prints progress: stdout is the report's (--json)
+            output = simple_evaluate(model=lm, tasks=request.names, limit=limit, num_fewshot=num_fewshot,
+                                     task_manager=manager, log_samples=False)
         found[name] = _metrics(output)
         samples = {task: n.get("effective") for task, n in output.get("n-samples", {}).items()}
     metrics = [TaskMetric(task, metric, *_pair(found, (task, metric))) for task, metric in found[REFERENCE]
