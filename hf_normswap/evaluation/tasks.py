@@ -15,6 +15,7 @@ import contextlib
 import importlib.util
 import math
 import sys
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -142,6 +143,7 @@ class TaskComparison:
     limit: float | None
     num_fewshot: int | None
     min_recovery: float = MIN_RECOVERY
+    seconds: dict = field(default_factory=dict)  # model -> {"wall": s, "cpu": s} of its lm-eval run
 
     def below(self, metric: TaskMetric) -> bool:
         return metric.recovery is not None and metric.recovery < self.min_recovery
@@ -162,7 +164,7 @@ class TaskComparison:
             entry["metrics"][m.metric] = dict(asdict(m), recovery=m.recovery, below=self.below(m))
             del entry["metrics"][m.metric]["task"], entry["metrics"][m.metric]["metric"]
         return {"limit": self.limit, "num_fewshot": self.num_fewshot, "min_recovery": self.min_recovery,
-                "tasks": tasks}
+                "seconds": self.seconds, "tasks": tasks}
 
 
 def _with_stderr(value: float, stderr: float | None) -> str:
@@ -193,17 +195,19 @@ def run_tasks(models: dict, tokenizer, request: TaskRequest, *, limit: float | N
     from lm_eval.models.huggingface import HFLM
 
     manager = request.task_manager()
-    found, samples = {}, {}
+    found, samples, seconds = {}, {}, {}
     for name in (REFERENCE, "converted"):
+        wall, cpu = time.perf_counter(), time.process_time()
         lm = HFLM(pretrained=models[name], tokenizer=tokenizer, batch_size=batch_size)
         with contextlib.redirect_stdout(sys.stderr):  # lm-eval prints progress: stdout is the report's (--json)
             output = simple_evaluate(model=lm, tasks=request.names, limit=limit, num_fewshot=num_fewshot,
                                      task_manager=manager, log_samples=False)
         found[name] = _metrics(output)
+        seconds[name] = {"wall": round(time.perf_counter() - wall, 1), "cpu": round(time.process_time() - cpu, 1)}
         samples = {task: n.get("effective") for task, n in output.get("n-samples", {}).items()}
     metrics = [TaskMetric(task, metric, *_pair(found, (task, metric))) for task, metric in found[REFERENCE]
                if (task, metric) in found["converted"]]
-    return TaskComparison(metrics, samples, limit, num_fewshot, min_recovery)
+    return TaskComparison(metrics, samples, limit, num_fewshot, min_recovery, seconds)
 
 
 def _pair(found: dict, key) -> tuple:
