@@ -11,8 +11,8 @@ from ..checkpoint.loading import load_model, resolve
 from ..checkpoint.record import ConversionRecord
 from ..data import check_spec
 from ..evaluation.perplexity import EvaluationError, check_window
-from ..evaluation.report import FitReport, context_report
-from ..evaluation.tasks import MIN_RECOVERY, check_tasks, run_tasks
+from ..evaluation.report import fit_report
+from ..evaluation.tasks import MIN_RECOVERY, check_tasks
 from ..evaluation.texts import evaluation_texts
 from ..model_inputs import is_encoder
 from ..validation import ValidationError, check_data_files, check_number
@@ -126,16 +126,6 @@ def _task_request(args):
     return check_tasks(args.tasks, [f for f in folders if f.is_dir()], args.trust_remote_code)
 
 
-def _fit_report(args, evaluation, models, tokenizer, texts, request) -> FitReport:
-    """The perplexity evaluation against the original completed by the tails, positions, repetition and tasks."""
-    report = FitReport(evaluation, *context_report(models, tokenizer, texts, max_length=evaluation.max_length,
-                                                   max_tokens=args.max_tokens, batch_size=args.batch_size))
-    if request is not None:
-        report.tasks = run_tasks(models, tokenizer, request, limit=args.limit, num_fewshot=args.num_fewshot,
-                                 batch_size=args.batch_size, min_recovery=args.min_recovery)
-    return report
-
-
 def run(args) -> None:
     check_evaluation_args(args)
     check_data_files(check_spec(args.data), "--data")
@@ -159,7 +149,9 @@ def run(args) -> None:
         evaluation = run_evaluation(args, "", model, tokenizer, against, args.data, texts)
         if against is not None:
             models = {"original": against, "converted": model}
-            evaluation = _fit_report(args, evaluation, models, tokenizer, texts, request)
+            evaluation = fit_report(evaluation, models, tokenizer, texts, tasks=request, limit=args.limit,
+                                    num_fewshot=args.num_fewshot, max_tokens=args.max_tokens,
+                                    batch_size=args.batch_size, min_recovery=args.min_recovery)
     if args.json:
         print(json.dumps(evaluation.to_dict(), indent=2))
     else:

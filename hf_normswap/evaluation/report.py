@@ -13,7 +13,7 @@ from .perplexity import REFERENCE, Evaluation, EvaluationError, _prefix_token
 from .positions import Positions, positions
 from .repetition import Repetition, repetition
 from .tails import Tails, tails
-from .tasks import TaskComparison
+from .tasks import MIN_RECOVERY, TaskComparison, TaskRequest, run_tasks
 from .token_losses import token_losses, token_stream
 
 
@@ -30,24 +30,22 @@ class FitReport:
     def describe(self) -> str:
         return self.evaluation.describe()
 
-    def table(self) -> str:
-        parts = [self.evaluation.table()]
-        if self.tails is not None:
-            parts.append(self.tails.table())
-        if self.positions is not None:
-            parts.append(self.positions.table())
-        if self.repetition is not None:
-            parts.append(self.repetition.line())
-        if self.tasks is not None:
-            parts.append(self.tasks.table())
+    def parts_table(self) -> str:
+        """Everything but the perplexity table: what the recipe adds to its own."""
+        parts = [part.table() for part in (self.tails, self.positions) if part is not None]
+        parts += [self.repetition.line()] if self.repetition is not None else []
+        parts += [self.tasks.table()] if self.tasks is not None else []
         return "\n\n".join(parts)
 
+    def table(self) -> str:
+        return "\n\n".join(filter(None, [self.evaluation.table(), self.parts_table()]))
+
+    def parts_dict(self) -> dict:
+        return {key: None if getattr(self, key) is None else getattr(self, key).to_dict()
+                for key in ("tails", "positions", "repetition", "tasks")}
+
     def to_dict(self) -> dict:
-        found = self.evaluation.to_dict()
-        for key in ("tails", "positions", "repetition", "tasks"):
-            part = getattr(self, key)
-            found[key] = None if part is None else part.to_dict()
-        return found
+        return {**self.evaluation.to_dict(), **self.parts_dict()}
 
 
 def context_report(models: dict[str, nn.Module], tokenizer, texts: list[str], *, max_length: int,
@@ -62,3 +60,19 @@ def context_report(models: dict[str, nn.Module], tokenizer, texts: list[str], *,
     losses = token_losses(pair, stream, max_length, batch_size)
     return (tails(losses, tokenizer, converted), positions(losses, converted),
             repetition(pair, stream, max_length, converted))
+
+
+def fit_report(evaluation: Evaluation, models: dict[str, nn.Module], tokenizer, texts: list[str], *,
+               context: bool = True, tasks: TaskRequest | None = None, limit: float | None = None,
+               num_fewshot: int | None = None, max_tokens: int | None = None, batch_size: int = 1,
+               min_recovery: float = MIN_RECOVERY) -> FitReport:
+    """``evaluation`` (the perplexity against the original, on ``texts``) completed: with ``context``, by the
+    tails, the ratio by position and the repetition check in its windows; with ``tasks``, by lm-eval on both."""
+    report = FitReport(evaluation)
+    if context:
+        report.tails, report.positions, report.repetition = context_report(
+            models, tokenizer, texts, max_length=evaluation.max_length, max_tokens=max_tokens, batch_size=batch_size)
+    if tasks is not None:
+        report.tasks = run_tasks(models, tokenizer, tasks, limit=limit, num_fewshot=num_fewshot,
+                                 batch_size=batch_size, min_recovery=min_recovery)
+    return report
