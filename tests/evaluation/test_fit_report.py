@@ -6,15 +6,20 @@ from __future__ import annotations
 
 import json
 import math
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
-from cli_runs import run_cli
+from cli_runs import recipe_refusal, run_cli
+from hf_normswap.checkpoint.model_card import _evaluation_section
 from hf_normswap.cli import main
+from hf_normswap.evaluation.perplexity import evaluate
 from hf_normswap.evaluation.report import context_report
+from hf_normswap.training.config import FinalEvaluation
+from hf_normswap.training.recipe_results import fit_for_use
 from tiny_models import tiny_model, tiny_tokenizer
 
 TEXT = ("the model of the norm and the data in the text. " * 12 + "a norm of the data. ") * 4
@@ -176,3 +181,33 @@ def test_an_unknown_task_name_is_one_line_before_any_model_loads(saved, capsys, 
     pytest.importorskip("lm_eval")
     line = _refused(["eval", model, "--against", model, "--tasks", f"{tasks},no_such_task_anywhere"], capsys)
     assert "no task no_such_task_anywhere" in line
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["final_eval.limit=0"], "final_eval.limit must be positive"),
+    (["final_eval.num_fewshot=-1"], "final_eval.num_fewshot must be at least 0"),
+    (["final_eval.tasks=/nonexistent/task.yaml"], "final_eval.tasks: /nonexistent/task.yaml: no such task file"),
+])
+def test_the_recipes_final_tasks_are_checked_before_any_model_loads(argv, message, tmp_path, capsys, no_loading):
+    pytest.importorskip("lm_eval")
+    assert message in recipe_refusal([f"output_dir={tmp_path / 'run'}", *argv], capsys)
+
+
+def test_the_recipes_final_evaluation_carries_the_tails_and_tasks_to_the_card(saved, one_thread):
+    _, _, tasks = saved
+    pytest.importorskip("lm_eval")
+    tokenizer = tiny_tokenizer()
+    original = tiny_model("llama", max_position_embeddings=CONTEXT)
+    model = tiny_model("llama", seed=1, max_position_embeddings=CONTEXT)
+    after = evaluate({"finetuned": model}, tokenizer, [TEXT], against=original, max_length=200, progress=False)
+    config = SimpleNamespace(final_eval=FinalEvaluation(max_length=200, tails=True, limit=3,
+                                                        tasks=[str(tasks / "choice.yaml")]))
+    logged = []
+    fit = fit_for_use(after, model, original, tokenizer, [TEXT], config, logged.append)
+    assert [r.end for r in fit.positions.ranges] == [64, 128, 200] and fit.repetition is not None
+    assert [m.metric for m in fit.tasks.metrics] == ["acc", "acc_norm"] and fit.tasks.samples["tiny_choice"] == 3
+    section = _evaluation_section(dict(after.card("finetuned"), fit_for_use=fit.parts_table()))
+    assert "| per-token loss, nats |" in section and "| tiny_choice | acc | 3 |" in section
+    assert logged and "| positions (window 200) |" in logged[0]
+    plain = SimpleNamespace(final_eval=FinalEvaluation())
+    assert fit_for_use(after, model, original, tokenizer, [TEXT], plain, logged.append) is None  # nothing asked
