@@ -11,7 +11,7 @@ from ..checkpoint.loading import load_model, resolve
 from ..checkpoint.record import ConversionRecord
 from ..data import check_spec
 from ..evaluation.perplexity import EvaluationError, check_window
-from ..evaluation.report import fit_report
+from ..evaluation.report import FitSettings, fit_report
 from ..evaluation.tasks import MIN_RECOVERY, check_tasks
 from ..evaluation.texts import evaluation_texts
 from ..model_inputs import is_encoder
@@ -35,8 +35,8 @@ def add_parser(commands) -> None:
                                   "'hf-normswap[eval]')")
     tasks.add_argument("--tasks", metavar="NAMES",
                        help="comma-separated lm-eval task names (Hub datasets) and local task YAML files or folders, "
-                            "run on both models through lm-eval, each metric with its recovery. A task folder's own "
-                            "Python (lm-eval's `!function`) runs as lm-eval runs it")
+                            "run on both models through lm-eval, each metric with its recovery (--batch-size: lm-eval's). A task folder's "
+                            "own Python (lm-eval's `!function`) runs as lm-eval runs it")
     tasks.add_argument("--limit", type=float, help="examples per task, as lm-eval (below 1: a fraction of them)")
     tasks.add_argument("--num-fewshot", type=int, help="few-shot examples, as lm-eval (default: each task's own)")
     tasks.add_argument("--min-recovery", type=float, default=MIN_RECOVERY,
@@ -149,9 +149,10 @@ def run(args) -> None:
         evaluation = run_evaluation(args, "", model, tokenizer, against, args.data, texts)
         if against is not None:
             models = {"original": against, "converted": model}
-            evaluation = fit_report(evaluation, models, tokenizer, texts, tasks=request, limit=args.limit,
-                                    num_fewshot=args.num_fewshot, max_tokens=args.max_tokens,
-                                    batch_size=args.batch_size, min_recovery=args.min_recovery)
+            settings = FitSettings(tasks=request, limit=args.limit, num_fewshot=args.num_fewshot,
+                                   max_tokens=args.max_tokens, batch_size=args.batch_size,
+                                   min_recovery=args.min_recovery)
+            evaluation = fit_report(evaluation, models, tokenizer, texts, settings)
     if args.json:
         print(json.dumps(evaluation.to_dict(), indent=2))
     else:

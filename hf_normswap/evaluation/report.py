@@ -62,17 +62,31 @@ def context_report(models: dict[str, nn.Module], tokenizer, texts: list[str], *,
             repetition(pair, stream, max_length, converted))
 
 
-def fit_report(evaluation: Evaluation, models: dict[str, nn.Module], tokenizer, texts: list[str], *,
-               context: bool = True, tasks: TaskRequest | None = None, limit: float | None = None,
-               num_fewshot: int | None = None, max_tokens: int | None = None, batch_size: int = 1,
-               min_recovery: float = MIN_RECOVERY) -> FitReport:
-    """``evaluation`` (the perplexity against the original, on ``texts``) completed: with ``context``, by the
-    tails, the ratio by position and the repetition check in its windows; with ``tasks``, by lm-eval on both."""
+@dataclass
+class FitSettings:
+    """What the report measures beyond the perplexity: ``context`` (the tails, the ratio by position and the
+    repetition check, in the evaluation's windows), ``tasks`` (lm-eval, ``limit`` / ``num_fewshot`` as it means
+    them)."""
+
+    context: bool = True
+    tasks: TaskRequest | None = None
+    limit: float | None = None
+    num_fewshot: int | None = None
+    max_tokens: int | None = None
+    batch_size: int = 1
+    min_recovery: float = MIN_RECOVERY
+
+
+def fit_report(evaluation: Evaluation, models: dict[str, nn.Module], tokenizer, texts: list[str],
+               settings: FitSettings) -> FitReport:
+    """``evaluation`` (the perplexity against the original, on ``texts``) completed as ``settings`` ask."""
     report = FitReport(evaluation)
-    if context:
+    if settings.context:
         report.tails, report.positions, report.repetition = context_report(
-            models, tokenizer, texts, max_length=evaluation.max_length, max_tokens=max_tokens, batch_size=batch_size)
-    if tasks is not None:
-        report.tasks = run_tasks(models, tokenizer, tasks, limit=limit, num_fewshot=num_fewshot,
-                                 batch_size=batch_size, min_recovery=min_recovery)
+            models, tokenizer, texts, max_length=evaluation.max_length, max_tokens=settings.max_tokens,
+            batch_size=settings.batch_size)
+    if settings.tasks is not None:
+        report.tasks = run_tasks(models, tokenizer, settings.tasks, limit=settings.limit,
+                                 num_fewshot=settings.num_fewshot, batch_size=settings.batch_size,
+                                 min_recovery=settings.min_recovery)
     return report

@@ -29,16 +29,16 @@ def final_evaluation(model, original, tokenizer, texts: list[str], data: str, se
 def fit_for_use(after, model, original, tokenizer, texts: list[str], config, log):
     """The final evaluation completed by ``final_eval``'s tails and tasks (``evaluation.report``), None when it
     names neither; logged."""
-    from ..evaluation.report import fit_report
+    from ..evaluation.report import FitSettings, fit_report
     from ..evaluation.tasks import check_tasks
 
     settings = config.final_eval
     if not settings.tails and settings.task_names is None:
         return None
     tasks = None if settings.task_names is None else check_tasks(settings.task_names, [])  # checked at the start
-    report = fit_report(after, {"original": original, "converted": model}, tokenizer, texts, context=settings.tails,
-                        tasks=tasks, limit=settings.limit, num_fewshot=settings.num_fewshot,
+    asked = FitSettings(context=settings.tails, tasks=tasks, limit=settings.limit, num_fewshot=settings.num_fewshot,
                         max_tokens=settings.max_tokens, batch_size=settings.batch_size or 1)
+    report = fit_report(after, {"original": original, "converted": model}, tokenizer, texts, asked)
     log(f"fit for use:\n{report.parts_table()}")
     return report
 
