@@ -31,6 +31,9 @@ def add_parser(commands) -> None:
     ev.add_argument("--calib", metavar="DATA", help="calibration data used for the model: warn if --data overlaps it "
                     "(a converted checkpoint's recorded calibration is checked without this)")
     evaluation_args(ev)
+    ev.add_argument("--no-tails", action="store_true",
+                    help="with --against, the perplexity table alone: no loss tails, ratio by position or repetition "
+                         "check (half the passes)")
     tasks = ev.add_argument_group("downstream tasks (with --against; needs the extra: pip install "
                                   "'hf-normswap[eval]')")
     tasks.add_argument("--tasks", metavar="NAMES",
@@ -149,9 +152,9 @@ def run(args) -> None:
         evaluation = run_evaluation(args, "", model, tokenizer, against, args.data, texts)
         if against is not None:
             models = {"original": against, "converted": model}
-            settings = FitSettings(tasks=request, limit=args.limit, num_fewshot=args.num_fewshot,
-                                   max_tokens=args.max_tokens, batch_size=args.batch_size,
-                                   min_recovery=args.min_recovery)
+            settings = FitSettings(context=not args.no_tails, tasks=request, limit=args.limit,
+                                   num_fewshot=args.num_fewshot, max_tokens=args.max_tokens,
+                                   batch_size=args.batch_size, min_recovery=args.min_recovery)
             evaluation = fit_report(evaluation, models, tokenizer, texts, settings)
     if args.json:
         print(json.dumps(evaluation.to_dict(), indent=2))

@@ -139,6 +139,14 @@ def test_a_model_against_itself_recovers_exactly_one(saved, capsys, one_thread):
     assert {"p50", "p90", "p99", "p99_9", "max"} <= set(found["tails"]["original"])
 
 
+def test_no_tails_leaves_the_perplexity_table_alone(saved, capsys, one_thread):
+    model, text, _ = saved
+    assert main([str(a) for a in ["eval", model, "--against", model, "--data", text, "--no-tails", "--json"]]) == 0
+    found = json.loads(capsys.readouterr().out)
+    assert found["ratio"]["converted"] == 1.0
+    assert found["tails"] is found["positions"] is found["repetition"] is found["tasks"] is None
+
+
 @pytest.fixture
 def no_load(monkeypatch):
     def loaded(*args, **kwargs):
