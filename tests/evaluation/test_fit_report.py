@@ -17,7 +17,9 @@ from cli_runs import recipe_refusal, run_cli
 from hf_normswap.checkpoint.model_card import _evaluation_section
 from hf_normswap.cli import main
 from hf_normswap.evaluation.perplexity import evaluate
+from hf_normswap.evaluation.positions import positions
 from hf_normswap.evaluation.report import context_report
+from hf_normswap.evaluation.token_losses import TokenLosses
 from hf_normswap.training.config import FinalEvaluation
 from hf_normswap.training.recipe_results import fit_for_use
 from tiny_models import tiny_model, tiny_tokenizer
@@ -219,3 +221,18 @@ def test_the_recipes_final_evaluation_carries_the_tails_and_tasks_to_the_card(sa
     assert logged and "| positions (window 200) |" in logged[0]
     plain = SimpleNamespace(final_eval=FinalEvaluation())
     assert fit_for_use(after, model, original, tokenizer, [TEXT], plain, logged.append) is None  # nothing asked
+
+
+def test_a_range_where_the_original_fails_too_is_said_so_not_blamed_on_the_conversion():
+    """Positions 1,024-2,048: the original's own loss rises (a context beyond its own) and is named; 512-1,024: the
+    conversion alone degrades and is marked."""
+    where = torch.arange(2048)
+    original = torch.where(where >= 1024, 3.0, 2.0).double()
+    converted = original + torch.where((where >= 512) & (where < 1024), 1.0, 0.5).double()
+    found = positions(TokenLosses({"original": original, "converted": converted}, where, where, 2048))
+    by_range = {(r.start, r.end): r for r in found.ranges}
+    assert found.first["ratio"] == pytest.approx(math.exp(0.5))
+    assert by_range[512, 1024].marked and by_range[512, 1024].relative == pytest.approx(math.exp(0.5))
+    assert by_range[1024, 2048].original_fails and not by_range[1024, 2048].marked
+    assert not any(r.marked or r.original_fails for r in found.ranges if r.end <= 512)
+    assert "the original fails here too" in found.table() and "**over 1.2**" in found.table()
