@@ -104,7 +104,7 @@ def _declares_encoder(spec: str) -> bool:
         found = json.loads(config.read_text())
     except (OSError, ValueError):
         return False  # the load says what is wrong with it
-    names = found.get("architectures") or [] if isinstance(found, dict) else []
+    names = (found.get("architectures") or []) if isinstance(found, dict) else []
     return bool(names) and not found.get("is_encoder_decoder") and not any(
         isinstance(n, str) and ("CausalLM" in n or "LMHead" in n) for n in names)
 
