@@ -55,7 +55,7 @@ def score(model: str, original: str, tokens: int, env: dict, log: Path) -> dict:
     """The converted model against the original, as ``normswap eval --json`` reports it."""
     command = ["normswap", "eval", model, "--against", original, "--data",
                "builtin" if original == MODELS["minilm"] else "builtin:evaluation", "--max-tokens", str(tokens),
-               "--max-length", "512", "--json"]
+               "--max-length", "512", "--no-tails", "--json"]
     run(command, env, log)
     text = log.read_text()
     return dict(json.loads(text[text.index("{"):]), command=" ".join(command))

@@ -211,7 +211,7 @@ def other_text(args, norm: str, method: str, run_dir: Path, checkpoint: Path) ->
     command = [sys.executable, "-c", "import sys; from hf_normswap.cli import main; sys.exit(main())", "eval",
                str(checkpoint), "--against", run.original, "--data", args.other_data,
                "--max-tokens", str(config.final_eval.max_tokens), "--max-length", str(config.final_eval.max_length),
-               "--json"]
+               "--no-tails", "--json"]
     result = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS":
                                                                           str(args.threads)})
     if result.returncode != 0:

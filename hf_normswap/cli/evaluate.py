@@ -1,16 +1,22 @@
-"""``normswap eval``: perplexity (token, word, byte) and, against the original, KL and top-1 agreement; for an
-encoder, the agreement of its sentence embeddings with the original's."""
+"""``normswap eval``: perplexity (token, word, byte) and, against the original, the fit-for-use report: KL and top-1
+agreement, the tails of the per-token loss, the ratio by position, the repetition check and, with ``--tasks``,
+lm-eval tasks on both models; for an encoder, the agreement of its sentence embeddings with the original's."""
 
 from __future__ import annotations
 
-from ..checkpoint.loading import load_model
+import json
+from pathlib import Path
+
+from ..checkpoint.loading import load_model, resolve
 from ..checkpoint.record import ConversionRecord
 from ..data import check_spec
 from ..evaluation import finite_json
 from ..evaluation.perplexity import EvaluationError, check_window
+from ..evaluation.report import FitSettings, fit_report
+from ..evaluation.tasks import MIN_RECOVERY, check_tasks
 from ..evaluation.texts import evaluation_texts
 from ..model_inputs import is_encoder
-from ..validation import check_data_files
+from ..validation import ValidationError, check_data_files, check_number
 from .common import MODEL_HELP, calibration_overlap, check_evaluation_args, evaluation_args, \
     placement, placement_args, run_evaluation, warn
 
@@ -26,6 +32,22 @@ def add_parser(commands) -> None:
     ev.add_argument("--calib", metavar="DATA", help="calibration data used for the model: warn if --data overlaps it "
                     "(a converted checkpoint's recorded calibration is checked without this)")
     evaluation_args(ev)
+    ev.add_argument("--no-tails", action="store_true",
+                    help="with --against, the perplexity table alone: no loss tails, ratio by position or repetition "
+                         "check (half the passes)")
+    tasks = ev.add_argument_group("downstream tasks (with --against; needs the extra: pip install "
+                                  "'hf-normswap[eval]')")
+    tasks.add_argument("--tasks", metavar="NAMES",
+                       help="comma-separated lm-eval task names (Hub datasets) and local task YAML files or folders, "
+                            "run on both models through lm-eval, each metric with its recovery (--batch-size: lm-eval's). A task folder's "
+                            "own Python (lm-eval's `!function`) runs as lm-eval runs it")
+    tasks.add_argument("--limit", type=float, help="examples per task, as lm-eval (below 1: a fraction of them)")
+    tasks.add_argument("--num-fewshot", type=int, help="few-shot examples, as lm-eval (default: each task's own)")
+    tasks.add_argument("--min-recovery", type=float, default=MIN_RECOVERY,
+                       help="recovery (converted / original, 1 = no loss) below which a metric is marked "
+                            "(default: %(default)s)")
+    tasks.add_argument("--trust-remote-code", action="store_true",
+                       help="run a task file that lies inside a model's checkpoint folder (its Python runs)")
     placement_args(ev)
     ev.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
@@ -72,9 +94,46 @@ def _check_same_vocabulary(args, scored, reference) -> None:
     raise EvaluationError(f"--against names another model: {difference}; name the model's own original")
 
 
+def _declares_encoder(spec: str) -> bool:
+    """Whether a local checkpoint's config names only classes without a language-model head (read before any
+    load; a model whose config is not at hand is checked once loaded)."""
+    location, extra = resolve(spec)
+    config = Path(location) / "config.json"
+    if "gguf_file" in extra or not config.is_file():
+        return False
+    try:
+        found = json.loads(config.read_text())
+    except (OSError, ValueError):
+        return False  # the load says what is wrong with it
+    names = (found.get("architectures") or []) if isinstance(found, dict) else []
+    return bool(names) and not found.get("is_encoder_decoder") and not any(
+        isinstance(n, str) and ("CausalLM" in n or "LMHead" in n) for n in names)
+
+
+def _task_request(args):
+    """The ``--tasks`` request checked before any model loads; None without ``--tasks``."""
+    if args.tasks is None:
+        if args.limit is not None or args.num_fewshot is not None:
+            raise ValidationError("--limit and --num-fewshot apply to --tasks; name the tasks to run")
+        return None
+    if not args.against:
+        raise ValidationError("--tasks compares the model with its original: pass --against ORIGINAL")
+    if args.limit is not None and not args.limit > 0:
+        raise ValidationError(f"--limit must be positive (examples per task, or a fraction below 1), got {args.limit:g}")
+    if args.num_fewshot is not None:
+        check_number(args.num_fewshot, "--num-fewshot", minimum=0)
+    check_number(args.min_recovery, "--min-recovery", minimum=0)
+    encoder = next((spec for spec in (args.model, args.against) if _declares_encoder(spec)), None)
+    if encoder is not None:
+        raise EvaluationError(f"--tasks needs language models; {encoder} is an encoder: drop --tasks")
+    folders = [Path(resolve(spec)[0]) for spec in (args.model, args.against)]
+    return check_tasks(args.tasks, [f for f in folders if f.is_dir()], args.trust_remote_code)
+
+
 def run(args) -> None:
     check_evaluation_args(args)
     check_data_files(check_spec(args.data), "--data")
+    request = _task_request(args)
     where = placement(args)
     model, tokenizer = load_model(args.model, **where)
     against = None
@@ -87,9 +146,17 @@ def run(args) -> None:
     record = ConversionRecord.of(model)
     warn(calibration_overlap(args.calib, record.calibration if record else None, args.data, texts))
     if is_encoder(model):
+        if request is not None:
+            raise EvaluationError(f"--tasks needs language models; {args.model} is an encoder: drop --tasks")
         evaluation = _embedding_evaluation(args, model, tokenizer, against, texts)
     else:
         evaluation = run_evaluation(args, "", model, tokenizer, against, args.data, texts)
+        if against is not None:
+            models = {"original": against, "converted": model}
+            settings = FitSettings(context=not args.no_tails, tasks=request, limit=args.limit,
+                                   num_fewshot=args.num_fewshot, max_tokens=args.max_tokens,
+                                   batch_size=args.batch_size, min_recovery=args.min_recovery)
+            evaluation = fit_report(evaluation, models, tokenizer, texts, settings)
     if args.json:
         print(finite_json.dumps(evaluation.to_dict(), indent=2))
     else:

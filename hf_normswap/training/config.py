@@ -148,13 +148,30 @@ class FinalEvaluation:
     max_tokens: int | None = 8192
     max_length: int | None = 512
     batch_size: int | None = None
+    # after training, the fit-for-use report (``evaluation.report``): lm-eval tasks (names or local task YAMLs) on
+    # both models, ``limit`` / ``num_fewshot`` as lm-eval means them; ``tails``: the per-token loss tails, the
+    # ratio by position up to max_length and the repetition check
+    tasks: str | list[str] | None = None
+    limit: float | None = None
+    num_fewshot: int | None = None
+    tails: bool = False
 
     def __post_init__(self):
         for name in ("max_tokens", "max_length", "batch_size"):
             _at_least(getattr(self, name), f"final_eval.{name}", 1, whole=True)
+        if self.limit is not None and not (isinstance(self.limit, (int, float)) and self.limit > 0):
+            raise ValidationError(f"final_eval.limit must be positive (examples per task, or a fraction below 1), "
+                                  f"got {self.limit!r}")
+        _at_least(self.num_fewshot, "final_eval.num_fewshot", 0, whole=True)
+
+    @property
+    def task_names(self) -> str | None:
+        """``tasks`` as the command line's ``--tasks`` reads them (comma-separated), None for none."""
+        return ",".join(self.tasks) if isinstance(self.tasks, list) else self.tasks or None
 
     def arguments(self) -> dict:
-        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+        """The perplexity's settings (``evaluation.perplexity.evaluate``)."""
+        return {k: getattr(self, k) for k in ("max_tokens", "max_length", "batch_size") if getattr(self, k) is not None}
 
 
 def _of_type(value, hint) -> bool:

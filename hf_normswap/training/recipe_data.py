@@ -4,6 +4,7 @@ blocks, a sentence encoder's sentences, or a Hub stream), a mix of sources in eq
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 from .recipe_settings import fail, stopped
 
@@ -52,6 +53,7 @@ def check_data(config, calibrates: bool, packs: bool = True) -> None:
     if any(same(spec, config.eval_data) for spec in (*config.train_sources, config.calibration.data or "builtin")):
         fail(f"eval_data {config.eval_data} samples the same text as the training or calibration data: give it "
              "another seed, e.g. eval_data=generated:seed=1")
+    check_final_tasks(config)
     mixed = config.train_sources
     if any(a == b or same(a, b) for i, a in enumerate(mixed) for b in mixed[i + 1:]):
         fail(f"train_data {mixed} names the same text twice: mix different sources (generated samples with another "
@@ -182,3 +184,21 @@ def sentence_steps(train_tokens: int, rows_per_step: int, train_set) -> int:
     """The ``max_steps`` that trains a sentence encoder on ``train_tokens`` in all: a global batch's rows counted at
     the mean sentence's tokens (packed blocks are of ``block_len`` tokens: ``RecoveryRun.steps``)."""
     return max(1, math.ceil(int(train_tokens) / (rows_per_step * tokens_per_row(train_set))))
+
+
+def check_final_tasks(config) -> None:
+    """``final_eval.tasks`` checked before any model loads (lm-eval installed, every name known, every task file
+    readable), as ``normswap eval --tasks`` checks them; a task file inside the model's folder is refused (its
+    Python would run)."""
+    # as check_data's: the model stack loads only when a run reaches it (the recipe's settings errors come first)
+    from ..checkpoint.loading import resolve
+    from ..evaluation.perplexity import EvaluationError
+    from ..evaluation.tasks import check_tasks
+
+    if config.final_eval.task_names is None:
+        return
+    folder = Path(resolve(config.model)[0])
+    try:
+        check_tasks(config.final_eval.task_names, [folder] if folder.is_dir() else [])
+    except EvaluationError as error:
+        fail(f"final_eval.tasks: {str(error).removeprefix('--tasks ')}")

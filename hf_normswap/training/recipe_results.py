@@ -27,6 +27,23 @@ def final_evaluation(model, original, tokenizer, texts: list[str], data: str, se
                     **settings.arguments())
 
 
+def fit_for_use(after, model, original, tokenizer, texts: list[str], config, log):
+    """The final evaluation completed by ``final_eval``'s tails and tasks (``evaluation.report``), None when it
+    names neither; logged."""
+    from ..evaluation.report import FitSettings, fit_report
+    from ..evaluation.tasks import check_tasks
+
+    settings = config.final_eval
+    if not settings.tails and settings.task_names is None:
+        return None
+    tasks = None if settings.task_names is None else check_tasks(settings.task_names, [])  # checked at the start
+    asked = FitSettings(context=settings.tails, tasks=tasks, limit=settings.limit, num_fewshot=settings.num_fewshot,
+                        max_tokens=settings.max_tokens, batch_size=settings.batch_size or 1)
+    report = fit_report(after, {"original": original, "converted": model}, tokenizer, texts, asked)
+    log(f"fit for use:\n{report.parts_table()}")
+    return report
+
+
 
 @torch.no_grad()
 def block_perplexity(model, dataset, batch_size: int = 4) -> float:
@@ -171,8 +188,10 @@ def finish(config, state, run, original, tokenizer, eval_texts, summary: dict, l
                 "wall_seconds": round(sum(s["wall_seconds"] for s in launches), 1),
                 "world_size": state.num_processes, "train_loss": run.result.training_loss}
     ConversionRecord.amend(model, training=training)
+    fit = None if encoder else fit_for_use(after, model, original, tokenizer, eval_texts, config, log)
+    card = None if encoder else dict(after.card("finetuned"), **({"fit_for_use": fit.parts_table()} if fit else {}))
     expected = probe_logits(model, tokenizer)
-    save_final(model, save_dir, tokenizer, None if encoder else after.card("finetuned"))
+    save_final(model, save_dir, tokenizer, card)
     record_save(out, save_dir, trainer.state.global_step, tokens)
     if sharded:  # the gathered copy (the skeleton filled) goes before the reloaded one comes; reference cycles
         del model, skeleton  # hold the module past ``del``, so they are collected here
@@ -182,7 +201,7 @@ def finish(config, state, run, original, tokenizer, eval_texts, summary: dict, l
                          f"{config.model} -> {config.method.upper()}, {config.trainable}, {tokens:,} tokens")
     summary.update(finetuned=after.to_dict(), training=training, launches=launches, history=history,
                    reload_identical=identical, curve=str(curve), checkpoint=str(save_dir),
-                   original_eval_block_perplexity=original_block_ppl)
+                   original_eval_block_perplexity=original_block_ppl, fit_for_use=fit and fit.parts_dict())
     write_json(out / "summary.json", summary)
     ratio = {k: summary[k]["results"]["converted"]["cosine"] if encoder else summary[k]["ratio"].get(k)
              for k in ("calibrated", "finetuned")}

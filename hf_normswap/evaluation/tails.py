@@ -1,0 +1,96 @@
+"""The tails of the per-token loss: where a mean hides catastrophes.
+
+A converted model can keep a good mean while a few inputs blow up (a LayerNorm-free GPT-2 XL has been reported at a
+mean loss of 130 nats with a median of 1.09). So, for both models on the same tokens (``token_losses.py``): the
+median, 90th, 99th and 99.9th percentiles and the maximum of the per-token loss, the same of the per-token
+difference (converted - original), and the spans of text where the converted model is worst against the original,
+with a snippet of each.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from .perplexity import REFERENCE, _fmt
+from .token_losses import TokenLosses
+
+PERCENTILES = (("p50", 50.0), ("p90", 90.0), ("p99", 99.0), ("p99_9", 99.9))
+SPAN = 128  # tokens a worst window averages over
+WORST = 5  # windows listed
+MARGIN = 2.0  # nats/token: a window worse than the original's by more is named
+SNIPPET = 80  # characters of a window's text shown
+
+
+def distribution(values: np.ndarray) -> dict:
+    """Mean, the percentiles of ``PERCENTILES`` (numpy's linear interpolation) and the maximum."""
+    found = {"mean": float(values.mean())}
+    found.update({key: float(np.percentile(values, q)) for key, q in PERCENTILES})
+    found["max"] = float(values.max())
+    return found
+
+
+@dataclass
+class WorstWindow:
+    """A span of ``tokens`` tokens starting at token ``start`` of the stream: each model's mean loss there."""
+
+    start: int
+    tokens: int
+    original: float
+    converted: float
+    difference: float
+    text: str
+
+
+@dataclass
+class Tails:
+    """Loss distributions of both models and of their difference; the worst windows."""
+
+    original: dict
+    converted: dict
+    difference: dict
+    worst: list[WorstWindow]
+    span: int
+    over_margin: int  # windows worse than the original's by more than MARGIN nats/token
+
+    def table(self) -> str:
+        keys = ["mean", *(key for key, _ in PERCENTILES), "max"]
+        lines = ["| per-token loss, nats | " + " | ".join(keys) + " |", "|" + "---|" * (len(keys) + 1)]
+        for label, values in ((REFERENCE, self.original), ("converted", self.converted),
+                              ("converted - original", self.difference)):
+            lines.append(f"| {label} | " + " | ".join(_fmt(values[key]) for key in keys) + " |")
+        lines += ["", f"worst {self.span}-token windows (mean nats/token; {self.over_margin} worse than the "
+                      f"original's by more than {MARGIN:g}):",
+                  "| token | original | converted | difference | text |", "|---|---|---|---|---|"]
+        for w in self.worst:
+            flag = " **over**" if w.difference > MARGIN else ""
+            lines.append(f"| {w.start} | {_fmt(w.original)} | {_fmt(w.converted)} | {_fmt(w.difference)}{flag} | "
+                         f"{w.text} |")
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict:
+        return {"original": self.original, "converted": self.converted, "difference": self.difference,
+                "window": self.span, "margin": MARGIN, "windows_over_margin": self.over_margin,
+                "worst_windows": [asdict(w) for w in self.worst]}
+
+
+def _snippet(tokenizer, ids) -> str:
+    text = " ".join(tokenizer.decode(ids).split())
+    text = text[:SNIPPET] + ("..." if len(text) > SNIPPET else "")
+    return text.replace("|", "\\|")  # a Markdown table cell
+
+
+def tails(losses: TokenLosses, tokenizer, converted: str = "converted", span: int = SPAN,
+          worst: int = WORST) -> Tails:
+    """The tails of ``converted`` against the reference (``REFERENCE``) on the same tokens."""
+    original = losses.losses[REFERENCE].numpy()
+    model = losses.losses[converted].numpy()
+    difference = model - original
+    starts = range(0, len(original), span)
+    means = [(s, original[s:s + span].mean(), model[s:s + span].mean()) for s in starts]
+    means.sort(key=lambda m: m[1] - m[2])  # largest difference first
+    windows = [WorstWindow(int(s), len(original[s:s + span]), float(o), float(c), float(c - o),
+                           _snippet(tokenizer, losses.targets[s:s + span].tolist())) for s, o, c in means[:worst]]
+    over = sum(1 for _, o, c in means if c - o > MARGIN)
+    return Tails(distribution(original), distribution(model), distribution(difference), windows, span, over)
