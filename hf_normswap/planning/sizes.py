@@ -16,6 +16,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..checkpoint.record import KEY, ConversionRecord
+from ..validation import ValidationError
+
 
 class PlanError(ValueError):
     """A model or a setting the plan cannot use; the message names the fix."""
@@ -89,9 +92,11 @@ def read_config(model) -> "transformers.PretrainedConfig":  # noqa: F821
 def _unknown_model_type(spec: str, values: dict) -> str:
     """Why a config.json's model type does not plan, and what to plan instead: a converted checkpoint's original
     (its architecture with norms; a recovery from it plans with ``--config``)."""
-    block = values.get("normswap")
-    if isinstance(block, dict):
-        original = block.get("base_model") or "the original model"
+    if KEY in values:
+        try:
+            original = ConversionRecord.in_config(values).base_model or "the original model"
+        except (TypeError, ValueError, ValidationError):  # a record that does not read still names a checkpoint
+            original = "the original model"
         return (f"{spec} is a converted checkpoint (model_type {values['model_type']!r}): plan {original} instead, "
                 f"or its recovery with normswap plan --config RECIPE.yaml model={spec}")
     return (f"{spec}: model_type {values['model_type']!r} is not one transformers knows: give a Hub id, a model "

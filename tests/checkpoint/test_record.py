@@ -149,8 +149,10 @@ SHARED = {"method", "role", "size", "bias", "converted", "calibration", "convert
           *PARTS}
 RECORDS = (ConversionRecord, NormEntry, OriginalArchitecture)
 OWN_KEYS = "|".join(sorted({f.name for record in RECORDS for f in dataclasses.fields(record)} - SHARED))
-# a raw read of the block: subscripting or .get on normswap / the block's key, or one of its own keys
-RAW_READS = re.compile(rf"""normswap\s*(\[|\.get\()|\[\s*(KEY|["']normswap["'])\s*\]|\.get\(\s*["']normswap["']"""
+# a raw read of the block: subscripting or .get on normswap / the block's key, or one of its own keys (a name:
+# not the package's name in an install line, 'hf-normswap[eval]')
+RAW_READS = re.compile(rf"""(?<![\w-])normswap\s*(\[|\.get\()|\[\s*(KEY|["']normswap["'])\s*\]"""
+                       rf"""|\.get\(\s*["']normswap["']"""
                        rf"""|(\.get\(|\[)\s*["']({OWN_KEYS})["']""")
 
 
