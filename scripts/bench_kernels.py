@@ -96,7 +96,8 @@ def call(module, x, grad, backward: bool):
         y = module(x)
     if backward:
         params = [] if module is None else [p for p in module.parameters()]
-        torch.autograd.grad(y, [x, *params], grad)
+        # allow_unused: a parameter the input does not reach (linear's position-0 scale on rows without positions)
+        torch.autograd.grad(y, [x, *params], grad, allow_unused=True)
     return y
 
 

@@ -53,7 +53,7 @@ def check_data(config, calibrates: bool, packs: bool = True) -> None:
     if any(same(spec, config.eval_data) for spec in (*config.train_sources, config.calibration.data or "builtin")):
         fail(f"eval_data {config.eval_data} samples the same text as the training or calibration data: give it "
              "another seed, e.g. eval_data=generated:seed=1")
-    check_final_tasks(config)
+    check_final_tasks(config.final_eval.task_names, config.model)
     mixed = config.train_sources
     if any(a == b or same(a, b) for i, a in enumerate(mixed) for b in mixed[i + 1:]):
         fail(f"train_data {mixed} names the same text twice: mix different sources (generated samples with another "
@@ -186,7 +186,7 @@ def sentence_steps(train_tokens: int, rows_per_step: int, train_set) -> int:
     return max(1, math.ceil(int(train_tokens) / (rows_per_step * tokens_per_row(train_set))))
 
 
-def check_final_tasks(config) -> None:
+def check_final_tasks(task_names: str | None, model: str) -> None:
     """``final_eval.tasks`` checked before any model loads (lm-eval installed, every name known, every task file
     readable), as ``normswap eval --tasks`` checks them; a task file inside the model's folder is refused (its
     Python would run)."""
@@ -195,10 +195,10 @@ def check_final_tasks(config) -> None:
     from ..evaluation.perplexity import EvaluationError
     from ..evaluation.tasks import check_tasks
 
-    if config.final_eval.task_names is None:
+    if task_names is None:
         return
-    folder = Path(resolve(config.model)[0])
+    folder = Path(resolve(model)[0])
     try:
-        check_tasks(config.final_eval.task_names, [folder] if folder.is_dir() else [])
+        check_tasks(task_names, [folder] if folder.is_dir() else [])
     except EvaluationError as error:
         fail(f"final_eval.tasks: {str(error).removeprefix('--tasks ')}")

@@ -27,13 +27,12 @@ def final_evaluation(model, original, tokenizer, texts: list[str], data: str, se
                     **settings.arguments())
 
 
-def fit_for_use(after, model, original, tokenizer, texts: list[str], config, log):
+def fit_for_use(after, model, original, tokenizer, texts: list[str], settings, log):
     """The final evaluation completed by ``final_eval``'s tails and tasks (``evaluation.report``), None when it
-    names neither; logged."""
+    names neither; logged (``settings``: the run's ``final_eval``)."""
     from ..evaluation.report import FitSettings, fit_report
     from ..evaluation.tasks import check_tasks
 
-    settings = config.final_eval
     if not settings.tails and settings.task_names is None:
         return None
     tasks = None if settings.task_names is None else check_tasks(settings.task_names, [])  # checked at the start
@@ -188,7 +187,7 @@ def finish(config, state, run, original, tokenizer, eval_texts, summary: dict, l
                 "wall_seconds": round(sum(s["wall_seconds"] for s in launches), 1),
                 "world_size": state.num_processes, "train_loss": run.result.training_loss}
     ConversionRecord.amend(model, training=training)
-    fit = None if encoder else fit_for_use(after, model, original, tokenizer, eval_texts, config, log)
+    fit = None if encoder else fit_for_use(after, model, original, tokenizer, eval_texts, config.final_eval, log)
     card = None if encoder else dict(after.card("finetuned"), **({"fit_for_use": fit.parts_table()} if fit else {}))
     expected = probe_logits(model, tokenizer)
     save_final(model, save_dir, tokenizer, card)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import math
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -210,17 +209,15 @@ def test_the_recipes_final_evaluation_carries_the_tails_and_tasks_to_the_card(sa
     original = tiny_model("llama", max_position_embeddings=CONTEXT)
     model = tiny_model("llama", seed=1, max_position_embeddings=CONTEXT)
     after = evaluate({"finetuned": model}, tokenizer, [TEXT], against=original, max_length=200, progress=False)
-    config = SimpleNamespace(final_eval=FinalEvaluation(max_length=200, tails=True, limit=3,
-                                                        tasks=[str(tasks / "choice.yaml")]))
+    settings = FinalEvaluation(max_length=200, tails=True, limit=3, tasks=[str(tasks / "choice.yaml")])
     logged = []
-    fit = fit_for_use(after, model, original, tokenizer, [TEXT], config, logged.append)
+    fit = fit_for_use(after, model, original, tokenizer, [TEXT], settings, logged.append)
     assert [r.end for r in fit.positions.ranges] == [64, 128, 200] and fit.repetition is not None
     assert [m.metric for m in fit.tasks.metrics] == ["acc", "acc_norm"] and fit.tasks.samples["tiny_choice"] == 3
     section = _evaluation_section(dict(after.card("finetuned"), fit_for_use=fit.parts_table()))
     assert "| per-token loss, nats |" in section and "| tiny_choice | acc | 3 |" in section
     assert logged and "| positions (window 200) |" in logged[0]
-    plain = SimpleNamespace(final_eval=FinalEvaluation())
-    assert fit_for_use(after, model, original, tokenizer, [TEXT], plain, logged.append) is None  # nothing asked
+    assert fit_for_use(after, model, original, tokenizer, [TEXT], FinalEvaluation(), logged.append) is None  # nothing asked
 
 
 def test_a_range_where_the_original_fails_too_is_said_so_not_blamed_on_the_conversion():
