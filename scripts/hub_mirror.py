@@ -117,166 +117,171 @@ def _split_repo(parts: list[str]) -> tuple[str, list[str]]:
     return "/".join(parts[:2]), parts[2:]
 
 
-def _handler(hub: HubMirror):
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
+class _Handler(BaseHTTPRequestHandler):
+    """The mirror's routes; ``_handler`` binds a subclass to one ``HubMirror`` through ``hub``."""
 
-        def log_message(self, *args):
-            pass
+    protocol_version = "HTTP/1.1"
+    hub: HubMirror
 
-        def do_HEAD(self):
-            self._route()
+    def log_message(self, *args):
+        pass
 
-        def do_GET(self):
-            self._route()
+    def do_HEAD(self):
+        self._route()
 
-        def do_POST(self):
-            self._route()
+    def do_GET(self):
+        self._route()
 
-        # ------------------------------------------------------------------------------------------- replies
+    def do_POST(self):
+        self._route()
 
-        def _send(self, status: int, body: bytes, headers: dict[str, str]) -> None:
-            self.send_response(status)
-            for key, value in headers.items():
-                self.send_header(key, value)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            if self.command != "HEAD":
-                self.wfile.write(body)
+    # ------------------------------------------------------------------------------------------- replies
 
-        def _json(self, status: int, body, headers: dict[str, str] | None = None) -> None:
-            self._send(status, json.dumps(body).encode(), {"Content-Type": "application/json", **(headers or {})})
+    def _send(self, status: int, body: bytes, headers: dict[str, str]) -> None:
+        self.send_response(status)
+        for key, value in headers.items():
+            self.send_header(key, value)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(body)
 
-        def _error(self, status: int, code: str, message: str) -> None:
-            self._json(status, {"error": message}, {"X-Error-Code": code, "X-Error-Message": message})
+    def _json(self, status: int, body, headers: dict[str, str] | None = None) -> None:
+        self._send(status, json.dumps(body).encode(), {"Content-Type": "application/json", **(headers or {})})
 
-        # -------------------------------------------------------------------------------------------- routes
+    def _error(self, status: int, code: str, message: str) -> None:
+        self._json(status, {"error": message}, {"X-Error-Code": code, "X-Error-Message": message})
 
-        def _route(self):
-            url = urlsplit(self.path)
-            self.query = parse_qs(url.query)
-            self.body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-            parts = [unquote(p) for p in url.path.strip("/").split("/")]
-            hub.calls.append({"method": self.command, "path": url.path, "auth": self.headers.get("Authorization")})
-            if url.path == "/api/whoami-v2":
-                return self._whoami()
-            if url.path == "/api/repos/create" and self.command == "POST":
-                return self._create()
-            if url.path == "/api/validate-yaml":
-                return self._json(200, {})
-            if parts[0] == "api" and len(parts) > 2 and parts[1] in REPO_TYPES:
-                repo_id, rest = _split_repo(parts[2:])
-                return self._api(REPO_TYPES[parts[1]], repo_id, rest)
-            repo_type = "model"
-            if parts[0] in REPO_TYPES:
-                repo_type, parts = REPO_TYPES[parts[0]], parts[1:]
-            repo_id, rest = _split_repo(parts)
-            if rest[:1] == ["resolve"] and len(rest) >= 3 and self.command in ("GET", "HEAD"):
-                return self._resolve(repo_type, repo_id, rest[1], "/".join(rest[2:]))
-            return self._error(404, "NotFound", f"no route {self.command} {url.path}")
+    # -------------------------------------------------------------------------------------------- routes
 
-        def _authorized(self) -> bool:
-            if self.headers.get("Authorization") == f"Bearer {hub.token}":
-                return True
-            self._error(401, "Unauthorized", "Invalid credentials in Authorization header")
-            return False
+    def _route(self):
+        url = urlsplit(self.path)
+        self.query = parse_qs(url.query)
+        self.body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        parts = [unquote(p) for p in url.path.strip("/").split("/")]
+        self.hub.calls.append({"method": self.command, "path": url.path, "auth": self.headers.get("Authorization")})
+        if url.path == "/api/whoami-v2":
+            return self._whoami()
+        if url.path == "/api/repos/create" and self.command == "POST":
+            return self._create()
+        if url.path == "/api/validate-yaml":
+            return self._json(200, {})
+        if parts[0] == "api" and len(parts) > 2 and parts[1] in REPO_TYPES:
+            repo_id, rest = _split_repo(parts[2:])
+            return self._api(REPO_TYPES[parts[1]], repo_id, rest)
+        repo_type = "model"
+        if parts[0] in REPO_TYPES:
+            repo_type, parts = REPO_TYPES[parts[0]], parts[1:]
+        repo_id, rest = _split_repo(parts)
+        if rest[:1] == ["resolve"] and len(rest) >= 3 and self.command in ("GET", "HEAD"):
+            return self._resolve(repo_type, repo_id, rest[1], "/".join(rest[2:]))
+        return self._error(404, "NotFound", f"no route {self.command} {url.path}")
 
-        def _whoami(self):
-            if self._authorized():
-                self._json(200, {"type": "user", "name": USER, "auth": {"accessToken": {"role": "write"}}})
+    def _authorized(self) -> bool:
+        if self.headers.get("Authorization") == f"Bearer {self.hub.token}":
+            return True
+        self._error(401, "Unauthorized", "Invalid credentials in Authorization header")
+        return False
 
-        def _create(self):
-            if not self._authorized():
+    def _whoami(self):
+        if self._authorized():
+            self._json(200, {"type": "user", "name": USER, "auth": {"accessToken": {"role": "write"}}})
+
+    def _create(self):
+        if not self._authorized():
+            return
+        payload = json.loads(self.body)
+        repo_id = f"{payload.get('organization') or USER}/{payload['name']}"
+        self.hub.created[repo_id] = payload
+        self.hub.repos.setdefault((payload.get("type") or "model", repo_id), Repo())
+        self._json(200, {"url": f"{self.hub.url}/{repo_id}", "name": repo_id})
+
+    def _repo(self, repo_type: str, repo_id: str, revision: str) -> Repo | None:
+        repo = self.hub.repos.get((repo_type, repo_id))
+        if repo is None:
+            self._error(404, "RepoNotFound", f"Repository Not Found for url: {self.path}")
+        elif revision not in ("main", repo.sha):
+            self._error(404, "RevisionNotFound", f"Invalid rev id: {revision}")
+            return None
+        return repo
+
+    def _api(self, repo_type: str, repo_id: str, rest: list[str]):
+        action, revision = (rest + [None, "main"])[:2] if rest else (None, "main")
+        if action in ("preupload", "commit"):
+            if not self._authorized() or self._repo(repo_type, repo_id, revision) is None:
                 return
-            payload = json.loads(self.body)
-            repo_id = f"{payload.get('organization') or USER}/{payload['name']}"
-            hub.created[repo_id] = payload
-            hub.repos.setdefault((payload.get("type") or "model", repo_id), Repo())
-            self._json(200, {"url": f"{hub.url}/{repo_id}", "name": repo_id})
+            return self._preupload() if action == "preupload" else self._commit(repo_type, repo_id)
+        repo = self._repo(repo_type, repo_id, revision)
+        if repo is None:
+            return
+        if action in (None, "revision"):
+            return self._json(200, self._info(repo_type, repo_id, repo))
+        if action == "tree":
+            return self._json(200, self._tree(repo, "/".join(rest[2:]), self.query.get("recursive") == ["true"]))
+        if action == "paths-info":
+            wanted = self._paths_requested()
+            return self._json(200, [e for e in self._tree(repo, "", True) if e["path"] in wanted])
+        return self._error(404, "NotFound", f"no route {self.command} {self.path}")
 
-        def _repo(self, repo_type: str, repo_id: str, revision: str) -> Repo | None:
-            repo = hub.repos.get((repo_type, repo_id))
-            if repo is None:
-                self._error(404, "RepoNotFound", f"Repository Not Found for url: {self.path}")
-            elif revision not in ("main", repo.sha):
-                self._error(404, "RevisionNotFound", f"Invalid rev id: {revision}")
-                return None
-            return repo
+    def _info(self, repo_type: str, repo_id: str, repo: Repo) -> dict:
+        return {"id": repo_id, "_id": repo.sha[:24], "sha": repo.sha, "private": False, "gated": False,
+                "disabled": False, "author": repo_id.split("/")[0], "lastModified": DATE, "createdAt": DATE,
+                "downloads": 0, "likes": 0, "tags": [], "cardData": {},
+                "siblings": [{"rfilename": p, "size": len(d)} for p, d in sorted(repo.files.items())],
+                **({"library_name": "transformers"} if repo_type == "model" else {})}
 
-        def _api(self, repo_type: str, repo_id: str, rest: list[str]):
-            action, revision = (rest + [None, "main"])[:2] if rest else (None, "main")
-            if action in ("preupload", "commit"):
-                if not self._authorized() or self._repo(repo_type, repo_id, revision) is None:
-                    return
-                return self._preupload() if action == "preupload" else self._commit(repo_type, repo_id)
-            repo = self._repo(repo_type, repo_id, revision)
-            if repo is None:
-                return
-            if action in (None, "revision"):
-                return self._json(200, self._info(repo_type, repo_id, repo))
-            if action == "tree":
-                return self._json(200, self._tree(repo, "/".join(rest[2:]), self.query.get("recursive") == ["true"]))
-            if action == "paths-info":
-                wanted = self._paths_requested()
-                return self._json(200, [e for e in self._tree(repo, "", True) if e["path"] in wanted])
-            return self._error(404, "NotFound", f"no route {self.command} {self.path}")
+    @staticmethod
+    def _tree(repo: Repo, prefix: str, recursive: bool) -> list[dict]:
+        prefix = prefix.strip("/")
+        entries: dict[str, dict] = {}
+        for path, data in sorted(repo.files.items()):
+            if prefix and not path.startswith(prefix + "/"):
+                continue
+            below = path[len(prefix) + 1:] if prefix else path
+            segments = below.split("/")
+            for depth in range(1, len(segments)):  # the folders on the way
+                folder = "/".join(([prefix] if prefix else []) + segments[:depth])
+                if recursive or depth == 1:
+                    entries.setdefault(folder, {"type": "directory", "oid": _sha(folder.encode()), "size": 0,
+                                                "path": folder})
+            if recursive or len(segments) == 1:
+                entries[path] = {"type": "file", "oid": _sha(data), "size": len(data), "path": path,
+                                 "lastCommit": {"id": repo.sha, "title": "upload", "date": DATE}}
+        return list(entries.values())
 
-        def _info(self, repo_type: str, repo_id: str, repo: Repo) -> dict:
-            return {"id": repo_id, "_id": repo.sha[:24], "sha": repo.sha, "private": False, "gated": False,
-                    "disabled": False, "author": repo_id.split("/")[0], "lastModified": DATE, "createdAt": DATE,
-                    "downloads": 0, "likes": 0, "tags": [], "cardData": {},
-                    "siblings": [{"rfilename": p, "size": len(d)} for p, d in sorted(repo.files.items())],
-                    **({"library_name": "transformers"} if repo_type == "model" else {})}
+    def _paths_requested(self) -> set[str]:
+        if self.headers.get("Content-Type", "").startswith("application/json"):
+            return set(json.loads(self.body)["paths"])
+        return set(parse_qs(self.body.decode()).get("paths", []))
 
-        @staticmethod
-        def _tree(repo: Repo, prefix: str, recursive: bool) -> list[dict]:
-            prefix = prefix.strip("/")
-            entries: dict[str, dict] = {}
-            for path, data in sorted(repo.files.items()):
-                if prefix and not path.startswith(prefix + "/"):
-                    continue
-                below = path[len(prefix) + 1:] if prefix else path
-                segments = below.split("/")
-                for depth in range(1, len(segments)):  # the folders on the way
-                    folder = "/".join(([prefix] if prefix else []) + segments[:depth])
-                    if recursive or depth == 1:
-                        entries.setdefault(folder, {"type": "directory", "oid": _sha(folder.encode()), "size": 0,
-                                                    "path": folder})
-                if recursive or len(segments) == 1:
-                    entries[path] = {"type": "file", "oid": _sha(data), "size": len(data), "path": path,
-                                     "lastCommit": {"id": repo.sha, "title": "upload", "date": DATE}}
-            return list(entries.values())
+    def _preupload(self):
+        files = json.loads(self.body)["files"]
+        self._json(200, {"files": [{"path": f["path"], "uploadMode": "regular", "shouldIgnore": False}
+                                   for f in files]})
 
-        def _paths_requested(self) -> set[str]:
-            if self.headers.get("Content-Type", "").startswith("application/json"):
-                return set(json.loads(self.body)["paths"])
-            return set(parse_qs(self.body.decode()).get("paths", []))
+    def _commit(self, repo_type: str, repo_id: str):
+        lines = [json.loads(line) for line in self.body.decode().splitlines() if line.strip()]
+        self.hub.commits.append({"repo": repo_id, "header": lines[0]["value"]})
+        files = {}
+        for line in lines[1:]:
+            if line["key"] != "file" or line["value"].get("encoding") != "base64":
+                return self._error(400, "BadRequest", f"unsupported commit operation {line['key']}")
+            files[line["value"]["path"]] = base64.b64decode(line["value"]["content"])
+        sha = self.hub.repos[(repo_type, repo_id)].commit(files)
+        self._json(200, {"commitUrl": f"{self.hub.url}/{repo_id}/commit/{sha}", "commitOid": sha,
+                         "pullRequestUrl": None})
 
-        def _preupload(self):
-            files = json.loads(self.body)["files"]
-            self._json(200, {"files": [{"path": f["path"], "uploadMode": "regular", "shouldIgnore": False}
-                                       for f in files]})
+    def _resolve(self, repo_type: str, repo_id: str, revision: str, path: str):
+        repo = self._repo(repo_type, repo_id, revision)
+        if repo is None:
+            return
+        if path not in repo.files:
+            return self._error(404, "EntryNotFound", f"{path} does not exist at {revision}")
+        data = repo.files[path]
+        self._send(200, data, {"Content-Type": "application/octet-stream", "ETag": f'"{_sha(data)}"',
+                               "X-Repo-Commit": repo.sha})
 
-        def _commit(self, repo_type: str, repo_id: str):
-            lines = [json.loads(line) for line in self.body.decode().splitlines() if line.strip()]
-            hub.commits.append({"repo": repo_id, "header": lines[0]["value"]})
-            files = {}
-            for line in lines[1:]:
-                if line["key"] != "file" or line["value"].get("encoding") != "base64":
-                    return self._error(400, "BadRequest", f"unsupported commit operation {line['key']}")
-                files[line["value"]["path"]] = base64.b64decode(line["value"]["content"])
-            sha = hub.repos[(repo_type, repo_id)].commit(files)
-            self._json(200, {"commitUrl": f"{hub.url}/{repo_id}/commit/{sha}", "commitOid": sha,
-                             "pullRequestUrl": None})
 
-        def _resolve(self, repo_type: str, repo_id: str, revision: str, path: str):
-            repo = self._repo(repo_type, repo_id, revision)
-            if repo is None:
-                return
-            if path not in repo.files:
-                return self._error(404, "EntryNotFound", f"{path} does not exist at {revision}")
-            data = repo.files[path]
-            self._send(200, data, {"Content-Type": "application/octet-stream", "ETag": f'"{_sha(data)}"',
-                                   "X-Repo-Commit": repo.sha})
-
-    return Handler
+def _handler(hub: HubMirror) -> type[_Handler]:
+    """A request handler class serving ``hub``."""
+    return type("Handler", (_Handler,), {"hub": hub})

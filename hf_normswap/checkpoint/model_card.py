@@ -157,33 +157,27 @@ def is_own_card(path: Path) -> bool:
     return TAG in (metadata.get("tags") or [])
 
 
-def render(config: dict) -> str:
-    """The model card text (YAML metadata + Markdown) for a saved ``config.json``."""
-    record = ConversionRecord.in_config(config)
-    method = record.method
-    method_class = METHODS[method]
-    base = record.base
-    base_model = record.base_model
-    converted = record.converted
+def _auto_class(config: dict) -> str:
+    """The Auto class the loading snippet names, so the example loads the model with its head."""
     auto_classes = sorted(k for k in config.get("auto_map", {}) if k != "AutoConfig") or ["AutoModel"]
-    auto = "AutoModelForCausalLM" if "AutoModelForCausalLM" in auto_classes else auto_classes[0]
+    return "AutoModelForCausalLM" if "AutoModelForCausalLM" in auto_classes else auto_classes[0]
 
-    data = ModelCardData(
-        base_model=base_model,
-        library_name="transformers",
-        tags=[TAG, method, "normalization-free", base.model_type, "custom_code"],
-    )
+
+def _converted_tables(converted) -> tuple[str, str]:
+    """The per-kind count rows and the per-module list, so the card shows what was converted."""
     kinds = Counter((e.kind, e.role or "?") for e in converted.values())
     kind_rows = "\n".join(f"| {kind} | {role} | {n} |" for (kind, role), n in sorted(kinds.items()))
     names = "\n".join(f"- `{name}` ({e.kind}, C={e.size}, amplitude={e.amplitude:.4g})"
                       for name, e in converted.items())
-    origin = f"[{base_model}](https://huggingface.co/{base_model})" if base_model else "a local model"
-    evaluation = _evaluation_section(record.evaluation)
-    citations = [METHODS[key].citation for key in method_class.builds_on] + [method_class.citation]
-    version = (record.package or {}).get("version", record.version)
+    return kind_rows, names
 
-    body = f"""
-# {base.architecture} with {method.upper()} instead of LayerNorm / RMSNorm
+
+def _description(record, method_class, origin: str, version, kind_rows: str, names: str) -> str:
+    """The title, method, conversion and calibration sections, which every card has."""
+    method = record.method
+    converted = record.converted
+    return f"""
+# {record.base.architecture} with {method.upper()} instead of LayerNorm / RMSNorm
 
 This checkpoint is {origin} with {len(converted)} normalization layers replaced by element-wise
 **{method_class.title}** modules, made with [hf-normswap](https://pypi.org/project/hf-normswap/) {version}.
@@ -220,6 +214,11 @@ Method `{method}`, per-channel shape parameter: `{record.per_channel}`.
 
 {_calibration_section(record.calibration)}
 """
+
+
+def _optional_sections(record, evaluation: str | None) -> str:
+    """The check, fine-tuning and evaluation sections, each only when the record has it."""
+    body = ""
     check = _check_section(record.check)
     if check:
         body += f"""
@@ -240,7 +239,12 @@ Method `{method}`, per-channel shape parameter: `{record.per_channel}`.
 
 {evaluation}
 """
-    body += f"""
+    return body
+
+
+def _usage(config: dict, record, method_class, auto: str, citations: list) -> str:
+    """The loading and citation sections, so a reader can load the checkpoint safely and cite the method."""
+    return f"""
 ## How to load
 
 With remote code (only `torch` and `transformers` needed; the code is in `modeling_normswap.py`):
@@ -261,7 +265,7 @@ model, tokenizer = load_model("REPO_OR_PATH")  # with the tokenizer
 ```
 
 Without `trust_remote_code=True` the stock loaders refuse this checkpoint (its `model_type` is
-`{config["model_type"]}`): the original `{base.architecture}` class would drop the
+`{config["model_type"]}`): the original `{record.base.architecture}` class would drop the
 `{method_class.shape_name}` parameters. The package's loader also checks the `normswap` record against the
 weights (its format version, each module's method, the norms converted) and refuses a checkpoint edited since it
 was saved; the remote code builds what the record says without those checks.
@@ -272,6 +276,28 @@ was saved; the remote code builds what the record says without those checks.
 {chr(10).join(citations)}
 ```
 """
+
+
+def render(config: dict) -> str:
+    """The model card text (YAML metadata + Markdown) for a saved ``config.json``."""
+    record = ConversionRecord.in_config(config)
+    method_class = METHODS[record.method]
+    base_model = record.base_model
+    auto = _auto_class(config)
+    data = ModelCardData(
+        base_model=base_model,
+        library_name="transformers",
+        tags=[TAG, record.method, "normalization-free", record.base.model_type, "custom_code"],
+    )
+    kind_rows, names = _converted_tables(record.converted)
+    origin = f"[{base_model}](https://huggingface.co/{base_model})" if base_model else "a local model"
+    evaluation = _evaluation_section(record.evaluation)
+    citations = [METHODS[key].citation for key in method_class.builds_on] + [method_class.citation]
+    version = (record.package or {}).get("version", record.version)
+
+    body = _description(record, method_class, origin, version, kind_rows, names)
+    body += _optional_sections(record, evaluation)
+    body += _usage(config, record, method_class, auto, citations)
     return ModelCard(f"---\n{data.to_yaml()}\n---\n{body}").content
 
 

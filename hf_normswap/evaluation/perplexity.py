@@ -288,6 +288,61 @@ class _Scorer:
                 self.match[n] += int((other.argmax(-1) == ref_top).sum())
 
 
+def _models_to_score(model, against: nn.Module | None, max_length: int | None) -> dict[str, nn.Module]:
+    """Names and checks the models up front, so a mismatch fails before any text is tokenized or scored."""
+    models = dict(model) if isinstance(model, Mapping) else {"model" if against is None else "converted": model}
+    if against is not None:
+        if REFERENCE in models:
+            raise EvaluationError(f"the name {REFERENCE!r} is reserved for the reference model")
+        models = {REFERENCE: against, **models}
+    if not models:
+        raise EvaluationError("no model to evaluate")
+    for name, m in models.items():
+        _check_causal(name, m)
+        m.eval()
+    check_window(max_length, models)
+    vocab_sizes = {name: m.get_output_embeddings().weight.shape[0] for name, m in models.items()
+                   if getattr(m, "get_output_embeddings", None) and m.get_output_embeddings() is not None}
+    if len(set(vocab_sizes.values())) > 1:
+        raise EvaluationError(f"the models have different vocabularies ({vocab_sizes}): compare a converted model "
+                              "only with the original it came from")
+    return models
+
+
+def _score_windows(models: dict[str, nn.Module], docs: list[Document], max_length: int, stride: int | None,
+                   batch_size: int, prefix: int, reference: str | None, progress: bool) -> tuple[_Scorer, int]:
+    """Runs every model on the same windows in one pass, so KL and top-1 compare identical inputs."""
+    from tqdm.auto import tqdm
+
+    # All windows of all documents, grouped by length so batches need no padding (padding would change nothing in
+    # exact arithmetic but does in floating point, and some models mishandle it).
+    windows = [(d, *w) for d, doc in enumerate(docs) for w in rolling_windows(len(doc.tokens), max_length, stride)]
+    windows.sort(key=lambda w: -w[2])
+    sequences = [torch.tensor([prefix] + doc.tokens, dtype=torch.long) for doc in docs]
+    scorer = _Scorer(list(models), reference)
+    total = sum(w[3] for w in windows)
+    bar = tqdm(total=total, unit="tok", desc="perplexity", disable=not progress, dynamic_ncols=True)
+    i = 0
+    while i < len(windows):
+        length = windows[i][2]
+        batch = [windows[i]]
+        while len(batch) < batch_size and i + len(batch) < len(windows) and windows[i + len(batch)][2] == length:
+            batch.append(windows[i + len(batch)])
+        i += len(batch)
+        inputs = torch.stack([sequences[d][s : s + n] for d, s, n, _ in batch])
+        targets = torch.cat([sequences[d][s + n - k + 1 : s + n + 1] for d, s, n, k in batch])
+        logits = {}
+        for name, m in models.items():
+            out = m(input_ids=inputs.to(model_device(m)), use_cache=False).logits
+            rows = [out[b, n - k:] for b, (_, _, n, k) in enumerate(batch)]
+            logits[name] = rows[0] if len(rows) == 1 else torch.cat(rows)  # a view when it can: logits are big
+            del out
+        scorer.add(logits, targets)
+        bar.update(sum(k for *_, k in batch))
+    bar.close()
+    return scorer, total
+
+
 @torch.no_grad()
 def evaluate(
     model: nn.Module | Mapping[str, nn.Module],
@@ -310,26 +365,9 @@ def evaluate(
     every other model to it, all computed on the same windows in one pass. ``max_tokens`` caps the tokens scored
     (for CPU use); ``data`` is the spec recorded with the result.
     """
-    from tqdm.auto import tqdm
-
     from ..data import fingerprint as content_fingerprint
 
-    models = dict(model) if isinstance(model, Mapping) else {"model" if against is None else "converted": model}
-    if against is not None:
-        if REFERENCE in models:
-            raise EvaluationError(f"the name {REFERENCE!r} is reserved for the reference model")
-        models = {REFERENCE: against, **models}
-    if not models:
-        raise EvaluationError("no model to evaluate")
-    for name, m in models.items():
-        _check_causal(name, m)
-        m.eval()
-    check_window(max_length, models)
-    vocab_sizes = {name: m.get_output_embeddings().weight.shape[0] for name, m in models.items()
-                   if getattr(m, "get_output_embeddings", None) and m.get_output_embeddings() is not None}
-    if len(set(vocab_sizes.values())) > 1:
-        raise EvaluationError(f"the models have different vocabularies ({vocab_sizes}): compare a converted model "
-                              "only with the original it came from")
+    models = _models_to_score(model, against, max_length)
     first = next(iter(models.values()))
     fingerprint = None
     if docs is None:
@@ -346,40 +384,14 @@ def evaluate(
     if max_length < 1:
         raise EvaluationError(f"window length must be positive, got {max_length}")
     prefix = _prefix_token(first, tokenizer) if prefix_token is None else prefix_token
-
-    # All windows of all documents, grouped by length so batches need no padding (padding would change nothing in
-    # exact arithmetic but does in floating point, and some models mishandle it).
-    windows = [(d, *w) for d, doc in enumerate(docs) for w in rolling_windows(len(doc.tokens), max_length, stride)]
-    windows.sort(key=lambda w: -w[2])
-    sequences = [torch.tensor([prefix] + doc.tokens, dtype=torch.long) for doc in docs]
-    names = list(models)
-    scorer = _Scorer(names, REFERENCE if against is not None else None)
-    total = sum(w[3] for w in windows)
-    bar = tqdm(total=total, unit="tok", desc="perplexity", disable=not progress, dynamic_ncols=True)
-    i = 0
-    while i < len(windows):
-        length = windows[i][2]
-        batch = [windows[i]]
-        while len(batch) < batch_size and i + len(batch) < len(windows) and windows[i + len(batch)][2] == length:
-            batch.append(windows[i + len(batch)])
-        i += len(batch)
-        inputs = torch.stack([sequences[d][s : s + n] for d, s, n, _ in batch])
-        targets = torch.cat([sequences[d][s + n - k + 1 : s + n + 1] for d, s, n, k in batch])
-        logits = {}
-        for name, m in models.items():
-            out = m(input_ids=inputs.to(model_device(m)), use_cache=False).logits
-            rows = [out[b, n - k:] for b, (_, _, n, k) in enumerate(batch)]
-            logits[name] = rows[0] if len(rows) == 1 else torch.cat(rows)  # a view when it can: logits are big
-            del out
-        scorer.add(logits, targets)
-        bar.update(sum(k for *_, k in batch))
-    bar.close()
+    scorer, total = _score_windows(models, docs, max_length, stride, batch_size, prefix,
+                                   REFERENCE if against is not None else None, progress)
 
     tokens = sum(len(d.tokens) for d in docs)
     words, nbytes = sum(d.words for d in docs), sum(d.bytes for d in docs)
     assert total == tokens, "rolling windows must score every token exactly once"
     return Evaluation(
-        results={n: Perplexity(scorer.nll[n], tokens, words, nbytes) for n in names},
+        results={n: Perplexity(scorer.nll[n], tokens, words, nbytes) for n in scorer.names},
         reference=scorer.reference,
         kl={n: v / tokens for n, v in scorer.kl.items()},
         top1={n: v / tokens for n, v in scorer.match.items()},
