@@ -144,10 +144,10 @@ def test_a_link_in_output_dir_is_refused_and_its_target_untouched(converted, lla
     assert file_tree(root) == before
 
 
-def _finished_run(converted, llama, out: Path, steps: int, tokens: int, *settings: str,
-                  checkpoint: bool = True) -> list[str]:
+def finished_run(final: Path, llama, out: Path, steps: int, tokens: int, *settings: str,
+                 checkpoint: bool = True) -> list[str]:
     """An output_dir as a finished run leaves it: its lock file, checkpoint-N (unless not ``checkpoint``: deleted,
-    or ``save_strategy: no``), and final saved from it (its record says N steps)."""
+    or ``save_strategy: no``), and final copied from the checkpoint ``final`` (its record says N steps)."""
     import json
     import shutil
 
@@ -161,7 +161,7 @@ def _finished_run(converted, llama, out: Path, steps: int, tokens: int, *setting
         (out / f"checkpoint-{steps}").mkdir()
         (out / f"checkpoint-{steps}" / "trainer_state.json").write_text(
             json.dumps({"global_step": steps, "num_input_tokens_seen": tokens}))
-    shutil.copytree(converted[0] / "eln", out / "final")
+    shutil.copytree(final, out / "final")
     saved = json.loads((out / "final" / "config.json").read_text())
     saved["normswap"]["training"] = {"steps": steps, "tokens_seen": tokens}
     (out / "final" / "config.json").write_text(json.dumps(saved))
@@ -175,7 +175,7 @@ def test_a_finished_run_trains_nothing_and_a_larger_budget_continues(converted, 
                                                                      setting, more):
     """Rerunning a finished recipe resumed from its last checkpoint, trained one more step and replaced final."""
     out = tmp_path / "run"
-    run = _finished_run(converted, llama, out, 6, 384, setting)
+    run = finished_run(converted[0] / "eln", llama, out, 6, 384, setting)
     before = file_tree(out)
     assert no_loading.main([*run, setting]) == 0
     assert "finished at 6 steps / 384 tokens: nothing to train" in capsys.readouterr().out

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from cli_runs import file_tree, recipe_refusal
+from test_faults_races import finished_run
 from hf_normswap.training import recipe_settings, run_dir, run_lock
 from tiny_models import tiny_model
 
@@ -131,20 +132,6 @@ def test_a_resume_that_changes_an_optimizer_setting_is_refused_before_loading(ll
 # ----------------------------------------------------------------------------- a finished run is a fact
 
 
-def _finished_without_checkpoints(converted, llama, out: Path, steps: int, tokens: int, *settings: str) -> list[str]:
-    """An output_dir as a finished run with ``save_strategy: no`` leaves it: final, recorded in run.json."""
-    run = [f"model={llama}", f"output_dir={out}", *settings]
-    config = recipe_settings.load_config(run)
-    run_lock.lock_run_dir(out).release()
-    run_dir.claim_run_dir(config)
-    shutil.copytree(converted, out / "final")
-    saved = json.loads((out / "final" / "config.json").read_text())
-    saved["normswap"]["training"] = {"steps": steps, "tokens_seen": tokens}
-    (out / "final" / "config.json").write_text(json.dumps(saved))
-    run_dir.record_save(out, config.save_path, steps, tokens)
-    return run
-
-
 @pytest.mark.parametrize("setting, more", [("training.max_steps=6", "training.max_steps=8"),
                                            ("train_tokens=384", "train_tokens=1000")])
 def test_a_finished_run_without_checkpoints_trains_nothing_and_a_larger_budget_is_refused(converted, llama, tmp_path,
@@ -153,7 +140,7 @@ def test_a_finished_run_without_checkpoints_trains_nothing_and_a_larger_budget_i
     """With ``save_strategy: no`` (or checkpoint-* deleted), a rerun of a finished run trained again from the
     calibrated model and replaced final."""
     out = tmp_path / "run"
-    run = _finished_without_checkpoints(converted, llama, out, 6, 384, setting)
+    run = finished_run(converted, llama, out, 6, 384, setting, checkpoint=False)
     before = file_tree(out)
     assert no_loading.main([*run, setting]) == 0
     said = capsys.readouterr().out
