@@ -15,7 +15,7 @@ on one line not each other). pyproject.toml's import-linter contract holds the s
     checkpoint                                      load originals; save, load and push converted checkpoints
     calibration                                     fit the new parameters to the model's activations
     planning                                        the memory plan
-    convert | fold | linearise                      the verb: plan, inspect, convert; folding; linearising
+    surgery | fold | linearise                      the verb: plan, inspect, convert; folding; linearising
     evaluation                                      perplexity, sentence embeddings, per-norm sensitivity
     training                                        recovery against the original (the recipe)
     cli                                             the ``normswap`` command
@@ -29,7 +29,7 @@ from .calibration.calibrate import CalibrationConfig
 from .checkpoint.loading import load, load_model
 from .checkpoint.directory import CheckpointError
 from .checkpoint.saving import save_pretrained
-from .convert import ConversionError, ConversionReport, ConvertConfig, convert, inspect, plan
+from .surgery import ConversionError, ConversionReport, ConvertConfig, convert, inspect, plan
 from .discovery.norms import NormInfo, find_norms
 from .fold import fold
 from .linearise import linearise

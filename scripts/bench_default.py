@@ -69,7 +69,7 @@ def sweep(variants: list[dict], method: str, tokens: int, out: Path, results: di
     from hf_normswap.calibration.defaults import default_calibration
     from hf_normswap.checkpoint.loading import load_model
     from hf_normswap.evaluation.perplexity import evaluate
-    from hf_normswap.evaluation.texts import evaluation_texts
+    from hf_normswap.evaluation.documents import evaluation_texts
 
     original, tokenizer = load_model(MODELS["smollm2"])
     texts = evaluation_texts("builtin:evaluation", original, tokenizer, tokens)

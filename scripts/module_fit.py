@@ -27,7 +27,7 @@ import torch
 
 from hf_normswap.calibration.fitting import analytic_input_scale, fit_curve, fit_module, saturating_init
 from hf_normswap.checkpoint.loading import load_model
-from hf_normswap.convert import build_replacement
+from hf_normswap.surgery import build_replacement
 from hf_normswap.data import load_texts, token_blocks
 from hf_normswap.discovery.norms import find_norms
 from hf_normswap.modules import METHODS

@@ -257,7 +257,7 @@ def walk(package: Package, start: tuple[str, str], parameter: str, config_class:
 
 def calibration_walk(root: Path, fields: bool = False) -> Walk:
     """The calibration config's walk, from ``convert``'s ``calibration`` to the last fitted block."""
-    return walk(Package(root, "hf_normswap"), ("hf_normswap.convert", "convert"), "calibration",
+    return walk(Package(root, "hf_normswap"), ("hf_normswap.surgery", "convert"), "calibration",
                 ("hf_normswap.calibration.calibrate", "CalibrationConfig"), fields=fields)
 
 

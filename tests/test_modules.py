@@ -166,7 +166,7 @@ def test_a_method_is_its_class(monkeypatch):
     import hf_normswap
     from hf_normswap import kernels
     from hf_normswap.checkpoint import model_card
-    from hf_normswap.convert import ConversionError, ConvertConfig
+    from hf_normswap.surgery import ConversionError, ConvertConfig
 
     monkeypatch.setitem(METHODS_BY_KEY, _Softsign.key, _Softsign)
     model = tiny_model("llama")

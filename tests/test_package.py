@@ -52,11 +52,11 @@ def test_the_docstring_and_the_readme_list_the_same_layers():
     assert [item.strip(" `").split("|") for item in " ".join(line.split()).split(", ")] == expected
 
 
-def test_the_calibration_config_stays_in_convert_and_calibration():
+def test_the_calibration_config_stays_in_surgery_and_calibration():
     """The config object, from ``convert`` to the last fitted block: the data, precision and placement stages get
     plain values from it (its data spec, its precision), never the object."""
     found = calibration_walk(PACKAGE.parent)
-    assert {stop.split(".")[1] for stop in found.stops} == {"convert", "calibration"}, "\n".join(found.calls)
+    assert {stop.split(".")[1] for stop in found.stops} == {"surgery", "calibration"}, "\n".join(found.calls)
     assert len(found.stops) <= 20 and found.returns <= 8, "\n".join(found.calls)
 
 

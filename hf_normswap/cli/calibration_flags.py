@@ -9,7 +9,7 @@ import sys
 
 from ..calibration.calibrate import DEFAULT_STRATEGY, STRATEGIES, CalibrationConfig, strategy_help
 from ..calibration.defaults import NONE, default_calibration
-from ..convert import ConversionError
+from ..surgery import ConversionError
 from ..precision import PRECISIONS
 from ..settings import read_settings
 from ..validation import check_output_folder

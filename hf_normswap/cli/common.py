@@ -10,7 +10,7 @@ from ..checkpoint.hub import PushError
 from ..checkpoint.loading import ModelLoadError
 from ..checkpoint.packaged import PackagedModelMissing
 from ..checkpoint.directory import CheckpointError
-from ..convert import DEFAULT_ROLES, ConversionError
+from ..surgery import DEFAULT_ROLES, ConversionError
 from ..data import DataError
 from ..discovery.roles import ROLES
 from ..evaluation.perplexity import EvaluationError

@@ -10,20 +10,22 @@ from ..checkpoint.hub import PushError, preflight
 from ..checkpoint.loading import load_model, resolve
 from ..checkpoint.record import ConversionRecord
 from ..checkpoint.directory import check_output_dir
-from ..convert import ConversionError, check_not_converted, check_selection, convert
+from ..surgery import ConversionError, check_not_converted, check_selection, convert
 from ..data import check_spec
 from ..calibration.defaults import NONE
 from ..evaluation.conversion_check import ConversionCheck
 from ..evaluation.perplexity import EvaluationError
-from ..evaluation.sensitivity import exact
-from ..evaluation.texts import evaluation_texts
+from ..evaluation.norm_sensitivity import exact
+from ..evaluation.documents import evaluation_texts
 from ..fold import fold
 from ..modules import METHODS
 from ..validation import check_data_files, check_input_scale, check_output_file, first_line
 from . import linear_paths, output, sensitivity
 from .calibration_flags import calibration, calibration_args, calibration_config, check_calibration_args
-from .common import MODEL_HELP, calibration_overlap, check_context_lengths, check_evaluation_args, \
-    evaluation_args, placement, placement_args, roles, run_evaluation, selection_args, warn
+from .common import (
+    MODEL_HELP, calibration_overlap, check_context_lengths, check_evaluation_args,
+    evaluation_args, placement, placement_args, roles, run_evaluation, selection_args, warn,
+)
 
 
 def add_parser(commands) -> None:

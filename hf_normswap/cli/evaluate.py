@@ -14,11 +14,13 @@ from ..evaluation import finite_json
 from ..evaluation.perplexity import EvaluationError, check_window
 from ..evaluation.report import FitSettings, fit_report
 from ..evaluation.tasks import MIN_RECOVERY, check_tasks
-from ..evaluation.texts import evaluation_texts
+from ..evaluation.documents import evaluation_texts
 from ..model_inputs import is_encoder
 from ..validation import ValidationError, check_data_files, check_number
-from .common import MODEL_HELP, calibration_overlap, check_evaluation_args, evaluation_args, \
-    placement, placement_args, run_evaluation, warn
+from .common import (
+    MODEL_HELP, calibration_overlap, check_evaluation_args, evaluation_args,
+    placement, placement_args, run_evaluation, warn,
+)
 
 
 def add_parser(commands) -> None:

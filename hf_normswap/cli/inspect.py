@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from ..checkpoint.loading import load_model
-from ..convert import check_selection, plan
+from ..surgery import check_selection, plan
 from .common import MODEL_HELP, placement, placement_args, roles, selection_args
 
 

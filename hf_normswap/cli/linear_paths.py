@@ -4,7 +4,7 @@ ELN checkpoint, ``linearise.py``) and saving as the original architecture (``--s
 from __future__ import annotations
 
 from ..checkpoint.stock_export import export_stock
-from ..convert import ConversionError
+from ..surgery import ConversionError
 from ..data import model_batches
 from ..linearise import linearise
 from ..modules import ElementwiseNorm

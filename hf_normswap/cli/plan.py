@@ -56,7 +56,7 @@ def add_parser(commands) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Print the plan; exit 0 when it fits (or nothing was given to check), 1 when it does not, 2 on bad input."""
-    from ..planning.plan import plan
+    from ..planning.memory_plan import plan
     from ..planning.plan_settings import PlanSettings
     from ..planning.sizes import PlanError
 
@@ -87,8 +87,8 @@ def recipe_plan(args: argparse.Namespace) -> int:
     (sized in tokens on a GPU: ``step_tokens``), its calibration or converted start, its precision."""
     import dataclasses
 
-    from ..planning.plan import plan
-    from ..planning.recipe_plan import recipe_settings
+    from ..planning.memory_plan import plan
+    from ..planning.recipe_plan import run_plan_settings
     from ..planning.recovery_run import RecoveryRunError, resolve_run
     from ..planning.plan_settings import parse_bytes
     from ..planning.sizes import PlanError
@@ -107,7 +107,7 @@ def recipe_plan(args: argparse.Namespace) -> int:
         run = resolve_run(config, processes=args.processes, device="cuda:0" if device_memory else "cpu",
                           cpu=device_memory is None, sharded=args.sharding == "fsdp2",
                           load_once=not args.load_on_every_process, device_memory=device_memory)
-        settings = dataclasses.replace(recipe_settings(run, device_memory), host_memory=args.host_memory,
+        settings = dataclasses.replace(run_plan_settings(run, device_memory), host_memory=args.host_memory,
                                        node_processes=args.node_processes)
         result = plan(run.original, settings)
     except (ValidationError, RecoveryRunError, PlanError, OSError) as error:

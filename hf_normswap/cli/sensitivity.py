@@ -8,21 +8,23 @@ import contextlib
 import math
 
 from ..checkpoint.loading import load_model
-from ..convert import ConversionError, check_not_converted, plan
+from ..surgery import ConversionError, check_not_converted, plan
 from ..data import check_spec
 from ..model_inputs import context_length
 from ..evaluation import finite_json
-from ..evaluation.texts import evaluation_texts
+from ..evaluation.documents import evaluation_texts
 from ..modules import METHODS
 from ..validation import check_number, check_output_file
 from ..calibration.defaults import NONE
 from .calibration_flags import calibration, calibration_args, check_calibration_args
-from .common import MODEL_HELP, calibration_overlap, check_context_lengths, placement, placement_args, roles, \
-    selection_args, warn
+from .common import (
+    MODEL_HELP, calibration_overlap, check_context_lengths, placement, placement_args, roles,
+    selection_args, warn,
+)
 
 
 def add_parser(commands) -> None:
-    from ..evaluation.sensitivity import CALIB_BLOCKS, CALIB_LEN, EVAL_LEN, EVAL_WINDOWS, SENTENCES
+    from ..evaluation.norm_sensitivity import CALIB_BLOCKS, CALIB_LEN, EVAL_LEN, EVAL_WINDOWS, SENTENCES
 
     sens = commands.add_parser("sensitivity", help="damage of each norm converted alone, and the greedy curve")
     sens.add_argument("model", help=MODEL_HELP)
@@ -69,7 +71,7 @@ def budget(args) -> tuple[str, float] | None:
 
 
 def measurer(args, model, tokenizer, texts, calibration, **slice_options):
-    from ..evaluation.sensitivity import Measurer, Reference
+    from ..evaluation.norm_sensitivity import Measurer, Reference
 
     if tokenizer is None:
         raise ConversionError(f"{args.model} has no tokenizer: the sensitivity map needs one to score text")
@@ -87,8 +89,8 @@ def select_within_budget(args, model, tokenizer):
     """The budget search on a copy: the map on the sensitivity slice, then a bisection of its greedy curve."""
     from dataclasses import replace
 
-    from ..evaluation.sensitivity import CALIB_BLOCKS, CALIB_LEN, EVAL_LEN, EVAL_WINDOWS, measure_map
-    from ..evaluation.sensitivity import select_within_budget as bisect
+    from ..evaluation.norm_sensitivity import CALIB_BLOCKS, CALIB_LEN, EVAL_LEN, EVAL_WINDOWS, measure_map
+    from ..evaluation.norm_sensitivity import select_within_budget as bisect
     from ..model_inputs import ends_in_hidden_states
 
     metric, limit = budget(args)
@@ -111,7 +113,7 @@ def select_within_budget(args, model, tokenizer):
 
 
 def run(args) -> None:
-    from ..evaluation.sensitivity import CALIB_LEN, EVAL_LEN, measure_map, plot
+    from ..evaluation.norm_sensitivity import CALIB_LEN, EVAL_LEN, measure_map, plot
 
     check_calibration_args(args)
     for flag in ("windows", "window_len", "sentences"):

@@ -32,7 +32,7 @@ from torch import nn
 
 from ..model_inputs import check_context, context_length, is_causal_lm
 from ..placement import model_device
-from .texts import Document, documents
+from .documents import Document, documents
 
 DEFAULT_MAX_LENGTH = 2048  # lm-eval's default when neither config nor tokenizer gives one
 TOKENIZER_INFINITY = 1000000000000000019884624838656

@@ -17,7 +17,7 @@ from torch import nn
 
 from ..placement import model_device
 from .perplexity import LOGIT_CHUNK
-from .texts import documents
+from .documents import documents
 
 
 @dataclass

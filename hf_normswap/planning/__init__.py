@@ -12,9 +12,9 @@
 - ``normswap plan MODEL`` is ``hf_normswap/cli/plan.py``.
 """
 
-from .plan import MemoryPlan, plan
+from .memory_plan import MemoryPlan, plan
 from .plan_settings import PlanSettings
-from .recipe_plan import recipe_settings
+from .recipe_plan import run_plan_settings
 from .sizes import ModelSizes, PlanError, model_sizes
 
-__all__ = ["MemoryPlan", "ModelSizes", "PlanError", "PlanSettings", "model_sizes", "plan", "recipe_settings"]
+__all__ = ["MemoryPlan", "ModelSizes", "PlanError", "PlanSettings", "model_sizes", "plan", "run_plan_settings"]

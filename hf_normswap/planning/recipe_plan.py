@@ -7,7 +7,7 @@ from ..calibration.calibrate import STRATEGIES
 from .plan_settings import PlanSettings
 
 
-def recipe_settings(run, device_memory: int | None = None) -> PlanSettings:
+def run_plan_settings(run, device_memory: int | None = None) -> PlanSettings:
     """:class:`PlanSettings` of a resolved recovery run (``recovery_run.RecoveryRun``): its processes, sharding
     (FSDP2 or DDP), whether the main process alone reads the weights, whether it calibrates, and its settings.
     ``precision: auto`` is planned as fp32, the larger of its two answers' activations."""

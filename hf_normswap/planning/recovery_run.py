@@ -132,12 +132,12 @@ def resolve_run(config, *, processes: int = 1, is_main: bool = True, device: str
                                 calibration.block_len, calibration.data, config.train_sources, config.eval_data))
     step_tokens = config.step_tokens or (STEP_TOKENS_ON_CUDA if device.startswith("cuda") else None)
     if step_tokens:
-        from .plan import plan
-        from .recipe_plan import recipe_settings
+        from .memory_plan import plan
+        from .recipe_plan import run_plan_settings
         from .sizes import PlanError
 
         try:
-            memory = plan(run.original, recipe_settings(run, device_memory))
+            memory = plan(run.original, run_plan_settings(run, device_memory))
         except (PlanError, OSError, ValueError):  # a model the plan cannot read: the configured batch, accumulated
             accumulation = math.ceil(step_tokens / (batch * config.block_len * processes))
         else:
@@ -157,7 +157,7 @@ def step_batches(memory, step_tokens: int, seq_len: int, processes: int) -> tupl
     """``(micro-batch, accumulation)`` for at least ``step_tokens`` tokens a step over ``processes``: the largest of
     :data:`BATCHES` whose memory plan (``memory``, a :class:`~hf_normswap.planning.MemoryPlan` with the device's
     memory) fits, then as many accumulated micro-batches as the rest needs."""
-    from .plan import replan
+    from .memory_plan import replan
 
     whole = max(1, step_tokens // (seq_len * processes))
     batch = next((b for b in BATCHES if b <= whole and replan(memory, batch_size=b).fits), 1)

@@ -8,7 +8,7 @@
   ``trainable.py``: what trains and its optimizer groups; ``step_precision.py``: fp32 or bf16 for the step;
   ``wall_clock.py``: a stop on the wall clock.
 - ``head_loss.py``: the logit KL computed in chunks through the output head (Liger-Kernel's fused loss).
-- ``gpu_scale.py``: the step at a GPU's scale: tokens a step from the memory plan, each block compiled.
+- ``compiled_blocks.py``: each repeated block compiled once for a GPU step (the step's tokens come from the memory plan).
 - ``layerwise.py``: every block's output pulled toward the original's.
 - ``progressive.py``: converting norms a few at a time during training.
 - ``taper.py``: every norm blended with its original, the original's share falling to 0 over the run.

@@ -99,7 +99,7 @@ class ProgressiveSettings:
     def check_order(self) -> None:
         """The order, and its map file read, before any load: the schedule is built after the model loads (by
         ``progressive.enabled``, or the taper in stages, ``taper.schedule: progressive``)."""
-        from ..evaluation.sensitivity import load_order
+        from ..evaluation.norm_sensitivity import load_order
         from .progressive import ORDERS
 
         if self.order.endswith(".json"):

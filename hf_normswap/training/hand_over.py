@@ -6,7 +6,7 @@ there instead of a traceback (or a model saved half handed over) after the slow 
 from __future__ import annotations
 
 from ..checkpoint.record import ConversionRecord
-from ..convert import ConversionError, plan
+from ..surgery import ConversionError, plan
 from ..model_inputs import ends_in_hidden_states
 from ..validation import first_line
 from .progressive import HandOverError, ProgressiveSwapCallback, check_fits, end_step, schedule

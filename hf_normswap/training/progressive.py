@@ -29,7 +29,7 @@ from transformers import TrainerCallback
 
 from ..checkpoint.record import ConversionRecord
 from ..discovery.roles import layer_of
-from ..evaluation.sensitivity import load_order
+from ..evaluation.norm_sensitivity import load_order
 
 ORDERS = ("depth", "role", "reverse_depth")
 

@@ -38,7 +38,7 @@ from ..checkpoint.directory import CheckpointError
 from ..checkpoint.record import ConversionRecord
 from ..validation import first_line
 from .first_scale import FirstScaleHandover
-from .gpu_scale import compile_blocks, keep_compile_cache
+from .compiled_blocks import compile_blocks, keep_compile_cache
 from .recipe_data import check_data, packs_blocks, recipe_datasets, sentence_steps
 from .recipe_models import load_models
 from .recipe_results import final_evaluation, finish
@@ -180,10 +180,10 @@ def log_memory_plan(run, device_memory: int | None, state, log) -> None:
     (remote code, a config it does not know) is said in one line and the run goes on."""
     if not state.is_main_process:
         return
-    from ..planning import PlanError, plan, recipe_settings
+    from ..planning import PlanError, plan, run_plan_settings
 
     try:
-        memory = plan(run.original, recipe_settings(run, device_memory))
+        memory = plan(run.original, run_plan_settings(run, device_memory))
     except (PlanError, OSError, ValueError) as error:
         log(f"memory plan: not available ({error})")
         return
@@ -196,7 +196,7 @@ def evaluate_calibrated(config, student, original, tokenizer, summary: dict, sta
     from accelerate.utils import broadcast_object_list
 
     from ..data import DataError
-    from ..evaluation.texts import evaluation_texts
+    from ..evaluation.documents import evaluation_texts
     from .run_dir import write_json
     from .sharding import fsdp2_requested
 

@@ -78,7 +78,7 @@ def check_calibration_cache(config) -> None:
     The cached model's own record (``ConvertConfig.from_pretrained``) is compared with the config."""
     from ..calibration.calibrate import CalibrationConfig
     from ..checkpoint.record import converted_config
-    from ..convert import ConvertConfig
+    from ..surgery import ConvertConfig
     from ..validation import ValidationError
 
     cache = Path(config.output_dir) / "calibrated"

@@ -267,7 +267,7 @@ def test_cli_calibration_flags_without_calib_and_bad_calib_data_are_one_line_err
 
 
 def test_unknown_strategy_is_a_conversion_error():
-    from hf_normswap.convert import ConversionError
+    from hf_normswap.surgery import ConversionError
 
     with pytest.raises(ConversionError, match="strategy"):
         convert(tiny_model("llama"), "eln", calibration=_cfg(data=_ids(), strategy="magic"))

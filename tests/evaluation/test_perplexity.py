@@ -14,7 +14,7 @@ from hf_normswap.cli import main
 from hf_normswap.data import fingerprint, load_texts
 from hf_normswap.evaluation.embeddings import _spearman, evaluate_embeddings
 from hf_normswap.evaluation.perplexity import EvaluationError, evaluate, overlap_warning, rolling_windows
-from hf_normswap.evaluation.texts import Document, count_bytes, count_words, documents, evaluation_texts
+from hf_normswap.evaluation.documents import Document, count_bytes, count_words, documents, evaluation_texts
 from tiny_models import tiny_model
 
 TEXTS = [

@@ -9,9 +9,9 @@ import pytest
 import torch
 from tiny_models import tiny_model, tiny_tokenizer
 
-from hf_normswap.convert import plan
+from hf_normswap.surgery import plan
 from hf_normswap.training.progressive import schedule
-from hf_normswap.evaluation.sensitivity import (CurvePoint, Measurer, Reference, Score, doubling, largest_within, load_order,
+from hf_normswap.evaluation.norm_sensitivity import (CurvePoint, Measurer, Reference, Score, doubling, largest_within, load_order,
                                      measure_map, plot, select_within_budget)
 
 ANALYTIC = ("--calib", "none")  # the analytic start: quick, and enough for what these tests check
@@ -216,7 +216,7 @@ def test_sensitivity_json_is_the_whole_of_stdout_with_the_default_calibration(tm
 @pytest.mark.parametrize("scale", [1e37, float("inf")])
 def test_an_original_whose_outputs_are_not_finite_is_not_comparable(scale):
     """``lm_head`` times 1e37: KL 5.9e35 and a perplexity ratio of 0 or 1e304 were printed as a map, exit 0."""
-    from hf_normswap.convert import ConversionError
+    from hf_normswap.surgery import ConversionError
 
     model = tiny_model("llama")
     with torch.no_grad():

@@ -9,7 +9,7 @@ import pytest
 
 from hf_normswap import cli
 from hf_normswap.planning import PlanError, PlanSettings, model_sizes, plan
-from hf_normswap.planning.plan import replan
+from hf_normswap.planning.memory_plan import replan
 from hf_normswap.planning.phases import COMPILER_BYTES, RUNTIME_BYTES
 from tiny_models import tiny_config, tiny_model
 
@@ -159,21 +159,21 @@ def test_an_8b_config_plans_without_its_weights():
 
 
 def test_a_recipe_config_plans_as_the_recipe_runs(tmp_path):
-    from hf_normswap.planning import plan, recipe_settings
+    from hf_normswap.planning import plan, run_plan_settings
     from hf_normswap.planning.recovery_run import resolve_run
     from hf_normswap.training.config import read_recipe_config
 
     recipe = Path(__file__).parents[2] / "recipes" / "configs" / "smollm2-eln.yaml"
     config = read_recipe_config(str(recipe), ["trainable=all", "block_len=128",
                                               "training.gradient_checkpointing=true"])
-    settings = recipe_settings(resolve_run(config, processes=2, sharded=True))
+    settings = run_plan_settings(resolve_run(config, processes=2, sharded=True))
     assert (settings.sharding, settings.trainable, settings.seq_len, settings.gradient_checkpointing) == \
         ("fsdp2", "all", 128, True)
     assert settings.calibration_blocks == config.calibration.num_blocks and settings.calibrate
     tiny_config("llama").save_pretrained(tmp_path)
     config.model = str(tmp_path)
     run = resolve_run(config, processes=2, sharded=True)
-    result = plan(run.original, recipe_settings(run))
+    result = plan(run.original, run_plan_settings(run))
     assert result.sizes.parameters == model_sizes(tiny_config("llama")).parameters
     assert result.recipe[-1].name == "final evaluation and save"
 
@@ -184,7 +184,7 @@ def test_the_command_plans_a_recipe_config_as_the_recipe_resolves_it(tmp_path, c
     a flag the config decides is refused in one line, naming the setting."""
     import dataclasses
 
-    from hf_normswap.planning import plan, recipe_settings
+    from hf_normswap.planning import plan, run_plan_settings
     from hf_normswap.planning.recovery_run import resolve_run
     from hf_normswap.training.config import read_recipe_config
 
@@ -194,7 +194,7 @@ def test_the_command_plans_a_recipe_config_as_the_recipe_resolves_it(tmp_path, c
     assert _command(["--config", recipe, *overrides, "--processes", "2", "--host-memory", "1KB"]) == 1
     printed = capsys.readouterr().out
     run = resolve_run(read_recipe_config(recipe, overrides), processes=2, load_once=True)
-    expected = plan(run.original, dataclasses.replace(recipe_settings(run), host_memory="1KB"))
+    expected = plan(run.original, dataclasses.replace(run_plan_settings(run), host_memory="1KB"))
     assert printed.strip() == expected.describe().strip() and "trainable norms" in printed
     assert _command(["--config", recipe, *overrides, "--batch-size", "8"]) == 2
     assert capsys.readouterr().err.strip() == ("normswap: error: --batch-size: the recipe's config decides it "

@@ -12,7 +12,7 @@ from hf_normswap import convert
 from hf_normswap.planning import PlanSettings, plan
 from hf_normswap.training.losses import layerwise_step
 from hf_normswap.planning.recovery_run import step_batches
-from hf_normswap.training.gpu_scale import compile_blocks, repeated_blocks
+from hf_normswap.training.compiled_blocks import compile_blocks, repeated_blocks
 from tiny_models import tiny_model
 
 
@@ -27,7 +27,7 @@ def test_the_batch_is_the_largest_the_plan_fits_and_accumulation_makes_up_the_to
 
 def replan_device(memory_plan, batch: int):
     """``memory_plan`` on a device that holds the batch ``batch`` and no more."""
-    from hf_normswap.planning.plan import replan
+    from hf_normswap.planning.memory_plan import replan
 
     return replan(memory_plan, device_memory=replan(memory_plan, batch_size=batch).peak()["device"])
 

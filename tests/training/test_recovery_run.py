@@ -10,7 +10,7 @@ import pytest
 import hf_normswap
 from hf_normswap.checkpoint import loading
 from hf_normswap.checkpoint.record import converted_config
-from hf_normswap.planning import recipe_settings
+from hf_normswap.planning import run_plan_settings
 from hf_normswap.planning.recovery_run import RecoveryRunError, resolve_run
 from hf_normswap.training import recipe_models
 from hf_normswap.training.config import RecipeConfig
@@ -67,7 +67,7 @@ def test_the_plan_and_the_recipe_agree_on_every_field_they_share(models, monkeyp
         monkeypatch.setattr("hf_normswap.planning.recovery_run.converted_checkpoint", lambda config: record)
     kept = copy.deepcopy(config.to_dict())
     run = resolve_run(config, **launch)
-    planned = recipe_settings(run)
+    planned = run_plan_settings(run)
     training = config.training
     assert (planned.processes, planned.sharding, planned.load_once, planned.calibrate) == \
         (run.processes, "fsdp2" if run.sharded else "ddp", run.load_once, run.calibrates)
@@ -106,7 +106,7 @@ def test_a_step_sized_in_tokens_resolves_the_batch_the_steps_and_the_plan(models
     assert run.batch_size != config.training["per_device_train_batch_size"]
     assert run.tokens_per_step == run.batch_size * run.accumulation * 64
     assert run.steps == -(-40_000 // run.tokens_per_step)
-    assert recipe_settings(run).batch_size == run.batch_size
+    assert run_plan_settings(run).batch_size == run.batch_size
     assert config.to_dict() == before
     unset = resolve_run(RecipeConfig(model=str(models / "plain"), output_dir=str(tmp_path / "o2")))
     assert unset.batch_size == unset.settings.training["per_device_train_batch_size"]  # on the CPU: as configured

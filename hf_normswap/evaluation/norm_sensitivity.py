@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..convert import ConversionError, convert
+from ..surgery import ConversionError, convert
 from ..discovery.roles import LAYER, layer_of
 from ..model_inputs import ends_in_hidden_states, first_tensor
 from ..placement import model_device
