@@ -1,5 +1,6 @@
 """Training: recovery of a converted model against its frozen original.
 
+- ``recipe_training.py``: step 3, the trainer built from the run and trained.
 - ``recipe.py``: the recovery recipe (``normswap recover``, ``recipes/finetune.py``): resolve the run
   (``planning.recovery_run``), load, evaluate, train, evaluate and save, from the pieces below.
 - ``recipe_settings.py``, ``recipe_models.py``, ``recipe_data.py``, ``recipe_results.py``: its settings checked
