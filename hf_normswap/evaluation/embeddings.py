@@ -2,13 +2,9 @@
 sentence embeddings: the counterpart of perplexity for models that do not predict tokens.
 
 Embeddings are the attention-mask-weighted mean of the last hidden states (sentence-transformers' pooling for
-MiniLM). Three numbers, each 1.0 for a perfect copy of the original:
-
-- embedding cosine: mean over sentences of the cosine between the model's embedding and the original's;
-- nearest-neighbour agreement: fraction of sentences whose most similar other sentence is the same for both models
-  (what a retrieval user sees);
-- similarity rank correlation: Spearman correlation, over all sentence pairs, of the model's pair cosines with the
-  original's: an STS-style score with the original's similarities standing in for human ratings.
+MiniLM). Each model's embeddings and their pair similarities are compared with the original's by the embedding
+metrics of ``metrics/``, one file each: the embedding cosine, the nearest-neighbour agreement and the similarity
+rank correlation, each 1.0 for a perfect copy of the original.
 """
 
 from __future__ import annotations
@@ -20,18 +16,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..model_inputs import mean_pool
+from ..model_inputs import context_length, mean_pool
 from ..placement import model_device
-from .perplexity import REFERENCE, EvaluationError, _fmt, check_window, context_length
+from .metrics import EmbeddingMetric, Similarities, registered
+from .perplexity import REFERENCE, EvaluationError, check_window
 
 MIN_WORDS, MAX_WORDS = 5, 64
 MAX_SENTENCES = 2000  # the pair statistics grow with the square: 2 million pairs at most
 DEFAULT_MAX_LENGTH = 256  # sentence-transformers' max_seq_length for all-MiniLM-L6-v2
-METRICS = (  # (label, Embedding attribute)
-    ("embedding cosine to original (mean)", "cosine"),
-    ("nearest-neighbour agreement", "neighbours"),
-    ("similarity rank correlation (Spearman, all pairs)", "spearman"),
-)
 
 
 def sentences(texts: list[str], tokenizer, max_tokens: int | None = None,
@@ -65,47 +57,21 @@ def _embed(model: nn.Module, batches: list[dict]) -> torch.Tensor:
     return torch.cat([mean_pooled(model, encoded).cpu() for encoded in batches])
 
 
-@dataclass
-class _Similarities:
-    embeddings: torch.Tensor  # unit length, one row per sentence
-    pairs: torch.Tensor  # cosine of every pair of distinct sentences
-    neighbour: torch.Tensor  # index of each sentence's most similar other sentence
-
-
-def _similarities(embeddings: torch.Tensor) -> _Similarities:
+def _similarities(embeddings: torch.Tensor) -> Similarities:
     embeddings = F.normalize(embeddings, dim=-1)
     matrix = embeddings @ embeddings.T
     i, j = torch.triu_indices(len(matrix), len(matrix), offset=1)
     pairs = matrix[i, j]
     matrix.fill_diagonal_(-2.0)  # a sentence is not its own neighbour
-    return _Similarities(embeddings, pairs, matrix.argmax(-1))
-
-
-def _ranks(values: torch.Tensor) -> torch.Tensor:
-    return values.argsort().argsort().double()  # ties are measure-zero for float cosines
-
-
-def _spearman(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float(torch.corrcoef(torch.stack([_ranks(a), _ranks(b)]))[0, 1])
-
-
-@dataclass
-class Embedding:
-    """Agreement of one model's sentence embeddings with the original's."""
-
-    cosine: float
-    neighbours: float
-    spearman: float
-
-    def to_dict(self) -> dict:
-        return {"cosine": self.cosine, "nearest_neighbour_agreement": self.neighbours, "spearman": self.spearman}
+    return Similarities(embeddings, pairs, matrix.argmax(-1))
 
 
 @dataclass
 class EmbeddingEvaluation:
-    """Embedding agreement of each model with the reference, on the same sentences."""
+    """Embedding agreement of each model with the reference, on the same sentences: the registered embedding
+    metrics (``metrics/``) as rows."""
 
-    results: dict[str, Embedding]
+    results: dict[str, dict[str, float]]  # model -> metric key -> figure
     data: str | None = None
     fingerprint: str | None = None
     sentences: int = 0
@@ -120,21 +86,22 @@ class EmbeddingEvaluation:
         """Markdown table as for language models: metrics as rows, the original and each model as columns."""
         names = list(self.results)
         lines = ["| " + " | ".join(["metric", REFERENCE, *names]) + " |", "|" + "---|" * (len(names) + 2)]
-        for label, attr in METRICS:
-            lines.append("| " + " | ".join([label, _fmt(1.0)] + [_fmt(getattr(self.results[n], attr)) for n in names])
-                         + " |")
+        for metric in registered(EmbeddingMetric):
+            cells = [metric.format(metric.perfect), *(metric.format(self.results[n][metric.key]) for n in names)]
+            lines.append("| " + " | ".join([metric.label, *cells]) + " |")
         return "\n".join(lines)
 
     def to_dict(self) -> dict:
         return {"data": self.data, "fingerprint": self.fingerprint, "sentences": self.sentences,
                 "tokens": self.tokens, "reference": REFERENCE,
-                "results": {name: r.to_dict() for name, r in self.results.items()}}
+                "results": {name: dict(figures) for name, figures in self.results.items()}}
 
 
 def evaluate_embeddings(model: nn.Module, against: nn.Module, tokenizer, texts: list[str], *,
                         max_tokens: int | None = None, max_length: int | None = None, batch_size: int = 32,
                         data: str | None = None) -> EmbeddingEvaluation:
-    """Embedding cosine, nearest-neighbour agreement and similarity rank correlation of ``model`` to ``against``."""
+    """The embedding metrics (cosine, nearest-neighbour agreement, similarity rank correlation, ...) of ``model``
+    to ``against``."""
     from ..data import fingerprint
 
     found = sentences(texts, tokenizer, max_tokens)
@@ -151,10 +118,6 @@ def evaluate_embeddings(model: nn.Module, against: nn.Module, tokenizer, texts: 
                for i in range(0, len(found), batch_size)]
     reference = _similarities(_embed(against.eval(), batches))
     converted = _similarities(_embed(model.eval(), batches))
-    result = Embedding(
-        cosine=float((reference.embeddings * converted.embeddings).sum(-1).mean()),
-        neighbours=float((reference.neighbour == converted.neighbour).double().mean()),
-        spearman=_spearman(reference.pairs, converted.pairs),
-    )
+    result = {metric.key: metric.value(reference, converted) for metric in registered(EmbeddingMetric)}
     tokens = sum(int(b["attention_mask"].sum()) for b in batches)
     return EmbeddingEvaluation({"converted": result}, data, fingerprint(texts), len(found), tokens)

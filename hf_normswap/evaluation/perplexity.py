@@ -16,14 +16,14 @@ with ``context_len=1``, its default for perplexity tasks):
   text))`` per document, byte perplexity ``exp(NLL / bytes)`` and bits per byte ``NLL / (bytes * ln 2)`` with UTF-8
   bytes. NLL is summed in nats over all scored tokens of all documents.
 
-With a reference (``against=``) every model sees the same windows in the same pass; ``KL(reference || model)`` of the
-next-token distributions is averaged over scored tokens (nats/token), and top-1 agreement is the fraction of scored
-positions where both argmaxes agree.
+With a reference (``against=``) every model sees the same windows in the same pass, and the agreement metrics are
+read from both models' next-token distributions at every scored position: ``KL(reference || model)`` averaged over
+scored tokens (nats/token), and top-1 agreement, the fraction of scored positions where both argmaxes agree. Each
+figure of the table is one file of ``metrics/``.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
@@ -33,6 +33,7 @@ from torch import nn
 from ..model_inputs import check_context, context_length, is_causal_lm
 from ..placement import model_device
 from .documents import Document, documents
+from .metrics import AgreementMetric, ModelMetric, Perplexity, ScoredPositions, number, registered
 
 DEFAULT_MAX_LENGTH = 2048  # lm-eval's default when neither config nor tokenizer gives one
 TOKENIZER_INFINITY = 1000000000000000019884624838656
@@ -42,14 +43,6 @@ LOGIT_CHUNK = 1024  # positions per log-softmax chunk: bounds the extra memory t
 
 class EvaluationError(ValueError):
     """The evaluation request cannot be run; the message says what to change."""
-
-
-def _exp(x: float) -> float:
-    """``exp`` that returns inf instead of raising: broken conversions reach perplexities beyond 1e308."""
-    try:
-        return math.exp(x)
-    except OverflowError:
-        return math.inf
 
 
 def rolling_windows(n_tokens: int, max_length: int, stride: int | None = None) -> list[tuple[int, int, int]]:
@@ -115,64 +108,13 @@ def _check_causal(name: str, model: nn.Module) -> None:
 
 
 @dataclass
-class Perplexity:
-    """Summed negative log-likelihood (nats) and the counts it is normalised by."""
-
-    nll: float
-    tokens: int
-    words: int
-    bytes: int
-
-    @property
-    def token_perplexity(self) -> float:
-        return _exp(self.nll / self.tokens)
-
-    @property
-    def word_perplexity(self) -> float:
-        return _exp(self.nll / self.words)
-
-    @property
-    def byte_perplexity(self) -> float:
-        return _exp(self.nll / self.bytes)
-
-    @property
-    def bits_per_byte(self) -> float:
-        return self.nll / (self.bytes * math.log(2))
-
-    def to_dict(self) -> dict:
-        return {
-            "nll": self.nll, "tokens": self.tokens, "words": self.words, "bytes": self.bytes,
-            "token_perplexity": self.token_perplexity, "word_perplexity": self.word_perplexity,
-            "byte_perplexity": self.byte_perplexity, "bits_per_byte": self.bits_per_byte,
-        }
-
-
-METRICS = (  # (label, Perplexity attribute)
-    ("token perplexity", "token_perplexity"),
-    ("word perplexity", "word_perplexity"),
-    ("byte perplexity", "byte_perplexity"),
-    ("bits per byte", "bits_per_byte"),
-)
-KL_LABEL = "KL(original ‖ converted), nats/token"  # not "||": a Markdown table cell
-TOP1_LABEL = "top-1 agreement"
-
-
-def _fmt(value) -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, float):
-        return f"{value:.4g}" if abs(value) < 1e6 else f"{value:.3e}"
-    return str(value)
-
-
-@dataclass
 class Evaluation:
-    """Perplexities of one or more models on the same windows; with a reference, KL and top-1 agreement too."""
+    """Perplexities of one or more models on the same windows; with a reference, the agreement metrics too (KL,
+    top-1, ...: ``agreement[key][name]``). Its rows are the registered metrics (``metrics/``)."""
 
     results: dict[str, Perplexity]
     reference: str | None = None
-    kl: dict[str, float] = field(default_factory=dict)
-    top1: dict[str, float] = field(default_factory=dict)
+    agreement: dict[str, dict[str, float]] = field(default_factory=dict)
     data: str | None = None
     fingerprint: str | None = None
     max_length: int = 0
@@ -182,6 +124,16 @@ class Evaluation:
     @property
     def tokens(self) -> int:
         return next(iter(self.results.values())).tokens
+
+    @property
+    def kl(self) -> dict[str, float]:
+        """``KL(original || model)`` of each model, nats/token."""
+        return self.agreement.get("kl", {})
+
+    @property
+    def top1(self) -> dict[str, float]:
+        """Top-1 agreement of each model with the original."""
+        return self.agreement.get("top1_agreement", {})
 
     def candidates(self) -> list[str]:
         return [name for name in self.results if name != self.reference]
@@ -207,33 +159,32 @@ class Evaluation:
             if self.reference is not None and name != self.reference:
                 header.append("ratio" if len(names) == 2 else f"{name} / {self.reference}")
         rows = []
-        for label, attr in METRICS:
-            row = [label]
+        for metric in registered(ModelMetric):
+            row = [metric.label]
             for name in names:
-                value = getattr(self.results[name], attr)
-                row.append(_fmt(value))
+                value = metric.value(self.results[name])
+                row.append(metric.format(value))
                 if self.reference is not None and name != self.reference:
-                    row.append(_fmt(value / getattr(self.results[self.reference], attr)))
+                    row.append(number(value / metric.value(self.results[self.reference])))
             rows.append(row)
-        if self.reference is not None:
-            for label, values in ((KL_LABEL.replace("converted", "model"), self.kl), (TOP1_LABEL, self.top1)):
-                row = [label]
-                for name in names:
-                    row.append(_fmt(values.get(name)))
-                    if name != self.reference:
-                        row.append("")
-                rows.append(row)
+        for metric in registered(AgreementMetric) if self.reference is not None else ():
+            row = [metric.table_label]
+            for name in names:
+                row.append(metric.format(self.agreement[metric.key].get(name)))
+                if name != self.reference:
+                    row.append("")
+            rows.append(row)
         lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
         lines += ["| " + " | ".join(row) + " |" for row in rows]
         return "\n".join(lines)
 
     def to_dict(self) -> dict:
+        # the agreement metrics against a reference only: without one there is nothing to agree with
         return {
             "data": self.data, "fingerprint": self.fingerprint, "documents": self.documents, "tokens": self.tokens,
             "max_length": self.max_length, "stride": self.stride, "reference": self.reference,
             "results": {name: r.to_dict() for name, r in self.results.items()},
-            # against a reference only: without one there is nothing to agree with
-            "kl": self.kl if self.reference else {}, "top1_agreement": self.top1 if self.reference else {},
+            **{m.key: self.agreement.get(m.key, {}) for m in registered(AgreementMetric)},
             "ratio": {name: self.ratio(name) for name in self.candidates()} if self.reference else {},
         }
 
@@ -242,10 +193,10 @@ class Evaluation:
         if self.reference is None:
             raise EvaluationError("a model-card evaluation needs the original as reference")
         original, model = self.results[self.reference], self.results[converted]
-        metrics = {label: {"original": getattr(original, attr), "converted": getattr(model, attr)}
-                   for label, attr in METRICS}
-        metrics[KL_LABEL] = {"original": "-", "converted": self.kl[converted]}
-        metrics[TOP1_LABEL] = {"original": "-", "converted": self.top1[converted]}
+        metrics = {m.label: {"original": m.value(original), "converted": m.value(model)}
+                   for m in registered(ModelMetric)}
+        metrics.update({m.label: {"original": "-", "converted": self.agreement[m.key][converted]}
+                        for m in registered(AgreementMetric)})
         return {
             "dataset": f"{self.data or 'text'}, lm-eval rolling windows of {self.max_length} tokens"
                        + (f", stride {self.stride}" if self.stride else ", non-overlapping"),
@@ -256,19 +207,20 @@ class Evaluation:
 
     def _pair(self, converted: str) -> Evaluation:
         keep = {self.reference: self.results[self.reference], "converted": self.results[converted]}
-        return Evaluation(keep, self.reference, {"converted": self.kl[converted]},
-                          {"converted": self.top1[converted]}, self.data, self.fingerprint, self.max_length,
+        agreement = {key: {"converted": values[converted]} for key, values in self.agreement.items()}
+        return Evaluation(keep, self.reference, agreement, self.data, self.fingerprint, self.max_length,
                           self.stride, self.documents)
 
 
 class _Scorer:
-    """Accumulates NLL per model and, against the reference, KL and top-1 matches, over scored positions."""
+    """Accumulates NLL per model and, against the reference, each agreement metric's total, over scored
+    positions."""
 
     def __init__(self, names: list[str], reference: str | None):
         self.names, self.reference = names, reference
         self.nll = {n: 0.0 for n in names}
-        self.kl = {n: 0.0 for n in names if n != reference}
-        self.match = {n: 0 for n in names if n != reference}
+        self.metrics = registered(AgreementMetric) if reference is not None else []
+        self.totals = {m.key: {n: 0.0 for n in names if n != reference} for m in self.metrics}
 
     def add(self, logits: dict[str, torch.Tensor], targets: torch.Tensor) -> None:
         """``logits[name]``: (positions, vocab) for the scored positions; ``targets``: (positions,)."""
@@ -281,11 +233,12 @@ class _Scorer:
             if self.reference is None:
                 continue
             ref = logp[self.reference]
-            ref_p, ref_top = ref.exp(), ref.argmax(-1)
-            for n in self.kl:
-                other = logp[n].to(ref.device)
-                self.kl[n] += (ref_p * (ref - other)).sum(-1).double().sum().item()
-                self.match[n] += int((other.argmax(-1) == ref_top).sum())
+            for n in self.names:
+                if n == self.reference:
+                    continue
+                scored = ScoredPositions(ref, logp[n].to(ref.device), target.to(ref.device))
+                for metric in self.metrics:
+                    self.totals[metric.key][n] += metric.total(scored)
 
 
 def _models_to_score(model, against: nn.Module | None, max_length: int | None) -> dict[str, nn.Module]:
@@ -393,8 +346,7 @@ def evaluate(
     return Evaluation(
         results={n: Perplexity(scorer.nll[n], tokens, words, nbytes) for n in scorer.names},
         reference=scorer.reference,
-        kl={n: v / tokens for n, v in scorer.kl.items()},
-        top1={n: v / tokens for n, v in scorer.match.items()},
+        agreement={key: {n: v / tokens for n, v in totals.items()} for key, totals in scorer.totals.items()},
         data=data, fingerprint=fingerprint, max_length=max_length, stride=stride, documents=len(docs),
     )
 

@@ -15,7 +15,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from .perplexity import REFERENCE, _exp, _fmt
+from .metrics import exp_or_inf, number
+from .perplexity import REFERENCE
 from .token_losses import TokenLosses
 
 FIRST_EDGE = 64  # ranges double from here: 0-64, 64-128, 128-256, ...
@@ -64,8 +65,8 @@ class Positions:
         for r in self.ranges:
             note = (" (the original fails here too)" if r.original_fails
                     else f" **over {MAX_RELATIVE:g}**" if r.marked else "")
-            lines.append(f"| {r.start}-{r.end} | {r.tokens} | {_fmt(r.original)} | {_fmt(r.converted)} | "
-                         f"{_fmt(r.ratio)} | {_fmt(r.relative)}{note} |")
+            lines.append(f"| {r.start}-{r.end} | {r.tokens} | {number(r.original)} | {number(r.converted)} | "
+                         f"{number(r.ratio)} | {number(r.relative)}{note} |")
         return "\n".join(lines)
 
     def to_dict(self) -> dict:
@@ -75,8 +76,8 @@ class Positions:
 
 def _perplexities(losses: TokenLosses, converted: str, where: torch.Tensor) -> tuple[float, float, int]:
     tokens = int(where.sum())
-    original = _exp(float(losses.losses[REFERENCE][where].mean()))
-    model = _exp(float(losses.losses[converted][where].mean()))
+    original = exp_or_inf(float(losses.losses[REFERENCE][where].mean()))
+    model = exp_or_inf(float(losses.losses[converted][where].mean()))
     return original, model, tokens
 
 

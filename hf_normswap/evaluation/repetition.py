@@ -13,7 +13,8 @@ import torch
 from torch import nn
 
 from ..placement import model_device
-from .perplexity import REFERENCE, _exp, _fmt
+from .metrics import exp_or_inf, number
+from .perplexity import REFERENCE
 from .token_losses import next_token_losses
 
 PASSAGE = 256  # tokens in the repeated passage (fewer when the window holds fewer than two copies)
@@ -36,8 +37,8 @@ class Repetition:
 
     def line(self) -> str:
         return (f"repetition: a {self.passage}-token passage {self.copies} times; perplexity on the last copy "
-                f"{_fmt(self.original_last)} ({REFERENCE}) -> {_fmt(self.converted_last)}, ratio "
-                f"{_fmt(self.ratio)} (first copy {_fmt(self.original_first)} -> {_fmt(self.converted_first)})")
+                f"{number(self.original_last)} ({REFERENCE}) -> {number(self.converted_last)}, ratio "
+                f"{number(self.ratio)} (first copy {number(self.original_first)} -> {number(self.converted_first)})")
 
     def to_dict(self) -> dict:
         return dict(asdict(self), ratio=self.ratio)
@@ -60,5 +61,5 @@ def repetition(models: dict[str, nn.Module], stream: list[int], max_length: int,
         model = models[name]
         logits = model(input_ids=ids[None, :-1].to(model_device(model)), use_cache=False).logits[0]
         losses = next_token_losses(logits, ids[1:])
-        found[name] = (_exp(float(losses[first].mean())), _exp(float(losses[last].mean())))
+        found[name] = (exp_or_inf(float(losses[first].mean())), exp_or_inf(float(losses[last].mean())))
     return Repetition(passage, copies, *found[REFERENCE], *found[converted])

@@ -13,7 +13,8 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from .perplexity import REFERENCE, _fmt
+from .metrics import number
+from .perplexity import REFERENCE
 from .token_losses import TokenLosses
 
 PERCENTILES = (("p50", 50.0), ("p90", 90.0), ("p99", 99.0), ("p99_9", 99.9))
@@ -59,13 +60,13 @@ class Tails:
         lines = ["| per-token loss, nats | " + " | ".join(keys) + " |", "|" + "---|" * (len(keys) + 1)]
         for label, values in ((REFERENCE, self.original), ("converted", self.converted),
                               ("converted - original", self.difference)):
-            lines.append(f"| {label} | " + " | ".join(_fmt(values[key]) for key in keys) + " |")
+            lines.append(f"| {label} | " + " | ".join(number(values[key]) for key in keys) + " |")
         lines += ["", f"worst {self.span}-token windows (mean nats/token; {self.over_margin} worse than the "
                       f"original's by more than {MARGIN:g}):",
                   "| token | original | converted | difference | text |", "|---|---|---|---|---|"]
         for w in self.worst:
             flag = " **over**" if w.difference > MARGIN else ""
-            lines.append(f"| {w.start} | {_fmt(w.original)} | {_fmt(w.converted)} | {_fmt(w.difference)}{flag} | "
+            lines.append(f"| {w.start} | {number(w.original)} | {number(w.converted)} | {number(w.difference)}{flag} | "
                          f"{w.text} |")
         return "\n".join(lines)
 

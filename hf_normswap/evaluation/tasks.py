@@ -21,7 +21,8 @@ from pathlib import Path
 
 import yaml
 
-from .perplexity import REFERENCE, EvaluationError, _fmt
+from .metrics import number
+from .perplexity import REFERENCE, EvaluationError
 
 EXTRA = "pip install 'hf-normswap[eval]'"
 MIN_RECOVERY = 0.95
@@ -154,7 +155,7 @@ class TaskComparison:
             flag = f" **below {self.min_recovery:g}**" if self.below(m) else ""
             lines.append(f"| {m.task} | {m.metric} | {self.samples.get(m.task, '-')} | "
                          f"{_with_stderr(m.original, m.original_stderr)} | "
-                         f"{_with_stderr(m.converted, m.converted_stderr)} | {_fmt(m.recovery)}{flag} |")
+                         f"{_with_stderr(m.converted, m.converted_stderr)} | {number(m.recovery)}{flag} |")
         return "\n".join(lines)
 
     def to_dict(self) -> dict:
@@ -168,7 +169,7 @@ class TaskComparison:
 
 
 def _with_stderr(value: float, stderr: float | None) -> str:
-    return _fmt(value) + (f" ± {stderr:.2g}" if isinstance(stderr, float) and math.isfinite(stderr) else "")
+    return number(value) + (f" ± {stderr:.2g}" if isinstance(stderr, float) and math.isfinite(stderr) else "")
 
 
 def _metrics(output: dict) -> dict[tuple[str, str], tuple[float, float | None, bool]]:

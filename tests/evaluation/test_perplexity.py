@@ -12,7 +12,8 @@ import torch
 from hf_normswap import convert
 from hf_normswap.cli import main
 from hf_normswap.data import fingerprint, load_texts
-from hf_normswap.evaluation.embeddings import _spearman, evaluate_embeddings
+from hf_normswap.evaluation.embeddings import evaluate_embeddings
+from hf_normswap.evaluation.metrics.similarity_rank_correlation import spearman
 from hf_normswap.evaluation.perplexity import EvaluationError, evaluate, overlap_warning, rolling_windows
 from hf_normswap.evaluation.documents import Document, count_bytes, count_words, documents, evaluation_texts
 from tiny_models import tiny_model
@@ -289,13 +290,14 @@ def test_encoder_embeddings_agree_with_themselves_and_drift_after_conversion():
     original, tokenizer = tiny_model("bert"), word_tokenizer()
     same = evaluate_embeddings(copy.deepcopy(original), original, tokenizer, [SENTENCES])
     assert same.sentences == 5 and same.tokens == len(SENTENCES.split())  # this tokenizer adds no special tokens
-    assert same.results["converted"].cosine == pytest.approx(1.0, abs=1e-6)
-    assert same.results["converted"].neighbours == 1.0
-    assert same.results["converted"].spearman == pytest.approx(1.0)
+    assert same.results["converted"]["cosine"] == pytest.approx(1.0, abs=1e-6)
+    assert same.results["converted"]["nearest_neighbour_agreement"] == 1.0
+    assert same.results["converted"]["spearman"] == pytest.approx(1.0)
     converted = copy.deepcopy(original)
     convert(converted, to="dyt", input_scale=30.0)
     drift = evaluate_embeddings(converted, original, tokenizer, [SENTENCES]).results["converted"]
-    assert -1 <= drift.cosine < 0.999 and 0 <= drift.neighbours <= 1 and -1 <= drift.spearman < 1
+    assert -1 <= drift["cosine"] < 0.999 and 0 <= drift["nearest_neighbour_agreement"] <= 1
+    assert -1 <= drift["spearman"] < 1
 
 
 def test_spearman_matches_scipy():
@@ -303,7 +305,7 @@ def test_spearman_matches_scipy():
 
     a, b = torch.randn(200, generator=torch.Generator().manual_seed(0)), torch.randn(200)
     b = a + b
-    assert _spearman(a, b) == pytest.approx(spearmanr(a.numpy(), b.numpy()).statistic, abs=1e-12)
+    assert spearman(a, b) == pytest.approx(spearmanr(a.numpy(), b.numpy()).statistic, abs=1e-12)
 
 
 def test_cli_eval_of_an_encoder_prints_embedding_agreement(tmp_path, capsys):
