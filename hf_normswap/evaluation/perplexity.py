@@ -127,12 +127,12 @@ class Evaluation:
 
     @property
     def kl(self) -> dict[str, float]:
-        """``KL(original || model)`` of each model, nats/token."""
+        """``KL(original || model)`` of each model, nats/token: the agreement figure the benchmarks read by name."""
         return self.agreement.get("kl", {})
 
     @property
     def top1(self) -> dict[str, float]:
-        """Top-1 agreement of each model with the original."""
+        """Top-1 agreement of each model with the original, as the benchmarks read it."""
         return self.agreement.get("top1_agreement", {})
 
     def candidates(self) -> list[str]:
