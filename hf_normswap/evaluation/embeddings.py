@@ -58,6 +58,7 @@ def _embed(model: nn.Module, batches: list[dict]) -> torch.Tensor:
 
 
 def _similarities(embeddings: torch.Tensor) -> Similarities:
+    """What the embedding metrics compare: the embeddings at unit length, every pair's cosine, each nearest other."""
     embeddings = F.normalize(embeddings, dim=-1)
     matrix = embeddings @ embeddings.T
     i, j = torch.triu_indices(len(matrix), len(matrix), offset=1)
