@@ -1,13 +1,13 @@
-"""Linearise a recovered element-wise model: each module that rarely saturates becomes its linear part.
+"""Linearise a recovered element-wise model: each module that rarely saturates becomes a line.
 
-``w * f(x) + b`` near ``x = 0`` is ``w * f(0) + w * f'(0) * x + b``; the method's own derivatives
-(``ElementwiseNorm.grads``) give ``f(0)`` and ``f'(0)`` (DyT: ``alpha``; ELN: ``1 / sqrt(beta)``; Derf:
-``2 / sqrt(pi) * alpha * exp(-shift^2)``, with ``f(0) = erf(shift)``), so the ``linear`` module keeps ``alpha`` at the
-mean slope and puts the per-channel rest into ``weight``. Where a module saturates on more than ``max_saturation``
-of its inputs (measured on the given batches, as the recipe's ``saturation.jsonl`` measures it along a run), its
-flat part does work a line cannot, and it is kept. A LayerNorm's linear module centres its input, which the
-element-wise module did not: the recipe's brief training after this (``recipes/finetune.py model=OUT
-original=ORIGINAL``) absorbs that and the rest of the change.
+The line is each channel's least-squares fit of the module's output to its input, over the tokens it sees on the
+given batches, position 0 left out (the attention sink, whose input is 10-180x the others' in SmolLM2, would
+otherwise set every slope). The tangent at 0, the other obvious line, is far off the curve where the inputs
+actually lie (BENCHMARKS.md, "Linear"). The ``linear`` module keeps ``alpha`` at the mean slope and puts the
+per-channel rest into ``weight``. Where a module saturates on more than ``max_saturation`` of its inputs (as the
+recipe's ``saturation.jsonl`` measures it along a run), its flat part does work a line cannot, and it is kept. A
+LayerNorm's line is fitted to its centred input, as the ``linear`` module centres it. The recipe's brief training
+after this (``recipes/finetune.py model=OUT original=ORIGINAL``) absorbs the rest of the change.
 """
 
 from __future__ import annotations
@@ -40,13 +40,49 @@ class LineariseReport:
         return "\n".join(lines)
 
 
-def saturation_shares(model: nn.Module, batches: list[dict]) -> dict[str, float]:
-    """Each element-wise module's saturated share over ``batches`` (mean over them)."""
-    shares: dict[str, list[float]] = {}
+@dataclass
+class LineStatistics:
+    """Per-channel sums over the ordinary tokens a module saw: enough for the least-squares line."""
+
+    count: float = 0.0
+    x: torch.Tensor | float = 0.0
+    y: torch.Tensor | float = 0.0
+    xx: torch.Tensor | float = 0.0
+    xy: torch.Tensor | float = 0.0
+    saturated: list[float] = field(default_factory=list)
+
+    def add(self, module: ElementwiseNorm, kind: str, x: torch.Tensor, y: torch.Tensor) -> None:
+        self.saturated.append(saturated_share(module, x))
+        y = y.double()
+        if x.dim() >= 3 and x.shape[-2] > 1:  # a sequence axis: position 0 left out
+            x, y = x[..., 1:, :], y[..., 1:, :]
+        x = x.double()
+        if kind == "layernorm":  # the linear module centres its input
+            x = x - x.mean(-1, keepdim=True)
+        x, y = x.reshape(-1, x.shape[-1]), y.reshape(-1, y.shape[-1])
+        self.count += x.shape[0]
+        self.x, self.y = self.x + x.sum(0), self.y + y.sum(0)
+        self.xx, self.xy = self.xx + (x * x).sum(0), self.xy + (x * y).sum(0)
+
+    def line(self, through_origin: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Slope and intercept of each channel (slope 0 for a channel whose input never varied); ``through_origin``:
+        intercept 0, for a module with no offset (an odd curve and no bias, as an RMSNorm's)."""
+        if through_origin:
+            slope = torch.where(self.xx > 0, self.xy / torch.as_tensor(self.xx).clamp_min(1e-300), 0.0)
+            return slope, torch.zeros_like(slope)
+        mean_x, mean_y = self.x / self.count, self.y / self.count
+        variance = self.xx / self.count - mean_x * mean_x
+        slope = torch.where(variance > 0, (self.xy / self.count - mean_x * mean_y) / variance.clamp_min(1e-300), 0.0)
+        return slope, mean_y - slope * mean_x
+
+
+def line_statistics(model: nn.Module, modules: dict[str, ElementwiseNorm], kinds: dict[str, str],
+                    batches: list[dict]) -> dict[str, LineStatistics]:
+    """Each module's :class:`LineStatistics` over ``batches``, in one pass of the model."""
+    stats = {name: LineStatistics() for name in modules}
     handles = [module.register_forward_hook(
-        lambda module, args, output, name=name: shares.setdefault(name, []).append(
-            saturated_share(module, args[0].detach())))
-        for name, module in model.named_modules() if isinstance(module, ElementwiseNorm)]
+        lambda module, args, output, name=name: stats[name].add(module, kinds[name], args[0].detach(), output.detach()))
+        for name, module in modules.items()]
     try:
         with torch.no_grad():
             for batch in batches:
@@ -54,29 +90,22 @@ def saturation_shares(model: nn.Module, batches: list[dict]) -> dict[str, float]
     finally:
         for handle in handles:
             handle.remove()
-    return {name: sum(values) / len(values) for name, values in shares.items()}
+    return stats
 
 
 @torch.no_grad()
-def linear_part(module: ElementwiseNorm, kind: str) -> Linear:
-    """The ``linear`` module of ``module``'s slope and value at 0 (module doc)."""
-    if type(module).grads is ElementwiseNorm.grads:
-        raise LineariseError(f"{type(module).__name__} gives no derivatives (ElementwiseNorm.grads) to linearise by")
-    zero = torch.zeros(module.normalized_shape)
-    shape = module.shape_parameter().detach().float()
-    value, slope, *_ = type(module).grads(zero, shape.expand_as(zero), *(e.detach().float() for e in module.extras()))
+def fitted_line(module: ElementwiseNorm, kind: str, stats: LineStatistics) -> Linear:
+    """The ``linear`` module of ``stats``' least-squares line (module doc); through the origin where the module has
+    no offset, so a source without a bias (an RMSNorm) keeps none and still exports as its architecture."""
+    zero = torch.zeros(module.normalized_shape, device=module.weight.device, dtype=module.weight.dtype)
+    offset = module.bias is not None or bool(module(zero).ne(0).any())
+    slope, intercept = stats.line(through_origin=not offset)
     alpha = float(slope.abs().mean().clamp_min(1e-30))
-    weight = module.weight.detach().float()
-    linear = Linear(module.normalized_shape, alpha, bias=module.bias is not None or bool(value.ne(0).any()),
-                    kind=kind)
-    linear.weight.copy_(weight * slope / alpha)
-    if linear.bias is not None:
-        linear.bias.copy_(weight * value + (module.bias.detach().float() if module.bias is not None else 0))
-    linear.to(device=module.weight.device)
-    for param in (linear.weight, linear.bias):
-        if param is not None:
-            param.data = param.data.to(module.weight.dtype)
-    return linear
+    linear = Linear(module.normalized_shape, alpha, bias=offset, kind=kind)
+    linear.weight.copy_(slope / alpha)
+    if offset:
+        linear.bias.copy_(intercept)
+    return linear.to(device=module.weight.device, dtype=module.weight.dtype)
 
 
 def linearise(model: nn.Module, batches: list[dict],
@@ -88,15 +117,16 @@ def linearise(model: nn.Module, batches: list[dict],
     if record is None or not modules:
         raise LineariseError("the model holds no element-wise module to linearise: convert it (--to dyt or eln) and "
                              "recover it first")
-    shares = saturation_shares(model, batches)
+    kinds = {name: record.converted[name].kind for name in modules}
+    stats = line_statistics(model, modules, kinds, batches)
     report = LineariseReport()
     for name, module in modules.items():
-        share = shares.get(name, 0.0)
-        if share > max_saturation:
+        share = sum(stats[name].saturated) / max(len(stats[name].saturated), 1)
+        if share > max_saturation or not stats[name].count:
             report.kept[name] = share
             continue
         parent, _, child = name.rpartition(".")
-        replacement = linear_part(module, record.converted[name].kind)
+        replacement = fitted_line(module, kinds[name], stats[name])
         setattr(model.get_submodule(parent) if parent else model, child, replacement)
         report.linearised[name] = share
     entries = {name: dataclasses.replace(entry, method="linear" if name in report.linearised else entry.method)

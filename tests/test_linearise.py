@@ -1,5 +1,5 @@
 """Linearising a converted model (hf_normswap.linearise and ``normswap convert CONVERTED --to linear``): each
-element-wise module that rarely saturates becomes its slope at 0, the rest stay, and the result saves, reloads and
+element-wise module that rarely saturates becomes its least-squares line, the rest stay, and the result saves, reloads and
 (when every norm is linear) exports as the stock architecture."""
 
 from __future__ import annotations
@@ -12,23 +12,52 @@ from cli_runs import run_cli
 from tiny_models import random_elementwise, tiny_model, tiny_tokenizer
 
 import hf_normswap
-from hf_normswap.linearise import LineariseError, linear_part, linearise
+from hf_normswap.linearise import LineariseError, LineStatistics, fitted_line, linearise
 from hf_normswap.modules import DyT, ELN, Derf, Linear
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.mark.parametrize("cls, shape", [(DyT, 0.3), (ELN, 9.0), (Derf, 0.3)])
-@pytest.mark.parametrize("per_channel", [False, True])
-def test_the_linear_part_is_the_module_s_value_and_slope_at_zero(cls, shape, per_channel):
-    module = random_elementwise(cls, 8, shape=shape, amplitude=2.0, per_channel=per_channel, dtype=torch.float64)
-    linear = linear_part(module, "rmsnorm")
-    x = 1e-4 * torch.randn(4, 8, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
-    zero = torch.zeros(1, 8, dtype=torch.float64)
+@pytest.mark.parametrize("kind", ["rmsnorm", "layernorm"])
+def test_the_line_is_each_channel_s_least_squares_fit_without_position_0(cls, shape, kind):
+    module = random_elementwise(cls, 8, shape=shape, amplitude=2.0, per_channel=True, dtype=torch.float64)
+    x = 3 * torch.randn(3, 10, 8, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    x[:, 0] *= 100  # position 0, far out: left out of the fit
+    stats = LineStatistics()
     with torch.no_grad():
-        torch.testing.assert_close(linear(zero), module(zero), rtol=1e-6, atol=1e-6)
-        step = (module(x) - module(zero)) / (linear(x) - linear(zero))
-    assert float((step - 1).abs().max()) < 1e-3  # the same slope: only the curvature differs
+        stats.add(module, kind, x, module(x))
+    line = fitted_line(module, kind, stats)
+    ordinary = x[:, 1:].reshape(-1, 8)
+    inputs = ordinary - ordinary.mean(-1, keepdim=True) if kind == "layernorm" else ordinary
+    with torch.no_grad():
+        target = module(ordinary)
+        for channel in range(8):  # by hand: [x 1] @ [slope, intercept] = y, least squares
+            design = torch.stack([inputs[:, channel], torch.ones_like(inputs[:, channel])], 1)
+            slope, intercept = torch.linalg.lstsq(design, target[:, channel:channel + 1]).solution.flatten()
+            fitted = line(ordinary)[:, channel]
+            torch.testing.assert_close(fitted, slope * inputs[:, channel] + intercept, rtol=1e-5, atol=1e-6)
+        assert line.bias is not None  # the module has a bias: the line has an intercept
+        value, tangent_slope, *_ = type(module).grads(torch.zeros(8, dtype=torch.float64),
+                                                      module.shape_parameter().detach().expand(8),
+                                                      *(e.detach() for e in module.extras()))
+        tangent = module.weight * (value + tangent_slope * inputs) + module.bias
+        assert (line(ordinary) - target).norm() <= (tangent - target).norm()  # the fit is the closer line
+
+
+@pytest.mark.parametrize("cls, shape", [(DyT, 0.3), (ELN, 9.0)])
+def test_a_module_without_offset_gets_a_line_through_the_origin(cls, shape):
+    module = cls(8, shape, bias=False)  # an RMSNorm's: odd, no bias
+    x = torch.randn(2, 6, 8, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    module = module.double()
+    stats = LineStatistics()
+    with torch.no_grad():
+        stats.add(module, "rmsnorm", x, module(x))
+        line = fitted_line(module, "rmsnorm", stats)
+        ordinary = x[:, 1:].reshape(-1, 8)
+        by_hand = (ordinary * module(ordinary)).sum(0) / (ordinary * ordinary).sum(0)
+        torch.testing.assert_close(line(ordinary), by_hand * ordinary, rtol=1e-5, atol=1e-7)
+    assert line.bias is None
 
 
 def _batches():
