@@ -11,7 +11,7 @@ model is scored beside it (same windows, one pass of the original) with every co
 the original norm's output on the same input at the first position of each sequence (``first``: the attention sink,
 BERT's [CLS]) or at every other position (``rest``).
 
-    python scripts/benchmarks/bench_calibration.py --model offline:smollm2 --to eln --out /tmp/calib.jsonl   # auto: block
+    python scripts/benchmarks/bench_calibration.py --model offline:smollm2 --to eln --out /tmp/calib.jsonl  # auto: block
     python scripts/benchmarks/bench_calibration.py --model offline:minilm --to eln --strategy kl --out /tmp/calib.jsonl
 
 The text comes from ``--calib`` and ``--eval`` (any ``hf_normswap.data`` spec), by default from ``$WIKITEXT``, a
@@ -29,8 +29,9 @@ from pathlib import Path
 
 import torch
 
-from hf_normswap import METHODS, convert, load_model
-from hf_normswap.calibration.calibrate import DEFAULT_STRATEGY, STRATEGIES, CalibrationConfig
+from hf_normswap import CalibrationConfig, METHODS, convert, load_model
+# internal: the strategies, precisions and reading of --calib the CLI offers, so that a row measures what a flag sets
+from hf_normswap.calibration.calibrate import DEFAULT_STRATEGY, STRATEGIES
 from hf_normswap.data import load_texts
 from hf_normswap.precision import PRECISIONS
 

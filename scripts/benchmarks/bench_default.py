@@ -2,9 +2,10 @@
 default calibration, ``hf_normswap/calibration/defaults.py``), and with ``--calib none``, then scored against the
 original with ``normswap eval``.
 
-    python scripts/benchmarks/bench_default.py --out out/bench-default                    # SmolLM2 and MiniLM, ELN and DyT
+    python scripts/benchmarks/bench_default.py --out out/bench-default               # SmolLM2 and MiniLM, ELN and DyT
     python scripts/benchmarks/bench_default.py --out out/bench-default --models smollm2 --methods eln --starts default
-    python scripts/benchmarks/bench_default.py --out out/sweep --sweep '{"tune_steps": 60}' '{"data": "generated:...,seed=1"}'
+    python scripts/benchmarks/bench_default.py --out out/sweep --sweep '{"tune_steps": 60}' \\
+        '{"data": "generated:...,seed=1"}'
 
 Each conversion runs in its own process, timed as ``/usr/bin/time`` does (wall, user + system CPU of the process
 and its children, their peak RSS), with the machine's thread count unless ``--threads``. The samples the default
@@ -67,6 +68,8 @@ def sweep(variants: list[dict], method: str, tokens: int, out: Path, results: di
     """The default calibration of SmolLM2 with each variant's fields over it, scored against the original."""
     import copy
 
+    # internal: the default calibration as convert picks it and the texts as normswap eval reads them;
+    # imported here, as only --sweep runs in this process
     import hf_normswap
     from hf_normswap.calibration.defaults import default_calibration
     from hf_normswap import evaluate, load_model

@@ -106,6 +106,8 @@ def calibrate(model_dir: str, out: str, limit: str, data: str) -> dict:
     ``--max-host-memory`` is), calibrate, save; the peak resident memory of the whole."""
     import torch
 
+    # internal: the weights on disk (offload) and in memory as the plan counts them; imported in the worker, whose
+    # memory is what is measured
     import hf_normswap
     from hf_normswap import CalibrationConfig, load_model, offload
     from hf_normswap.planning.disk import weights_in_memory
@@ -169,6 +171,7 @@ def predicted_mb(kept_in_memory: int) -> int:
     weights accelerate's device map kept in memory."""
     import transformers
 
+    # internal: the plan's own arithmetic, whose prediction is checked against the measurement
     from hf_normswap import CalibrationConfig
     from hf_normswap.planning import PlanSettings, model_sizes
     from hf_normswap.planning.disk import beside_the_weights
@@ -186,7 +189,7 @@ def with_prediction(case: dict) -> dict:
 
 
 def llama3b_case(work: Path, limit: str) -> dict:
-    from hf_normswap.planning.plan_settings import parse_bytes
+    from hf_normswap.planning.plan_settings import parse_bytes  # internal: a size read as --max-host-memory's
 
     source = work / "llama3b"
     source.mkdir()

@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from hf_normswap import ElementwiseNorm, METHODS, kernels
+from hf_normswap import ElementwiseNorm, METHODS, kernels  # internal: the fused paths (kernels) are what is timed
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/, for the shared harness (run by path)
 
@@ -54,7 +54,7 @@ class _NoLaunch:
 @contextlib.contextmanager
 def path(name: str, device: str):
     """Route element-wise calls inside the block: 'triton', 'triton-host' (no launches), 'compiled' or 'eager'."""
-    from hf_normswap import triton_kernels
+    from hf_normswap import triton_kernels  # internal: its launches routed by hand
 
     saved = kernels._on_triton, kernels.MIN_NUMEL, triton_kernels._forward_kernel, triton_kernels._backward_kernel
     try:

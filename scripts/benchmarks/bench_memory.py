@@ -1,7 +1,7 @@
 """The memory plan (``hf_normswap.planning``) against the measured peak resident memory of each process (VmHWM).
 
 One case at a time, each in fresh processes (OMP_NUM_THREADS=1, glibc returning freed tensors to the OS as in
-scripts/benchmarks/bench_sharding.py), with tiny step budgets: memory depends on the shapes, not on how long a run lasts.
+bench_sharding.py), with tiny step budgets: memory depends on the shapes, not on how long a run lasts.
 
     python scripts/benchmarks/bench_memory.py --out out/bench-memory                      # every case
     python scripts/benchmarks/bench_memory.py --out out/bench-memory --cases runtime calibration-smollm2
@@ -75,6 +75,7 @@ def runtime_worker() -> dict:
     import accelerate, datasets, torch, transformers  # noqa: F401, E401  what the recipe imports
     from transformers import Trainer  # noqa: F401
 
+    # internal: the modules the recipe imports, whose memory is the runtime's
     import hf_normswap.calibration.calibrate  # noqa: F401
     import hf_normswap.training.trainer  # noqa: F401
     return {"peak": peak_rss()}
@@ -93,6 +94,8 @@ def marked(owner, name: str, phase: list[str], label: str) -> None:
 def calibration_worker(case: str, model: str, data: str) -> dict:
     import torch
 
+    # internal: calibration's block pass and end-to-end steps, each phase marked; imported in the worker, whose memory
+    # is what is measured
     import hf_normswap
     from hf_normswap.calibration import block_pass, end_to_end
     from hf_normswap import CalibrationConfig, load_model
@@ -176,6 +179,7 @@ def prediction(name: str) -> tuple[list[int], dict[str, list[int]]]:
     """The plan's peaks of a case (one per process) and its phases' host bytes (main, other)."""
     import transformers
 
+    # internal: the plan's predictions, checked against the measurements
     from hf_normswap.planning import plan
     from hf_normswap.planning.phases import RUNTIME_BYTES
 
@@ -214,7 +218,7 @@ def start_ratios(results: dict) -> None:
     """Each two-process recipe case's memory at start (every process's peak before training, summed) over the
     single process's of its size (``recipe-single-all``, ``start1b-single-norms``), whole and with each process's
     runtime taken off."""
-    from hf_normswap.planning.phases import RUNTIME_BYTES
+    from hf_normswap.planning.phases import RUNTIME_BYTES  # internal: each process's runtime as the plan counts it
 
     singles = {case["case"].split("-")[0]: (case.get("start_sum"), case.get("start_sum_pss"))
                for case in results["cases"] if "-single-" in case["case"]}

@@ -24,8 +24,8 @@ of the calibrated start. The recipe's final evaluation gives the numbers: WikiTe
     python scripts/benchmarks/bench_recovery.py --out out/recovery --plot-only
     python scripts/benchmarks/bench_recovery.py --norms eln --methods blockwise-240x1+layerwise --budgets 0 102400 \\
         --set train_data=generated --other-data builtin:evaluation --out out/samples ...   # text of another kind
-    python scripts/benchmarks/bench_recovery.py ... --train-data generated --eval-data PATH/wiki.test.raw   # the configs: samples
-    python scripts/benchmarks/bench_recovery.py --out out/samples --plot-only --compare out/recovery   # curves side by side
+    python scripts/benchmarks/bench_recovery.py ... --train-data generated --eval-data PATH/wiki.test.raw  # samples
+    python scripts/benchmarks/bench_recovery.py --out out/samples --plot-only --compare out/recovery  # side by side
 
 Methods (:data:`METHODS`, overrides on top of the config; ``--set KEY=VALUE`` adds overrides to every method and wins
 over a method's own setting of the same key, so one method can be measured with one setting changed; every JSON line
@@ -46,6 +46,8 @@ from pathlib import Path
 
 import yaml
 
+# internal: --train-data and --eval-data checked as the recipe checks them, and the name of the run's
+# record it reads back
 from hf_normswap.data import DataError, check_spec
 from hf_normswap import METHODS as NORMS
 from hf_normswap.training.run_dir import RECORD
@@ -67,7 +69,7 @@ def block_calibration(sequences: int, steps: int, rows: int, weights_lr: float) 
             f"calibration.block_rows={rows}", f"calibration.block_weights_lr={weights_lr:g}"]
 
 
-# 40 steps of 4 of 16 sequences a block (the block strategy's default until eab4faf): the norms alone, or with each
+# 40 steps of 4 of 16 sequences a block: the norms alone, or with each
 # block's weights too
 NORMS_ONLY = block_calibration(16, 40, 4, 0)
 BLOCKWISE = block_calibration(16, 40, 4, 1e-4)
@@ -205,6 +207,7 @@ def recipe_overrides(args, norm: str, method: str, budget: int, run_dir: Path) -
 def other_text(args, norm: str, method: str, run_dir: Path, checkpoint: Path) -> dict:
     """A point on ``--other-data``, text that neither calibration nor training read: ``normswap eval`` of the
     checkpoint against the original, on as many tokens in windows as long as the recipe's final evaluation."""
+    # internal: the run as the recipe resolves it, for its evaluation windows
     from hf_normswap.planning.recovery_run import resolve_run
     from hf_normswap.training.config import read_recipe_config
 

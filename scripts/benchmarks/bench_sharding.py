@@ -61,8 +61,10 @@ def prepare(out: Path) -> Path:
     return converted
 
 
-def launch(mode: str, out: Path, converted: Path, steps: int, processes: int, batch: int, block: int,
-           mmap_threshold: int, settings: list[str]) -> dict:
+def launch(mode: str, out: Path, converted: Path, args) -> dict:
+    """One mode's recipe run under accelerate, sized by the flags (``args``: steps, processes, batch, block, the
+    glibc threshold and the settings), and what its processes measured."""
+    steps, batch, block, mmap_threshold = args.steps, args.batch, args.block, args.mmap_threshold
     launcher, extra = MODES[mode]
     run_dir = out / mode
     recipe_args = [f"model={converted}", "original=offline:smollm2", "method=eln", "trainable=all",
@@ -72,8 +74,8 @@ def launch(mode: str, out: Path, converted: Path, steps: int, processes: int, ba
                    f"training.per_device_train_batch_size={batch}", "training.logging_steps=1",
                    "training.eval_strategy=steps", f"training.eval_steps={steps}", "training.save_strategy=no",
                    "training.warmup_steps=0", "training.lr_scheduler_type=constant", "training.report_to=none",
-                   "training.disable_tqdm=true", *settings, *extra]
-    command = [sys.executable, "-m", "accelerate.commands.launch", *launcher, "--num_processes", str(processes),
+                   "training.disable_tqdm=true", *args.set, *extra]
+    command = [sys.executable, "-m", "accelerate.commands.launch", *launcher, "--num_processes", str(args.processes),
                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "0",
                str(Path(__file__).resolve()), "--worker", str(run_dir / "memory"), "--", *recipe_args]
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1",
@@ -121,8 +123,7 @@ def main(argv=None) -> int:
     converted = prepare(out)
     runs = {}
     for mode in args.modes:
-        runs[mode] = launch(mode, out, converted, args.steps, args.processes, args.batch, args.block,
-                            args.mmap_threshold, args.set)
+        runs[mode] = launch(mode, out, converted, args)
         print(json.dumps(runs[mode]), flush=True)
     if "ddp" in runs:
         ddp = runs["ddp"]

@@ -15,7 +15,8 @@ The recipe's trainer, losses and sampler are not public API: this benchmark meas
     python scripts/benchmarks/bench_training.py --sections train --models smollm2 --json train.json
     python scripts/benchmarks/bench_training.py --sections sampling --models smollm2 --seq 512 --train-batch 2
     python scripts/benchmarks/bench_training.py --quick --sections head,train   # a smoke run: tiny GPT-2
-    python scripts/benchmarks/bench_training.py --device cuda --sections train --models smollm2-random --train-precision bf16
+    python scripts/benchmarks/bench_training.py --device cuda --sections train --models smollm2-random \\
+        --train-precision bf16
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ def head_inputs(args):
 
 def head_steps(hidden, weight, teacher_hidden, teacher_weight, labels) -> dict:
     """Forward + backward of 0.5 CE + 0.5 KD: from full logits, and chunked (Liger-Kernel's fused linear JSD)."""
+    # internal: the recipe's head losses, timed against each other
     from hf_normswap.training.losses import distillation_loss
     from hf_normswap.training.head_loss import head_loss
 
@@ -124,6 +126,7 @@ def train_steps(variants, student, teacher, inputs, directory: str, precision: s
     memory takes the parent's choice)."""
     from transformers import Trainer, TrainingArguments
 
+    # internal: the recipe's loss, trainable choice, Trainer and precision, timed against a plain Trainer
     from hf_normswap.training.losses import head_chunk_for, training_loss
     from hf_normswap.training.trainable import freeze_embeddings
     from hf_normswap.training.trainer import NormSwapTrainer
@@ -234,6 +237,7 @@ def sampling_section(args) -> list[dict]:
     import tempfile
     import types
 
+    # internal: the recipe's sampler of the original's text
     from hf_normswap.data.generated import SampleCache, SamplingSettings, draw
 
     logging.basicConfig(format="[bench_training] %(name)s: %(message)s")

@@ -57,7 +57,7 @@ def imports() -> int:
             missing.append(f"{name} ({error})")
     if missing:
         sys.exit("gpu_check: not importable: " + "; ".join(missing) + ": carry its wheel (GPU_WHEELS, --prepare)")
-    import hf_normswap.cli  # noqa: F401
+    import hf_normswap.cli  # noqa: F401  internal: the command imports on this machine
     import hf_normswap.training.recipe  # noqa: F401  internal: the recipe imports on this machine
 
     for script in ("bench_training", "bench_kernels", "bench_decode"):
