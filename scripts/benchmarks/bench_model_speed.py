@@ -26,8 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/, for th
 
 from harness.flags import add_models
 from harness.models import MODELS, load, model_variants
-from harness.timing import DTYPES, arguments, device_option, eager, interleaved, log, run_sections, split_list, \
-    synchronize
+from harness.timing import (DTYPES, arguments, device_option, eager, interleaved, log, run_sections, split_list,
+                            synchronize)
 
 
 def probe_forward(model, ids, norm_names: list[str]) -> dict:
