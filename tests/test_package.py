@@ -210,3 +210,18 @@ def test_scripts_import_the_public_names_or_say_why():
     found = [f"{path.relative_to(SCRIPTS.parent)}:{line}" for path in sorted(SCRIPTS.rglob("*.py"))
              for line in unexplained_internal_imports(path, public)]
     assert not found, found
+
+
+def test_scripts_keep_to_80_lines_and_8_parameters_a_function():
+    """The house's limits in the scripts: no function above 80 lines, no parameter list above 8."""
+    over = []
+    for path in sorted(SCRIPTS.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                args = node.args
+                count = len([*args.posonlyargs, *args.args, *args.kwonlyargs, *filter(None, (args.vararg, args.kwarg))])
+                lines = node.end_lineno - node.lineno + 1
+                if lines > 80 or count > 8:
+                    over.append(f"{path.relative_to(SCRIPTS.parent)}:{node.lineno} {node.name}: {lines} lines, "
+                                f"{count} parameters")
+    assert not over, over
