@@ -69,7 +69,7 @@ class PeakRSS:
     """Peak resident memory of this process above its level at start, sampled every 2 ms in a thread.
 
     Only meaningful in a fresh process (:func:`child_result` starts one): a warm one serves new tensors from memory it
-    freed earlier without growing, which is why an in-process reading came out near 0 MiB.
+    freed earlier without growing, so that an in-process reading misses what the call allocates.
     """
 
     def __init__(self):
