@@ -43,8 +43,8 @@ def test_model_variants_are_calibrated_unless_asked_not_to():
     """The calibrated start is per-channel (saturating init); the analytic conversion keeps one scalar per norm."""
     from hf_normswap.modules import ElementwiseNorm
 
-    bench = import_file("scripts/harness/models.py")
-    original, vocab = bench.gpt2_model()
+    bench = import_file("scripts/benchmarks/bench_model_speed.py")  # the models as a benchmark imports them
+    original, vocab = bench.load("gpt2")
     for calibrate in (True, False):
         for model in bench.model_variants(original, "eln", calibrate, vocab, 32):
             norms = [m for m in model.modules() if isinstance(m, ElementwiseNorm)]
