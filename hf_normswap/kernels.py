@@ -12,7 +12,7 @@ When is it used? Only where it is safe and worth it; everything else runs the pl
   the input's device. On CUDA, where triton is installed, the hand-written kernels of
   :mod:`hf_normswap.triton_kernels` run instead, at any size (no compile, no guards a call): the eager formula's
   five or six kernel launches and memory passes become one (tests/test_triton_kernels.py checks the values,
-  scripts/bench_kernels.py the speed);
+  scripts/benchmarks/bench_kernels.py the speed);
 * not while scripting, tracing, exporting or compiling (a user's ``torch.compile`` fuses the plain formula into
   its own graph), not for meta / fake / functorch-wrapped tensors;
 * once a kernel fails to compile (no C++ compiler, ...) its key is marked broken and the fallback runs silently.
@@ -45,7 +45,7 @@ from torch.autograd.function import once_differentiable
 from .modules import ElementwiseNorm
 
 ENV_FALLBACK = "HF_NORMSWAP_FALLBACK"
-MIN_NUMEL = 1 << 16  # below ~64k elements eager is as fast as a compiled call (measured: scripts/bench_norms.py)
+MIN_NUMEL = 1 << 16  # below ~64k elements eager is as fast as a compiled call (measured: scripts/benchmarks/bench_norms.py)
 FAST_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 FAST_DEVICES = ("cpu", "cuda")  # where torch.compile has a backend: C++ / OpenMP on the CPU, Triton on CUDA
 

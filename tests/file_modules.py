@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def import_file(relative_path: str):
     """The module defined by ``ROOT / relative_path``, freshly executed, its folder on ``sys.path`` as when Python
-    runs it (the scripts import ``_common`` beside them)."""
+    runs it (an analysis imports ``paper_draw`` beside it)."""
     path = ROOT / relative_path
     if str(path.parent) not in sys.path:
         sys.path.append(str(path.parent))

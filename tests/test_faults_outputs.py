@@ -20,7 +20,7 @@ from hf_normswap import cli
 from hf_normswap.checkpoint import directory as checkpoint_dir
 from hf_normswap.checkpoint.record import converted_config
 from cli_runs import file_tree, run_cli as _cli
-from file_modules import import_file
+from hub_mirror import TOKEN, HubMirror
 from tiny_models import tiny_model, tiny_tokenizer
 
 ANALYTIC = ("--calib", "none")  # the analytic start: quick, and enough for what these tests check
@@ -219,9 +219,6 @@ def test_an_output_that_is_a_symlink_is_written_through(converted, source, tmp_p
 
 def test_push_of_a_symlinked_checkpoint_uploads_its_files(converted, tmp_path, monkeypatch, capsys):
     """The Hub cache's snapshots are links into its blobs."""
-    hub_mirror = import_file("scripts/hub_mirror.py")
-    TOKEN, HubMirror = hub_mirror.TOKEN, hub_mirror.HubMirror
-
     repo = tmp_path / "models--me--converted"
     snapshot, blobs = repo / "snapshots" / "0123abcd", repo / "blobs"
     snapshot.mkdir(parents=True)

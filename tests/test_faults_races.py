@@ -14,7 +14,7 @@ import hf_normswap
 from hf_normswap.checkpoint import directory, model_card
 from hf_normswap.checkpoint.record import ConversionRecord
 from cli_runs import file_tree, run_cli as _cli
-from file_modules import import_file
+from hub_mirror import TOKEN, HubMirror
 from tiny_models import tiny_model, tiny_tokenizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -190,9 +190,6 @@ def test_a_finished_run_trains_nothing_and_a_larger_budget_continues(converted, 
 def test_a_push_refuses_a_file_linked_out_of_the_checkpoint(converted, tmp_path, monkeypatch, capsys):
     """A checkpoint whose tokenizer_config.json links to a file outside it uploaded that file's content."""
     import shutil
-
-    hub_mirror = import_file("scripts/hub_mirror.py")
-    TOKEN, HubMirror = hub_mirror.TOKEN, hub_mirror.HubMirror
 
     checkpoint = tmp_path / "ckpt"
     shutil.copytree(converted[0] / "eln", checkpoint)

@@ -4,6 +4,7 @@ nothing."""
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import io
 import json
@@ -22,6 +23,7 @@ from static_package import Package, calibration_walk, recovery_walk, walk
 PACKAGE = Path(hf_normswap.__file__).parent
 
 PYPROJECT = PACKAGE.parent / "pyproject.toml"
+SCRIPTS = PACKAGE.parent / "scripts"
 
 
 def layers() -> list[str]:
@@ -176,3 +178,50 @@ def test_no_file_above_450_lines():
             for path in sorted((PACKAGE.parent / folder).rglob("*")) if path.suffix in (".py", ".sh")
             for n in [len(path.read_text().splitlines())] if n > 450]
     assert not long, long
+
+
+def unexplained_internal_imports(path: Path, public: set[str]) -> list[int]:
+    """The lines of ``path``'s imports of the package beyond its public names that give no reason: a comment saying
+    ``internal`` on the statement or among the comments and package imports just above it."""
+    lines = path.read_text().splitlines()
+    found = []
+    for node in ast.walk(ast.parse("\n".join(lines))):
+        if isinstance(node, ast.ImportFrom) and node.module == "hf_normswap":
+            internal = not {alias.name for alias in node.names} <= public
+        elif isinstance(node, ast.ImportFrom):
+            internal = (node.module or "").startswith("hf_normswap.")
+        elif isinstance(node, ast.Import):
+            internal = any(alias.name.startswith("hf_normswap.") for alias in node.names)
+        else:
+            continue
+        start = node.lineno - 1
+        while start and lines[start - 1].lstrip().startswith(("#", "from hf_normswap", "import hf_normswap")):
+            start -= 1
+        if internal and not any(re.search(r"#.*\binternal\b", line) for line in lines[start:node.end_lineno]):
+            found.append(node.lineno)
+    return found
+
+
+def test_scripts_import_the_public_names_or_say_why():
+    """The scripts are programs run by path, not a package, so import-linter's graph (importable packages) does not
+    reach them: this holds them instead. A script imports ``hf_normswap``'s public names (``__all__``); where it
+    measures or reuses something inside (a kernel, the recipe's phases, the reader of --data), the import says why."""
+    public = set(hf_normswap.__all__)
+    found = [f"{path.relative_to(SCRIPTS.parent)}:{line}" for path in sorted(SCRIPTS.rglob("*.py"))
+             for line in unexplained_internal_imports(path, public)]
+    assert not found, found
+
+
+def test_scripts_keep_to_80_lines_and_8_parameters_a_function():
+    """The house's limits in the scripts: no function above 80 lines, no parameter list above 8."""
+    over = []
+    for path in sorted(SCRIPTS.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                args = node.args
+                count = len([*args.posonlyargs, *args.args, *args.kwonlyargs, *filter(None, (args.vararg, args.kwarg))])
+                lines = node.end_lineno - node.lineno + 1
+                if lines > 80 or count > 8:
+                    over.append(f"{path.relative_to(SCRIPTS.parent)}:{node.lineno} {node.name}: {lines} lines, "
+                                f"{count} parameters")
+    assert not over, over

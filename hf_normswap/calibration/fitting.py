@@ -1,7 +1,7 @@
 """Fit an element-wise module to a source norm's input -> output data by weighted least squares.
 
 One routine serves both the model calibration (``calibrate.py``) and the paper's simulation
-(``scripts/reproduce_paper.py``): start from the analytic value of the theory, then minimize
+(``scripts/analyses/reproduce_paper.py``): start from the analytic value of the theory, then minimize
 
     sum_{t,i} w_{t,i} * (module(x)_{t,i} - norm(x)_{t,i})^2 / sum w
 

@@ -54,8 +54,7 @@ def calibration_args(parser: argparse.ArgumentParser) -> None:
                             f"at this rate; 0: the norms' parameters only (default: {block.block_weights_lr:g})")
     group.add_argument("--block-steps", type=int, metavar="N",
                        help=f"Adam steps a block of the block strategy's tuning; more give a closer start for more "
-                            f"time (SmolLM2 ELN: 4.2x the original's perplexity after 240 steps over 64 x 512 tokens, "
-                            f"12.6x after 60 over 16 x 512; default: {block.block_steps})")
+                            f"time (default: {block.block_steps})")
     group.add_argument("--block-rows", type=int, metavar="N",
                        help=f"sequences per step of the block strategy's tuning (default: {block.block_rows})")
     group.add_argument("--calib-device", metavar="DEVICE",

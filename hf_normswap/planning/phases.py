@@ -15,7 +15,7 @@ from .plan_settings import PlanSettings
 from .sizes import ModelSizes
 
 # Resident memory of a process that has imported torch, transformers, accelerate, datasets and the package, before
-# any model: measured (scripts/bench_memory.py, the "runtime" row of BENCHMARKS.md), not derived.
+# any model: measured (scripts/benchmarks/bench_memory.py, the "runtime" row of BENCHMARKS.md), not derived.
 RUNTIME_BYTES = 540 * 2**20
 # What inductor adds to a process once the fused element-wise kernels (``kernels.py``) compile, on the first
 # converted model's forward: measured as RUNTIME_BYTES is.

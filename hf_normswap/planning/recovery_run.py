@@ -2,11 +2,9 @@
 
 The recipe's settings (``hf_normswap.training.config.RecipeConfig``) say what the user asked; a run also decides
 whether it calibrates or loads a converted checkpoint, which original it trains toward, where it runs, how the
-weights are placed, and where it writes. Each of these was decided where it was needed, some of them several times
-(the converted checkpoint's ``config.json`` read at six call sites) and some by changing the settings in place
-(``use_cpu``, ``max_steps``, ``bf16``, ``calibration.device``); the plan decided "calibrates?" by another rule than
-the recipe. :func:`resolve_run` decides them once, and the recipe, its memory plan and the benchmarks read the
-frozen :class:`RecoveryRun`. Read by attribute: this stage sits below training.
+weights are placed, and where it writes. :func:`resolve_run` decides each of these once, and the recipe, its memory
+plan and the benchmarks read the frozen :class:`RecoveryRun`, so that they agree and none changes the settings in
+place. Read by attribute: this stage sits below training.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The paths a user runs against the Hub, offline: models and a dataset downloaded from a local Hub mirror
-(``scripts/hub_mirror.py``, selected with ``HF_ENDPOINT``) by the real huggingface_hub, transformers and datasets
+(``tests/hub_mirror.py``, selected with ``HF_ENDPOINT``) by the real huggingface_hub, transformers and datasets
 clients, converted, pushed back, and loaded from the Hub in a process where hf_normswap cannot be imported.
 
 Each step runs in its own process: huggingface_hub reads ``HF_ENDPOINT`` when it is imported."""
@@ -17,11 +17,8 @@ import torch
 
 import hf_normswap
 from hf_normswap.data import fingerprint
-from file_modules import import_file
+from hub_mirror import HubMirror, write_text_dataset
 from tiny_models import tiny_model, tiny_tokenizer
-
-hub_mirror = import_file("scripts/hub_mirror.py")  # a test server, not part of the package
-HubMirror, write_text_dataset = hub_mirror.HubMirror, hub_mirror.write_text_dataset
 
 ROOT = Path(__file__).resolve().parents[2]
 DATASET = "someone/tinytext"

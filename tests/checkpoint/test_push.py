@@ -12,11 +12,8 @@ from huggingface_hub import ModelCard, constants
 
 import hf_normswap
 from hf_normswap import cli
-from file_modules import import_file
+from hub_mirror import TOKEN, USER, HubMirror
 from tiny_models import tiny_model
-
-hub_mirror = import_file("scripts/hub_mirror.py")  # a test server, not part of the package
-TOKEN, USER, HubMirror = hub_mirror.TOKEN, hub_mirror.USER, hub_mirror.HubMirror
 
 
 @pytest.fixture

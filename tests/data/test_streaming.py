@@ -10,11 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from file_modules import import_file
+from hub_mirror import HubMirror, write_text_dataset
 from tiny_models import tiny_tokenizer
-
-hub_mirror = import_file("scripts/hub_mirror.py")  # a test server, not part of the package
-HubMirror, write_text_dataset = hub_mirror.HubMirror, hub_mirror.write_text_dataset
 
 ROOT = Path(__file__).resolve().parents[2]
 TESTS = Path(__file__).resolve().parents[1]  # where tiny_models lives

@@ -13,7 +13,7 @@ from hf_normswap import convert
 
 
 def test_keep_original_at_restores_the_named_positions_only():
-    bench = import_file("scripts/bench_calibration.py")
+    bench = import_file("scripts/benchmarks/bench_calibration.py")
     original = tiny_model("llama")
     converted = copy.deepcopy(original)
     names = [c.name for c in convert(converted, "eln").converted]

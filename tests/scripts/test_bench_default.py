@@ -1,4 +1,4 @@
-"""scripts/bench_default.py: each command in its own process, its usage recorded, a failing one stopping the
+"""scripts/benchmarks/bench_default.py: each command in its own process, its usage recorded, a failing one stopping the
 benchmark with the log to read (no conversion)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 
 from file_modules import import_file
 
-bench = import_file("scripts/bench_default.py")
+bench = import_file("scripts/benchmarks/bench_default.py")
 
 
 def test_a_command_is_timed_in_its_own_process(tmp_path):

@@ -1,4 +1,4 @@
-"""scripts/bench_first_step.py: bad input refused before any launch; the ratios are of the budgets' medians."""
+"""scripts/benchmarks/bench_first_step.py: bad input refused before any launch; the ratios are of the budgets' medians."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 
 from file_modules import import_file
 
-bench = import_file("scripts/bench_first_step.py")
+bench = import_file("scripts/benchmarks/bench_first_step.py")
 
 
 def test_a_filled_output_or_a_missing_config_is_refused_before_any_launch(tmp_path, monkeypatch, capsys):

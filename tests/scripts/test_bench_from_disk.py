@@ -1,4 +1,4 @@
-"""scripts/bench_from_disk.py --replan: the 3B case's prediction made again from the plan, the measurement kept
+"""scripts/benchmarks/bench_from_disk.py --replan: the 3B case's prediction made again from the plan, the measurement kept
 (no model written or calibrated)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 
 from file_modules import import_file
 
-bench = import_file("scripts/bench_from_disk.py")
+bench = import_file("scripts/benchmarks/bench_from_disk.py")
 
 
 def test_replan_predicts_the_3b_case_again_and_keeps_what_was_measured(tmp_path):

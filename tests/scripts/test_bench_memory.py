@@ -1,11 +1,11 @@
-"""scripts/bench_memory.py's arithmetic on measured timelines: the largest total of all processes at once, and each
+"""scripts/benchmarks/bench_memory.py's arithmetic on measured timelines: the largest total of all processes at once, and each
 two-process case's memory at start put against the one-process case of its own model size (no model loaded)."""
 
 from __future__ import annotations
 
 from file_modules import import_file
 
-bench = import_file("scripts/bench_memory.py")
+bench = import_file("scripts/benchmarks/bench_memory.py")
 
 
 def test_the_peak_of_the_sum_is_taken_at_one_moment_not_each_process_at_its_own_peak():

@@ -1,4 +1,4 @@
-"""scripts/bench_recovery.py: the curve's plot, shared calibrated starts, refusal of bad input (no training)."""
+"""scripts/benchmarks/bench_recovery.py: the curve's plot, shared calibrated starts, refusal of bad input (no training)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from file_modules import import_file
 from hf_normswap.training import recipe_settings
 from hf_normswap.training.run_dir import RECORD, WRITTEN_BY, check_run_dir, write_json
 
-bench = import_file("scripts/bench_recovery.py")
+bench = import_file("scripts/benchmarks/bench_recovery.py")
 
 
 def test_plot_draws_every_series_from_the_json_lines(tmp_path):

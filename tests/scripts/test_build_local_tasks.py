@@ -1,4 +1,4 @@
-"""scripts/build_local_tasks.py: two lm-eval tasks from held-out text, read by lm-eval itself from local files."""
+"""scripts/evaluation/build_local_tasks.py: two lm-eval tasks from held-out text, read by lm-eval itself from local files."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ def _prose(paragraphs: int) -> str:
 
 def test_the_tasks_hold_whole_passages_and_lm_eval_indexes_them(tmp_path, capsys):
     lm_eval_tasks = pytest.importorskip("lm_eval.tasks")
-    bench = import_file("scripts/build_local_tasks.py")
+    bench = import_file("scripts/evaluation/build_local_tasks.py")
     text = tmp_path / "held_out.txt"
     text.write_text(_prose(120))
     out = tmp_path / "tasks"
@@ -41,6 +41,6 @@ def test_the_tasks_hold_whole_passages_and_lm_eval_indexes_them(tmp_path, capsys
 
 
 def test_the_tasks_are_not_written_into_the_repository(tmp_path, capsys):
-    bench = import_file("scripts/build_local_tasks.py")
+    bench = import_file("scripts/evaluation/build_local_tasks.py")
     assert bench.main(["builtin:evaluation", "--output", str(bench.ROOT / "tasks")]) == 2
     assert "inside the repository" in capsys.readouterr().err and not (bench.ROOT / "tasks").exists()

@@ -1,4 +1,4 @@
-"""scripts/gpu_check.sh --dry-run: every step of the GPU check runs on the CPU at toy sizes and is recorded in
+"""scripts/jobs/gpu_check.sh --dry-run: every step of the GPU check runs on the CPU at toy sizes and is recorded in
 summary.json, and no step is called passed that did not run."""
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+GPU_CHECK = ROOT / "scripts" / "jobs" / "gpu_check.sh"
 STEPS = ["imports", "recovery-eln", "sample", "convert", "bench_train-2", "pytest", "bench_kernels", "bench_model", "bench_smollm2",
          "fsdp"]
 METRICS = ("calibration_s", "step_tokens_per_s", "sample_tokens_per_s")
@@ -17,7 +18,7 @@ METRICS = ("calibration_s", "step_tokens_per_s", "sample_tokens_per_s")
 
 def _check(out: Path, *options: str, cwd: Path = ROOT) -> dict:
     env = dict(os.environ, PYTHON=sys.executable, OMP_NUM_THREADS="1", GPU_CHECK_STASH=str(out / "stash"))
-    done = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), str(out), "--dry-run", *options], cwd=cwd,
+    done = subprocess.run(["bash", str(GPU_CHECK), str(out), "--dry-run", *options], cwd=cwd,
                           env=env, capture_output=True, text=True, timeout=1500)
     assert done.returncode == 0, done.stderr[-2000:]
     summary = json.loads((out / "summary.json").read_text())
@@ -68,7 +69,7 @@ def test_a_relative_output_folder_is_where_the_user_stands(tmp_path):
     OUT_DIR gets only the summary and the bundle of the work folder."""
     (tmp_path / "here").mkdir()
     env = dict(os.environ, PYTHON=sys.executable, OMP_NUM_THREADS="1", GPU_CHECK_STASH=str(tmp_path / "stash"))
-    done = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), "relout", "--dry-run", "--steps", "fsdp",
+    done = subprocess.run(["bash", str(GPU_CHECK), "relout", "--dry-run", "--steps", "fsdp",
                            "--work", "relwork"], cwd=tmp_path / "here", env=env, capture_output=True, text=True,
                           timeout=170)
     assert done.returncode == 0, done.stderr[-2000:]

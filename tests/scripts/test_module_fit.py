@@ -1,4 +1,4 @@
-"""scripts/module_fit.py: every method fitted to every norm of a tiny model on the same captured activations."""
+"""scripts/analyses/module_fit.py: every method fitted to every norm of a tiny model on the same captured activations."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from hf_normswap.modules import METHODS
 
 
 def test_every_method_and_start_is_measured_on_every_norm(tmp_path):
-    bench = import_file("scripts/module_fit.py")
+    bench = import_file("scripts/analyses/module_fit.py")
     model_dir = tmp_path / "llama"
     tiny_model("llama").save_pretrained(model_dir)
     tiny_tokenizer().save_pretrained(model_dir)

@@ -1,4 +1,4 @@
-"""scripts/norm_error.py: each converted module against the norm it replaced, on the converted model's inputs."""
+"""scripts/analyses/norm_error.py: each converted module against the norm it replaced, on the converted model's inputs."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from tiny_models import tiny_model, tiny_tokenizer
 
 
 def test_each_converted_norm_is_measured_against_the_original_on_its_own_input(tmp_path):
-    bench = import_file("scripts/norm_error.py")
+    bench = import_file("scripts/analyses/norm_error.py")
     original_dir, converted_dir = tmp_path / "llama", tmp_path / "llama-eln"
     original = tiny_model("llama")
     original.save_pretrained(original_dir)
@@ -49,7 +49,7 @@ def test_each_converted_norm_is_measured_against_the_original_on_its_own_input(t
 
 
 def test_an_output_off_only_by_a_channel_scale_has_no_rescaled_error():
-    bench = import_file("scripts/norm_error.py")
+    bench = import_file("scripts/analyses/norm_error.py")
     torch.manual_seed(0)
     old = torch.randn(50, 8, dtype=torch.float64)
     new = old * torch.linspace(0.5, 2.0, 8, dtype=torch.float64)

@@ -12,7 +12,7 @@ from file_modules import import_file
 
 @pytest.fixture(scope="module")
 def paper():
-    return import_file("scripts/reproduce_paper.py")
+    return import_file("scripts/analyses/reproduce_paper.py")
 
 
 def test_simulation_setup(paper):

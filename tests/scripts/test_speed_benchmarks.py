@@ -25,7 +25,7 @@ def one_thread(monkeypatch):
 
 
 def test_quick_model_section_measures_every_variant_of_a_finite_conversion(tmp_path):
-    bench = import_file("scripts/bench_model_speed.py")
+    bench = import_file("scripts/benchmarks/bench_model_speed.py")
     out = tmp_path / "speed.json"
     assert bench.main(["--quick", "--json", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
@@ -43,8 +43,8 @@ def test_model_variants_are_calibrated_unless_asked_not_to():
     """The calibrated start is per-channel (saturating init); the analytic conversion keeps one scalar per norm."""
     from hf_normswap.modules import ElementwiseNorm
 
-    bench = import_file("scripts/_timing.py")
-    original, vocab = bench.gpt2_model()
+    bench = import_file("scripts/benchmarks/bench_model_speed.py")  # the models as a benchmark imports them
+    original, vocab = bench.load("gpt2")
     for calibrate in (True, False):
         for model in bench.model_variants(original, "eln", calibrate, vocab, 32):
             norms = [m for m in model.modules() if isinstance(m, ElementwiseNorm)]
@@ -52,7 +52,7 @@ def test_model_variants_are_calibrated_unless_asked_not_to():
 
 
 def test_quick_train_section_writes_the_keys_a_script_checks(tmp_path, one_thread):
-    bench = import_file("scripts/bench_training.py")
+    bench = import_file("scripts/benchmarks/bench_training.py")
     out = tmp_path / "train.json"
     assert bench.main(["--quick", "--sections", "train", "--seq", "32", "--json", str(out)]) == 0
     result = json.loads(out.read_text())
@@ -71,7 +71,7 @@ def test_device_is_checked_and_kept_to_the_sections_it_times(capsys):
     """Without a GPU cuda is refused outright; with one, the default sections include calibration, timed on the
     CPU only."""
     for script in ("bench_norms", "bench_model_speed", "bench_training"):
-        bench = import_file(f"scripts/{script}.py")
+        bench = import_file(f"scripts/benchmarks/{script}.py")
         with pytest.raises(SystemExit) as exit:
             bench.parse_args(["--device", "cuda"])
         assert exit.value.code == 2 and "--device" in capsys.readouterr().err
@@ -79,7 +79,7 @@ def test_device_is_checked_and_kept_to_the_sections_it_times(capsys):
 
 
 def test_quick_sampling_section_prices_each_batch_and_length_in_training_time(tmp_path, one_thread):
-    bench = import_file("scripts/bench_training.py")
+    bench = import_file("scripts/benchmarks/bench_training.py")
     out = tmp_path / "sampling.json"
     assert bench.main(["--quick", "--sections", "sampling", "--seq", "32", "--sample-batches", "2",
                        "--sample-lengths", "16,32", "--json", str(out)]) == 0
@@ -92,11 +92,11 @@ def test_quick_sampling_section_prices_each_batch_and_length_in_training_time(tm
 
 
 def test_quick_norms_and_calibration_cost_measure_every_candidate(tmp_path, one_thread):
-    norms = import_file("scripts/bench_norms.py")
+    norms = import_file("scripts/benchmarks/bench_norms.py")
     assert norms.main(["--quick", "--tokens", "64", "--reps", "1", "--json", str(tmp_path / "norms.json")]) == 0
     rows = json.loads((tmp_path / "norms.json").read_text())["rows"]
     assert {r["impl"] for r in rows} >= {"copy", "layernorm", "rmsnorm", "eln", "eln-eager", "dyt", "derf"}
-    cost = import_file("scripts/bench_calibration_cost.py")
+    cost = import_file("scripts/benchmarks/bench_calibration_cost.py")
     assert cost.main(["--quick", "--seq", "32", "--calib-strategies", "fast", "--json", str(tmp_path / "c.json")]) == 0
     row = json.loads((tmp_path / "c.json").read_text())["rows"][0]
     assert row["forward_s"] > 0 and row["calibration_s"] > 0 and row["tokens"] == 2 * 32
