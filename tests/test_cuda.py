@@ -1,6 +1,6 @@
 """Every stage on a CUDA GPU: the modules and their fused path, calibration on the GPU and from CPU memory, a
 remote-code checkpoint placed by transformers, and the command line. Skipped without a GPU; `pytest -m cuda`
-(scripts/jobs/gpu_check.sh) runs them.
+(scripts/gpu_check.sh) runs them.
 
 Tolerances: the GPU computes the same fp32 formulas in another order (and attention with other kernels), so
 values agree to a relative 1e-5 for a module and 1e-3 after a calibrated conversion, whose fits and Adam steps

@@ -1,4 +1,4 @@
-"""The Python side of scripts/jobs/gpu_check.sh, one subcommand a job, so that the shell script holds only the
+"""The Python side of scripts/gpu_check.sh, one subcommand a job, so that the shell script holds only the
 order of the steps, their time limits and what travels.
 
     python scripts/jobs/gpu_check_steps.py pins NAME...                # NAME==VERSION of installed packages

@@ -1,4 +1,4 @@
-"""scripts/jobs/gpu_check.sh --dry-run: every step of the GPU check runs on the CPU at toy sizes and is recorded in
+"""scripts/gpu_check.sh --dry-run: every step of the GPU check runs on the CPU at toy sizes and is recorded in
 summary.json, and no step is called passed that did not run."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-GPU_CHECK = ROOT / "scripts" / "jobs" / "gpu_check.sh"
+GPU_CHECK = ROOT / "scripts" / "gpu_check.sh"
 STEPS = ["imports", "recovery-eln", "sample", "convert", "bench_train-2", "pytest", "bench_kernels", "bench_model", "bench_smollm2",
          "fsdp"]
 METRICS = ("calibration_s", "step_tokens_per_s", "sample_tokens_per_s")

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The GPU check: every stage where a user puts the model, on CUDA, in order of value, each result written as it comes.
 #
-#   bash scripts/jobs/gpu_check.sh --prepare                  # here, before the calls: fills .gpu/ (git-ignored)
-#   bash scripts/jobs/gpu_check.sh OUT_DIR [--dry-run] [--work DIR] [--steps a,b,...]
+#   bash scripts/gpu_check.sh --prepare                  # here, before the calls: fills .gpu/ (git-ignored)
+#   bash scripts/gpu_check.sh OUT_DIR [--dry-run] [--work DIR] [--steps a,b,...]
 #
 # Steps, in order, each under its own time limit (`timeout`); a failing step is recorded and the next one runs:
 #   imports        every dependency in pyproject.toml (and the [gpu] extra) imports, then hf_normswap.cli, the recipe
@@ -63,10 +63,10 @@
 # its interpreter, which is no timing. PYTHON: the interpreter (default: python).
 set -u
 
-usage() { echo "usage: bash scripts/jobs/gpu_check.sh OUT_DIR [--dry-run] [--work DIR] [--steps a,b,...] | --prepare" >&2; exit 2; }
+usage() { echo "usage: bash scripts/gpu_check.sh OUT_DIR [--dry-run] [--work DIR] [--steps a,b,...] | --prepare" >&2; exit 2; }
 [ $# -ge 1 ] || usage
 PYTHON=${PYTHON:-python}
-ROOT=$(cd "$(dirname "$0")/../.." && pwd)
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
 GGUF_NAME=SmolLM2-135M-Instruct.Q4_1.gguf
 # the project's dependencies that the GPU machine's image lacks, carried as wheels of the versions installed here (the
 # image has datasets' own: pyarrow, pandas, xxhash, fsspec); multiprocess ships one wheel per Python, GPU_PYTHON is the
