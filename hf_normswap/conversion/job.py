@@ -20,21 +20,6 @@ from ..surgery import DEFAULT_ROLES, ConversionError, check_selection
 from ..validation import ValidationError, check_data_files, check_input_scale, check_number, check_output_file
 from .calibration_settings import CalibrationSettings
 
-# a job's setting -> the ``normswap convert`` flag that sets it, the name the checks' messages use
-FLAGS = {"model": "MODEL", "to": "--to", "per_channel": "--per-channel", "input_scale": "--input-scale",
-         "fold": "--fold", "check": "--no-check", "max_host_memory": "--max-host-memory", "device": "--device",
-         "dtype": "--dtype", "max_saturation": "--max-saturation",
-         "selection.roles": "--roles", "selection.include": "--include", "selection.exclude": "--exclude",
-         **{f"calibration.{key}": flag for key, flag in CalibrationSettings.FLAGS.items()},
-         "budget.kl": "--budget-kl", "budget.ppl_ratio": "--budget-ppl-ratio", "budget.cosine": "--budget-cosine",
-         "budget.data": "--budget-data",
-         "evaluation.data": "--eval", "evaluation.max_length": "--eval-max-length",
-         "evaluation.stride": "--eval-stride", "evaluation.max_tokens": "--eval-max-tokens",
-         "evaluation.batch_size": "--eval-batch-size",
-         "output.directory": "--output", "output.overwrite": "--overwrite", "output.push_to_hub": "--push-to-hub",
-         "output.private": "--private", "output.report": "--report", "output.stock": "--stock"}
-
-
 @dataclass
 class Selection:
     """Which norms convert: those of ``roles`` whose names match ``include`` and not ``exclude``."""
@@ -58,14 +43,18 @@ class Budget:
         given = [(metric, getattr(self, metric)) for metric in ("kl", "ppl_ratio", "cosine")
                  if getattr(self, metric) is not None]
         if len(given) > 1:
-            raise ConversionError(f"{' and '.join(FLAGS['budget.' + m] for m, _ in given)} are one budget: give one")
+            raise ConversionError(f"{' and '.join(_budget_flag(m) for m, _ in given)} are one budget: give one")
         if not given:
             return None
         metric, limit = given[0]
         if not (0 < limit < math.inf) or (metric == "ppl_ratio" and limit < 1) or (metric == "cosine" and limit > 1):
-            raise ConversionError(f"--budget-{metric.replace('_', '-')} {limit} is out of range: give a KL > 0, "
+            raise ConversionError(f"{_budget_flag(metric)} {limit} is out of range: give a KL > 0, "
                                   "a perplexity ratio >= 1 or a cosine in (0, 1]")
         return metric, limit
+
+
+def _budget_flag(metric: str) -> str:
+    return f"--budget-{metric.replace('_', '-')}"
 
 
 @dataclass
@@ -79,7 +68,7 @@ class Evaluation:
     batch_size: int = 1
 
     def check(self) -> None:
-        flag = lambda name: FLAGS[f"evaluation.{name}"]  # noqa: E731
+        flag = lambda name: "--eval-" + name.replace("_", "-")  # noqa: E731
         for name in ("max_length", "stride", "max_tokens", "batch_size"):
             if getattr(self, name) is not None:
                 check_number(getattr(self, name), flag(name), minimum=1)
@@ -178,6 +167,7 @@ class ConversionJob:
 
 def read_job(*layers, config_file: str | None = None) -> ConversionJob:
     """A job from a YAML file's settings (``config_file``) under the given ``layers`` (mappings of settings, the
-    command line's last: they win), every key known and every value of its type."""
+    command line's last: they win), every key known and every value of its type. The checks' messages name each
+    setting by its ``normswap convert`` flag."""
     file_layer = read_yaml_file(config_file) if config_file else {}
-    return read_settings(ConversionJob, file_layer, *layers, labels=FLAGS)
+    return read_settings(ConversionJob, file_layer, *layers)
