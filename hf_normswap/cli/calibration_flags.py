@@ -6,14 +6,10 @@ from __future__ import annotations
 import argparse
 
 from ..calibration.calibrate import DEFAULT_STRATEGY, STRATEGIES, CalibrationConfig, strategy_help
-from ..conversion import CalibrationSettings
+from ..conversion.calibration_settings import CalibrationSettings
 from ..precision import PRECISIONS
+from .common import given
 
-FLAGS = CalibrationSettings.FLAGS  # CalibrationConfig field -> the flag that sets it
-
-
-def _dest(field: str) -> str:
-    return FLAGS[field].lstrip("-").replace("-", "_")
 
 
 def calibration_args(parser: argparse.ArgumentParser) -> None:
@@ -57,10 +53,19 @@ def calibration_args(parser: argparse.ArgumentParser) -> None:
                             f"timed probe finds it faster on this machine (default: {defaults.precision})")
 
 
+def calibration_given(args) -> dict:
+    """The calibration flags given, by the calibration section's names (``--calib none`` kept: the analytic
+    start)."""
+    return given({"data": args.calib, "num_blocks": args.calib_blocks, "block_len": args.calib_len,
+                  "strategy": args.strategy, "max_tokens_per_norm": args.max_tokens_per_norm, "plots": args.plots,
+                  "precision": args.precision, "block_weights_lr": args.block_weights_lr,
+                  "block_steps": args.block_steps, "block_rows": args.block_rows, "device": args.calib_device,
+                  "cache_memory_mb": args.calib_cache_mb})
+
+
 def calibration_settings(args) -> CalibrationSettings:
-    """The calibration flags given, as a job's calibration section (``--calib none`` kept: the analytic start)."""
-    return CalibrationSettings(**{field: getattr(args, _dest(field)) for field in FLAGS
-                                  if getattr(args, _dest(field)) is not None})
+    """The calibration flags as a job's calibration section."""
+    return CalibrationSettings(**calibration_given(args))
 
 
 def check_calibration_args(args) -> None:

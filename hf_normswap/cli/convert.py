@@ -3,24 +3,12 @@
 
 from __future__ import annotations
 
-from ..conversion import ConversionJob, read_job, run_job
+from ..conversion.job import ConversionJob, read_job
+from ..conversion.run import run_job
 from ..modules import METHODS
-from .calibration_flags import FLAGS as CALIBRATION_FLAGS, calibration_args
-from .common import MODEL_HELP, evaluation_args, placement_args, roles, selection_args
+from .calibration_flags import calibration_args, calibration_given
+from .common import MODEL_HELP, evaluation_args, given, placement_args, roles, selection_args
 
-# the flags' argparse names -> the job's settings they set (absent flags set nothing: the file's or the default)
-SETTINGS = {"model": "model", "to": "to", "per_channel": "per_channel", "input_scale": "input_scale",
-            "fold": "fold", "check": "check", "max_host_memory": "max_host_memory", "device": "device",
-            "dtype": "dtype", "max_saturation": "max_saturation",
-            "roles": "selection.roles", "include": "selection.include", "exclude": "selection.exclude",
-            **{flag.lstrip("-").replace("-", "_"): f"calibration.{field}" for field, flag in CALIBRATION_FLAGS.items()},
-            "budget_kl": "budget.kl", "budget_ppl_ratio": "budget.ppl_ratio", "budget_cosine": "budget.cosine",
-            "budget_data": "budget.data",
-            "eval_data": "evaluation.data", "eval_max_length": "evaluation.max_length",
-            "eval_stride": "evaluation.stride", "eval_max_tokens": "evaluation.max_tokens",
-            "eval_batch_size": "evaluation.batch_size",
-            "output": "output.directory", "overwrite": "output.overwrite", "push_to_hub": "output.push_to_hub",
-            "private": "output.private", "report": "output.report", "stock": "output.stock"}
 DEFAULTS = ConversionJob()
 
 
@@ -73,19 +61,24 @@ def add_parser(commands) -> None:
 
 
 def job_settings(args) -> dict:
-    """The flags given, as the job's nested settings (``--roles a,b`` as a list)."""
-    layer: dict = {}
-    for name, key in SETTINGS.items():
-        value = getattr(args, name)
-        if value is None:
-            continue
-        *sections, last = key.split(".")
-        section = layer
-        for part in sections:
-            section = section.setdefault(part, {})
-        section[last] = roles(value) if name == "roles" else value
-    return layer
+    """The flags given, as the job's nested settings; a flag left out sets nothing (the file's or the default)."""
+    roles_given = roles(args.roles) if args.roles is not None else None
+    settings = {
+        "model": args.model, "to": args.to, "per_channel": args.per_channel, "input_scale": args.input_scale,
+        "fold": args.fold, "check": args.check, "max_host_memory": args.max_host_memory, "device": args.device,
+        "dtype": args.dtype, "max_saturation": args.max_saturation,
+        "selection": {"roles": roles_given, "include": args.include, "exclude": args.exclude},
+        "calibration": calibration_given(args),
+        "budget": {"kl": args.budget_kl, "ppl_ratio": args.budget_ppl_ratio, "cosine": args.budget_cosine,
+                   "data": args.budget_data},
+        "evaluation": {"data": args.eval_data, "max_length": args.eval_max_length, "stride": args.eval_stride,
+                       "max_tokens": args.eval_max_tokens, "batch_size": args.eval_batch_size},
+        "output": {"directory": args.output, "overwrite": args.overwrite, "push_to_hub": args.push_to_hub,
+                   "private": args.private, "report": args.report, "stock": args.stock},
+    }
+    return given(settings)
 
 
 def run(args) -> None:
-    run_job(read_job(job_settings(args), config_file=args.config))
+    job = read_job(job_settings(args), config_file=args.config)
+    run_job(job)

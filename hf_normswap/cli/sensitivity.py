@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 
 from ..checkpoint.loading import load_model
-from ..conversion import Selection
+from ..conversion.job import Selection
 from ..conversion.budget import measured_weights_lr, measurer
 from ..conversion.evaluation import calibration_overlap, check_context_lengths, warn
 from ..surgery import check_not_converted, plan
