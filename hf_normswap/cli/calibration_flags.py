@@ -8,7 +8,6 @@ import argparse
 from ..calibration.calibrate import DEFAULT_STRATEGY, STRATEGIES, CalibrationConfig, strategy_help
 from ..conversion.calibration_settings import CalibrationSettings
 from ..precision import PRECISIONS
-from .common import given
 
 
 
@@ -53,26 +52,20 @@ def calibration_args(parser: argparse.ArgumentParser) -> None:
                             f"timed probe finds it faster on this machine (default: {defaults.precision})")
 
 
-def calibration_given(args) -> dict:
-    """The calibration flags given, by the calibration section's names (``--calib none`` kept: the analytic
-    start)."""
-    return given({"data": args.calib, "num_blocks": args.calib_blocks, "block_len": args.calib_len,
-                  "strategy": args.strategy, "max_tokens_per_norm": args.max_tokens_per_norm, "plots": args.plots,
-                  "precision": args.precision, "block_weights_lr": args.block_weights_lr,
-                  "block_steps": args.block_steps, "block_rows": args.block_rows, "device": args.calib_device,
-                  "cache_memory_mb": args.calib_cache_mb})
-
-
 def calibration_settings(args) -> CalibrationSettings:
-    """The calibration flags as a job's calibration section."""
-    return CalibrationSettings(**calibration_given(args))
+    """The calibration flags given, as a job's calibration section (``--calib none`` kept: the analytic start)."""
+    flags = {"data": args.calib, "num_blocks": args.calib_blocks, "block_len": args.calib_len,
+             "strategy": args.strategy, "max_tokens_per_norm": args.max_tokens_per_norm, "plots": args.plots,
+             "precision": args.precision, "block_weights_lr": args.block_weights_lr, "block_steps": args.block_steps,
+             "block_rows": args.block_rows, "device": args.calib_device, "cache_memory_mb": args.calib_cache_mb}
+    return CalibrationSettings(**{name: value for name, value in flags.items() if value is not None})
 
 
 def check_calibration_args(args) -> None:
     """Flag mistakes that need no model, so they fail before the (slow) load; numbers are checked even unused."""
-    calibration_settings(args).check(getattr(args, "input_scale", None))
+    calibration_settings(args).check_calibration(getattr(args, "input_scale", None))
 
 
 def calibration(args, model, tokenizer) -> CalibrationConfig | None:
-    """The calibration the flags ask for (``CalibrationSettings.resolve``)."""
-    return calibration_settings(args).resolve(model, tokenizer)
+    """The calibration the flags ask for (``CalibrationSettings.calibration_for``)."""
+    return calibration_settings(args).calibration_for(model, tokenizer)

@@ -29,17 +29,6 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"normswap: error: {message} (see `{self.prog} --help`)\n")
 
 
-def given(settings: dict) -> dict:
-    """``settings`` without the unset (None) values, and sections without theirs: the flags a user gave."""
-    kept = {}
-    for key, value in settings.items():
-        if isinstance(value, dict):
-            value = {name: setting for name, setting in value.items() if setting is not None}
-        if value is not None:
-            kept[key] = value
-    return kept
-
-
 def positive_int(text: str) -> int:
     """An argparse type: a whole number of at least 1 (a count of processes), refused as the flags are parsed."""
     try:

@@ -6,8 +6,8 @@ from __future__ import annotations
 from ..conversion.job import ConversionJob, read_job
 from ..conversion.run import run_job
 from ..modules import METHODS
-from .calibration_flags import calibration_args, calibration_given
-from .common import MODEL_HELP, evaluation_args, given, placement_args, roles, selection_args
+from .calibration_flags import calibration_args
+from .common import MODEL_HELP, evaluation_args, placement_args, selection_args
 
 DEFAULTS = ConversionJob()
 
@@ -62,13 +62,17 @@ def add_parser(commands) -> None:
 
 def job_settings(args) -> dict:
     """The flags given, as the job's nested settings; a flag left out sets nothing (the file's or the default)."""
-    roles_given = roles(args.roles) if args.roles is not None else None
+    roles = None if args.roles is None else [r.strip() for r in args.roles.split(",") if r.strip()]
     settings = {
         "model": args.model, "to": args.to, "per_channel": args.per_channel, "input_scale": args.input_scale,
         "fold": args.fold, "check": args.check, "max_host_memory": args.max_host_memory, "device": args.device,
         "dtype": args.dtype, "max_saturation": args.max_saturation,
-        "selection": {"roles": roles_given, "include": args.include, "exclude": args.exclude},
-        "calibration": calibration_given(args),
+        "selection": {"roles": roles, "include": args.include, "exclude": args.exclude},
+        "calibration": {"data": args.calib, "num_blocks": args.calib_blocks, "block_len": args.calib_len,
+                        "strategy": args.strategy, "max_tokens_per_norm": args.max_tokens_per_norm,
+                        "plots": args.plots, "precision": args.precision, "block_weights_lr": args.block_weights_lr,
+                        "block_steps": args.block_steps, "block_rows": args.block_rows,
+                        "device": args.calib_device, "cache_memory_mb": args.calib_cache_mb},
         "budget": {"kl": args.budget_kl, "ppl_ratio": args.budget_ppl_ratio, "cosine": args.budget_cosine,
                    "data": args.budget_data},
         "evaluation": {"data": args.eval_data, "max_length": args.eval_max_length, "stride": args.eval_stride,
@@ -76,9 +80,11 @@ def job_settings(args) -> dict:
         "output": {"directory": args.output, "overwrite": args.overwrite, "push_to_hub": args.push_to_hub,
                    "private": args.private, "report": args.report, "stock": args.stock},
     }
-    return given(settings)
+    return {key: {k: v for k, v in value.items() if v is not None} if isinstance(value, dict) else value
+            for key, value in settings.items() if value is not None}
 
 
 def run(args) -> None:
-    job = read_job(job_settings(args), config_file=args.config)
+    settings = job_settings(args)
+    job = read_job(settings, config_file=args.config)
     run_job(job)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 
 from ..checkpoint.loading import load_model
-from ..conversion.job import Selection
+from ..conversion.job import ConversionJob, Selection
 from ..conversion.budget import measured_weights_lr, measurer
 from ..conversion.evaluation import calibration_overlap, check_context_lengths, warn
 from ..surgery import check_not_converted, plan
@@ -75,9 +75,9 @@ def run(args) -> None:
         measured.tune_steps, measured.progress = args.tune_steps, False
         measured.block_weights_lr = measured_weights_lr(args.block_weights_lr)
         warn(calibration_overlap(measured.data, None, args.data, texts))
-    selection = Selection(roles=roles(args.roles), include=args.include, exclude=args.exclude)
-    measure = measurer(model, tokenizer, texts, measured, to=args.to, selection=selection,
-                       per_channel=args.per_channel, name=args.model, windows=args.windows, window_len=window_len,
+    job = ConversionJob(model=args.model, to=args.to, per_channel=args.per_channel,
+                        selection=Selection(roles=roles(args.roles), include=args.include, exclude=args.exclude))
+    measure = measurer(job, model, tokenizer, texts, measured, windows=args.windows, window_len=window_len,
                        sentences=args.sentences)
     with open(args.log, "a") if args.log else contextlib.nullcontext() as log:
         def write(entry: dict) -> None:

@@ -15,13 +15,13 @@ from ..model_inputs import ends_in_hidden_states
 from ..surgery import ConversionError, plan
 
 
-def measurer(model, tokenizer, texts, calibration, *, to: str, selection, per_channel: bool, name: str,
-             **slice_options) -> Measurer:
-    """The damage of norms converted ``to`` a method, measured on ``texts`` against the model as it is."""
+def measurer(job, model, tokenizer, texts, calibration, **slice_options) -> Measurer:
+    """The damage of norms converted to ``job.to`` (its selection's roles, per channel or not), measured on
+    ``texts`` against the model as it is."""
     if tokenizer is None:
-        raise ConversionError(f"{name} has no tokenizer: the sensitivity map needs one to score text")
+        raise ConversionError(f"{job.model} has no tokenizer: the sensitivity map needs one to score text")
     reference = Reference(model, tokenizer, texts, **slice_options)
-    return Measurer(model, reference, to, calibration, roles=selection.roles, per_channel=per_channel)
+    return Measurer(model, reference, job.to, calibration, roles=job.selection.roles, per_channel=job.per_channel)
 
 
 def measured_weights_lr(block_weights_lr: float | None) -> float:
@@ -39,14 +39,13 @@ def select_within_budget(job, model, tokenizer):
         raise ConversionError(f"--budget-{metric.replace('_', '-')} does not apply to {job.model}: use "
                               + ("--budget-cosine for an encoder" if encoder else
                                  "--budget-kl or --budget-ppl-ratio for a model with an output head"))
-    calibration = job.calibration.resolve(model, tokenizer)
+    calibration = job.calibration.calibration_for(model, tokenizer)
     if calibration is not None:
         calibration = replace(calibration, num_blocks=CALIB_BLOCKS, block_len=CALIB_LEN, tune_steps=0, plots=None,
                               block_weights_lr=measured_weights_lr(job.calibration.block_weights_lr),
                               progress=False)
     texts = evaluation_texts(job.budget.data, model, tokenizer, EVAL_WINDOWS * EVAL_LEN)
-    measure = measurer(model, tokenizer, texts, calibration, to=job.to, selection=job.selection,
-                       per_channel=job.per_channel, name=job.model)
+    measure = measurer(job, model, tokenizer, texts, calibration)
     selection = job.selection
     _, selected, skipped = plan(model, selection.roles, selection.include, selection.exclude)
     found = bisect(measure_map(measure, selected), measure, metric, limit)

@@ -49,15 +49,15 @@ class CalibrationSettings:
             del given["data"]
         return given
 
-    def config(self, tokenizer=None) -> CalibrationConfig:
+    def calibration_config(self, tokenizer=None) -> CalibrationConfig:
         """The settings as a checked ``CalibrationConfig`` (no data given: the default data, for the checks)."""
         config = read_settings(CalibrationConfig, self.given(), labels=self.FLAGS, check=CalibrationConfig.resolved)
         config.tokenizer = tokenizer
         return config
 
-    def check(self, input_scale: float | None = None) -> None:
+    def check_calibration(self, input_scale: float | None = None) -> None:
         """Mistakes that need no model, so they fail before the (slow) load; numbers are checked even unused."""
-        self.config()
+        self.calibration_config()
         given = self.given()
         if input_scale is not None and self.data != NONE:
             raise ConversionError("--input-scale sets the analytic start: add --calib none (calibration measures "
@@ -72,7 +72,7 @@ class CalibrationSettings:
         if self.plots:
             check_output_folder(self.plots, "--plots")
 
-    def resolve(self, model, tokenizer) -> CalibrationConfig | None:
+    def calibration_for(self, model, tokenizer) -> CalibrationConfig | None:
         """The calibration asked for: None for data none (the analytic start), the given text, or without data the
         default (``calibration.defaults``), said in one line."""
         if self.data == NONE:
@@ -84,4 +84,4 @@ class CalibrationSettings:
             return config
         if tokenizer is None:
             raise ConversionError("--calib needs a model with a tokenizer")
-        return self.config(tokenizer)
+        return self.calibration_config(tokenizer)

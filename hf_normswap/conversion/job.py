@@ -67,7 +67,7 @@ class Evaluation:
     max_tokens: int | None = None
     batch_size: int = 1
 
-    def check(self) -> None:
+    def check_evaluation(self) -> None:
         flag = lambda name: "--eval-" + name.replace("_", "-")  # noqa: E731
         for name in ("max_length", "stride", "max_tokens", "batch_size"):
             if getattr(self, name) is not None:
@@ -144,14 +144,14 @@ class ConversionJob:
         self.placement()
         if self.input_scale is not None:
             check_input_scale(self.input_scale, "--input-scale")
-        self.calibration.check(self.input_scale)
+        self.calibration.check_calibration(self.input_scale)
         self._check_linear()
         check_selection(self.selection.roles, self.selection.include, self.selection.exclude)
         self.output.check_destinations()
         for flag, spec in (("--calib", self.calibration.data), ("--eval", self.evaluation.data)):
             if spec and spec != NONE:  # a mistyped data path, an empty file
                 check_data_files(check_spec(spec), flag)
-        self.evaluation.check()
+        self.evaluation.check_evaluation()
         self.output.check_push()
         if self.budget.limit() and self.budget.data:
             check_spec(self.budget.data)

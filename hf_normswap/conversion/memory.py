@@ -23,7 +23,7 @@ def weights_memory(job) -> int | None:
     calibration = job.calibration
     if calibration.data == NONE or (not given and "gguf_file" in resolve(job.model)[1]):  # a GGUF file loads whole
         return None
-    config = calibration.config()
+    config = calibration.calibration_config()
     if not calibration.data:  # the default's sequences
         default = DEFAULTS["samples"]
         config.num_blocks = calibration.num_blocks or default.num_blocks

@@ -31,7 +31,8 @@ def run_job(job: ConversionJob) -> ConversionReport | None:
     checked before any loading or conversion work. Returns the conversion's report (None: a converted model
     linearised)."""
     job.check_settings()
-    model, tokenizer = load_model(job.model, **job.placement(), weights_memory=weights_memory(job))
+    in_memory = weights_memory(job)
+    model, tokenizer = load_model(job.model, **job.placement(), weights_memory=in_memory)
     if job.to == "linear" and is_converted(model):
         linearise_converted(model, tokenizer, job.calibration, job.max_saturation)
         save(job, model, tokenizer, {})
@@ -63,7 +64,7 @@ def converted(job: ConversionJob, model, tokenizer) -> tuple[ConversionReport, d
         budget, reasons = select_within_budget(job, model, tokenizer)
     check = ConversionCheck(model, tokenizer) if job.check else None  # the original's scores, before
     selection = job.selection
-    report = convert(model, to=job.to, calibration=job.calibration.resolve(model, tokenizer),
+    report = convert(model, to=job.to, calibration=job.calibration.calibration_for(model, tokenizer),
                      roles=selection.roles, include=exact(budget.converted) if budget else selection.include,
                      exclude=None if budget else selection.exclude, per_channel=job.per_channel,
                      input_scale=job.input_scale)

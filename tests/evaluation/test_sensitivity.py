@@ -184,7 +184,7 @@ def test_sensitivity_leaves_the_blocks_weights_alone_unless_asked(tmp_path, monk
 
     seen = []
 
-    def measurer(model, tokenizer, texts, calibration, **options):
+    def measurer(job, model, tokenizer, texts, calibration, **options):
         seen.append(calibration.block_weights_lr)
         raise Measured
 
