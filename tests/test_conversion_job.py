@@ -104,7 +104,8 @@ def test_a_bad_key_is_one_line_exit_2_and_nothing_written(source, tmp_path, caps
     before = file_tree(tmp_path)
     code = cli.main(["convert", str(source), "--config", str(config), "--output", str(tmp_path / "out")])
     err = capsys.readouterr().err
-    assert code == 2 and named in err and err.startswith("normswap: error: ") and err.count("\n") == 1, err
+    assert code == 2 and err.startswith(f"normswap: error: --config {config}: ") and err.count("\n") == 1, err
+    assert named in err
     assert file_tree(tmp_path) == before
 
 

@@ -17,7 +17,6 @@ from ..evaluation.perplexity import EvaluationError
 from ..fold import FoldError
 from ..placement import DTYPES, check_device, default_device
 from ..validation import ValidationError, check_number
-from ..conversion.evaluation import warn  # noqa: F401 - the one warning line, the library's and the verbs'
 
 USER_ERRORS = (ConversionError, ModelLoadError, PackagedModelMissing, DataError, EvaluationError, CheckpointError,
                PushError, FoldError, ValidationError)

@@ -1,5 +1,6 @@
 """A conversion's evaluation (``--eval``): the converted model against the original, side by side, printed and
-stored for the model card; warned when the text overlaps the calibration's."""
+stored for the model card; warned (one line, as every verb warns) when the text overlaps the calibration's; and
+the lengths a job gives checked against the model's context before any work."""
 
 from __future__ import annotations
 

@@ -169,5 +169,10 @@ def read_job(*layers, config_file: str | None = None) -> ConversionJob:
     """A job from a YAML file's settings (``config_file``) under the given ``layers`` (mappings of settings, the
     command line's last: they win), every key known and every value of its type. The checks' messages name each
     setting by its ``normswap convert`` flag."""
-    file_layer = read_yaml_file(config_file) if config_file else {}
-    return read_settings(ConversionJob, file_layer, *layers)
+    if not config_file:
+        return read_settings(ConversionJob, *layers)
+    file_layer = read_yaml_file(config_file)
+    try:
+        return read_settings(ConversionJob, file_layer, *layers)
+    except ValidationError as error:  # a key or value of the file (the flags' are typed as they are parsed)
+        raise ValidationError(f"--config {config_file}: {error}") from None
