@@ -1,7 +1,7 @@
 """A conversion as one job (``normswap convert``, ``convert --config job.yaml`` or Python): what to convert and
 how, in sections that each say one part of it. The settings reader (``hf_normswap.settings``) builds a job from a
-YAML file and the command line's flags alike; :meth:`ConversionJob.check` refuses, in one line each, whatever can
-be refused before the model loads. :func:`hf_normswap.conversion.run_job` runs it."""
+YAML file and the command line's flags alike; :meth:`ConversionJob.check_settings` refuses, in one line each,
+whatever can be refused before the model loads. :func:`hf_normswap.conversion.run_job` runs it."""
 
 from __future__ import annotations
 

@@ -27,9 +27,9 @@ from .memory import weights_memory
 
 
 def run_job(job: ConversionJob) -> ConversionReport | None:
-    """Convert ``job.model`` as the job says and save, push and report it; every setting and destination is
-    checked before any loading or conversion work. Returns the conversion's report (None: a converted model
-    linearised)."""
+    """Convert ``job.model`` as the job says and save, push and report it, printing what ``normswap convert``
+    prints; every setting and destination is checked before any loading or conversion work. Returns the
+    conversion's report (None: a converted model linearised)."""
     job.check_settings()
     in_memory = weights_memory(job)
     model, tokenizer = load_model(job.model, **job.placement(), weights_memory=in_memory)
