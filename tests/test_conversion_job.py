@@ -81,6 +81,8 @@ def test_flags_win_over_the_file_and_the_file_over_the_defaults(tmp_path):
     assert (job.model, job.to, job.selection.roles, job.evaluation.batch_size) == ("other", "eln", ["final"], 4)
     assert job.per_channel and job.fold and not job.check and job.evaluation.max_tokens == 64  # the file's
     assert job.max_saturation == 0.01 and job.dtype == "float32" and job.budget.kl is None  # the defaults
+    config.write_text("selection:\n  roles: attention_input, mlp_input\n")  # as --roles takes them
+    assert flags_job(["--config", str(config)]).selection.roles == ["attention_input", "mlp_input"]
 
 
 def test_a_run_from_python_writes_the_checkpoint_the_command_line_writes(source, tmp_path, capsys):

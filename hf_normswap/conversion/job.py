@@ -172,6 +172,9 @@ def read_job(*layers, config_file: str | None = None) -> ConversionJob:
     if not config_file:
         return read_settings(ConversionJob, *layers)
     file_layer = read_yaml_file(config_file)
+    selection = file_layer.get("selection")
+    if isinstance(selection, dict) and isinstance(selection.get("roles"), str):  # as --roles: a,b
+        selection["roles"] = [r.strip() for r in selection["roles"].split(",") if r.strip()]
     try:
         return read_settings(ConversionJob, file_layer, *layers)
     except ValidationError as error:  # a key or value of the file (the flags' are typed as they are parsed)
