@@ -37,7 +37,7 @@ def add_parser(commands) -> None:
          help="host memory the conversion may use, e.g. 16GB: weights beyond what fits stay on disk and calibration "
               "brings one block in at a time, without its end-to-end steps (default: the memory this machine has "
               "free). It bounds the weights and calibration's buffers; the interpreter, torch and transformers come "
-              "on top (about 110 MiB on CPU)")
+              "on top")
     placement_args(conv, given_only=True)
     calibration_args(conv)
     selection_args(conv, given_only=True)
