@@ -18,7 +18,6 @@ import pytest
 import torch
 
 import hf_normswap
-from hf_normswap import cli
 from hf_normswap.checkpoint import directory as checkpoint_dir
 from hf_normswap.checkpoint.record import converted_config
 from hf_normswap.conversion import run as conversion_run

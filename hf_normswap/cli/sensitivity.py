@@ -14,6 +14,9 @@ from ..data import check_spec
 from ..model_inputs import context_length
 from ..evaluation import finite_json
 from ..evaluation.documents import evaluation_texts
+from ..evaluation.norm_sensitivity import (
+    CALIB_BLOCKS, CALIB_LEN, EVAL_LEN, EVAL_WINDOWS, SENTENCES, measure_map, plot,
+)
 from ..modules import METHODS
 from ..validation import check_number, check_output_file
 from ..calibration.defaults import NONE
@@ -22,8 +25,6 @@ from .common import MODEL_HELP, placement, placement_args, roles, selection_args
 
 
 def add_parser(commands) -> None:
-    from ..evaluation.norm_sensitivity import CALIB_BLOCKS, CALIB_LEN, EVAL_LEN, EVAL_WINDOWS, SENTENCES
-
     sens = commands.add_parser("sensitivity", help="damage of each norm converted alone, and the greedy curve")
     sens.add_argument("model", help=MODEL_HELP)
     sens.add_argument("--to", required=True, choices=sorted(METHODS), type=str.lower, help="element-wise method")
@@ -48,8 +49,6 @@ def add_parser(commands) -> None:
 
 
 def run(args) -> None:
-    from ..evaluation.norm_sensitivity import CALIB_LEN, EVAL_LEN, measure_map, plot
-
     check_calibration_args(args)
     for flag in ("windows", "window_len", "sentences"):
         if getattr(args, flag) is not None:
