@@ -17,6 +17,7 @@ on one line not each other). pyproject.toml's import-linter contract holds the s
     planning                                        the memory plan
     surgery | fold | linearise                      the verb: plan, inspect, convert; folding; linearising
     evaluation                                      perplexity, sentence embeddings, per-norm sensitivity
+    conversion                                      a conversion as one job (``run_job``), as ``normswap convert``
     training                                        recovery against the original (the recipe)
     cli                                             the ``normswap`` command
 
@@ -34,6 +35,7 @@ from .discovery.norms import NormInfo, find_norms
 from .fold import fold
 from .linearise import linearise
 from .checkpoint.stock_export import export_stock
+from .conversion import ConversionJob, run_job
 from .evaluation.perplexity import EvaluationError, evaluate
 from .modules import ELN, METHODS, Derf, DyISRU, DyT, ElementwiseNorm, Linear
 from .validation import ValidationError
@@ -41,7 +43,7 @@ from .validation import ValidationError
 __all__ = [
     "__version__",
     "convert", "inspect", "plan", "fold", "linearise", "export_stock", "load", "load_model", "save_pretrained", "evaluate", "find_norms",
-    "ConvertConfig", "CalibrationConfig", "ConversionReport", "NormInfo",
+    "run_job", "ConversionJob", "ConvertConfig", "CalibrationConfig", "ConversionReport", "NormInfo",
     "METHODS", "DyT", "ELN", "DyISRU", "Derf", "Linear", "ElementwiseNorm",
     "ConversionError", "CheckpointError", "EvaluationError", "ValidationError",
 ]

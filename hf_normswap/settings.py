@@ -1,6 +1,6 @@
 """One reader for settings: a YAML file, ``key=value`` overrides and the command line's flags are read into the
-dataclasses that declare them (the recipe's ``RecipeConfig``, ``CalibrationConfig``), by OmegaConf's structured
-configs. OmegaConf checks each value against its field's type (``lr.base=1e-3`` is a float, ``block_len=abc`` is
+dataclasses that declare them (the recipe's ``RecipeConfig``, a conversion's ``ConversionJob``,
+``CalibrationConfig``), by OmegaConf's structured configs. OmegaConf checks each value against its field's type (``lr.base=1e-3`` is a float, ``block_len=abc`` is
 refused), merges the layers and builds the dataclass, whose ``__post_init__`` checks ranges.
 
 What is checked here, before OmegaConf sees the values: the file's size and encoding, YAML anchors and aliases (an

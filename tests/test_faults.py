@@ -18,9 +18,9 @@ import pytest
 import torch
 
 import hf_normswap
-from hf_normswap import cli
 from hf_normswap.checkpoint import directory as checkpoint_dir
 from hf_normswap.checkpoint.record import converted_config
+from hf_normswap.conversion import run as conversion_run
 from hf_normswap.training import recipe_models, recipe_settings
 from hf_normswap.validation import ValidationError
 from cli_runs import file_tree, recipe_refusal, run_cli as _cli
@@ -342,14 +342,14 @@ def test_output_paths_are_checked_before_loading(tmp_path, monkeypatch, capsys):
 def test_failed_save_keeps_the_converted_model_and_says_where(tmp_path, monkeypatch, capsys):
     """The output vanishes under the run (here: the save into it fails); the converted model lands elsewhere."""
     tiny_model("llama").save_pretrained(tmp_path / "source")
-    real_save = cli.output.save_pretrained
+    real_save = conversion_run.save_pretrained
 
     def failing(model, directory, **kwargs):
         if Path(directory) == tmp_path / "out":
             raise OSError(28, "No space left on device")
         return real_save(model, directory, **kwargs)
 
-    monkeypatch.setattr(cli.output, "save_pretrained", failing)
+    monkeypatch.setattr(conversion_run, "save_pretrained", failing)
     code, line = _cli(["convert", tmp_path / "source", "--to", "eln", "--calib", "none", "--output", tmp_path / "out"],
                       capsys)
     assert code == 2 and "No space left on device" in line

@@ -18,7 +18,9 @@ from safetensors import SafetensorError
 import hf_normswap
 from hf_normswap import cli
 from hf_normswap.checkpoint import directory as checkpoint_dir
+from hf_normswap.checkpoint.kept import keep
 from hf_normswap.checkpoint.record import converted_config
+from hf_normswap.conversion import evaluation as conversion_evaluation
 from cli_runs import file_tree, run_cli as _cli
 from hub_mirror import TOKEN, HubMirror
 from tiny_models import tiny_model, tiny_tokenizer
@@ -128,7 +130,7 @@ def test_an_evaluation_failing_after_the_conversion_keeps_it(source, tmp_path, m
     def broken(*args, **kwargs):
         raise RuntimeError("out of memory")
 
-    monkeypatch.setattr(cli.convert, "run_evaluation", broken)
+    monkeypatch.setattr(conversion_evaluation, "evaluate", broken)
     code, line = _cli(["convert", source / "llama", "--to", "dyt", *ANALYTIC, "--output", tmp_path / "out", "--eval",
                        source / "text.txt"], capsys)
     assert code == 2 and "--eval failed (out of memory)" in line and f"without its evaluation, in {tmp_path / 'out'}" in line
@@ -150,7 +152,7 @@ def test_a_failed_keep_leaves_no_temporary_folder(tmp_path, temp_dir):
         raise OSError(28, "No space left on device")
 
     with pytest.raises(checkpoint_dir.CheckpointError, match="not even to a temporary directory"):
-        cli.output.keep(unsavable, "checkpoint")
+        keep(unsavable, "checkpoint")
     assert list(temp_dir.iterdir()) == []
 
 

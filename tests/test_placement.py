@@ -8,6 +8,8 @@ import torch
 
 import hf_normswap.cli as cli
 from hf_normswap.checkpoint.loading import load_model
+from hf_normswap.conversion import run as conversion_run
+from hf_normswap.conversion.job import read_job
 from hf_normswap.modules import ElementwiseNorm
 from hf_normswap.placement import check_device, default_device
 from tiny_models import tiny_model, tiny_tokenizer
@@ -34,7 +36,7 @@ def loaded(monkeypatch):
         seen.append((model, kwargs))
         return model, tokenizer
 
-    for verb in (cli.inspect, cli.convert, cli.evaluate, cli.sensitivity):
+    for verb in (cli.inspect, conversion_run, cli.evaluate, cli.sensitivity):
         monkeypatch.setattr(verb, "load_model", spy)
     return seen
 
@@ -61,7 +63,11 @@ def test_cuda_is_refused_without_one():
 def test_defaults(model_dir):
     for command, extra in COMMANDS.items():
         args = cli.build_parser().parse_args([command, model_dir, *extra])
-        assert (args.device, args.dtype) == (default_device(), "float32")
+        if command == "convert":  # the flags set what is given; the job holds the defaults
+            assert read_job(cli.convert.job_settings(args)).placement() == {"device": default_device(),
+                                                                            "dtype": torch.float32}
+        else:
+            assert (args.device, args.dtype) == (default_device(), "float32")
 
 
 def test_convert_loads_and_calibrates_in_the_dtype_and_on_the_device_given(model_dir, loaded, tmp_path):

@@ -17,10 +17,8 @@ from ..evaluation.tasks import MIN_RECOVERY, check_tasks
 from ..evaluation.documents import evaluation_texts
 from ..model_inputs import is_encoder
 from ..validation import ValidationError, check_data_files, check_number
-from .common import (
-    MODEL_HELP, calibration_overlap, check_evaluation_args, evaluation_args,
-    placement, placement_args, run_evaluation, warn,
-)
+from ..conversion.evaluation import calibration_overlap, warn
+from .common import MODEL_HELP, check_evaluation_args, evaluation_args, placement, placement_args, run_evaluation
 
 
 def add_parser(commands) -> None:
@@ -152,7 +150,7 @@ def run(args) -> None:
             raise EvaluationError(f"--tasks needs language models; {args.model} is an encoder: drop --tasks")
         evaluation = _embedding_evaluation(args, model, tokenizer, against, texts)
     else:
-        evaluation = run_evaluation(args, "", model, tokenizer, against, args.data, texts)
+        evaluation = run_evaluation(args, model, tokenizer, against, args.data, texts)
         if against is not None:
             models = {"original": against, "converted": model}
             settings = FitSettings(context=not args.no_tails, tasks=request, limit=args.limit,

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..checkpoint.hub import push
 from ..checkpoint.directory import checkpoint_files
-from .common import warn
+from ..checkpoint.hub import push
+from ..conversion.evaluation import warn
 
 
 def add_parser(commands) -> None:

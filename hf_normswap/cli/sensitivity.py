@@ -1,31 +1,30 @@
-"""``normswap sensitivity``: the damage of each norm converted alone, and the greedy curve; and the quality budget
-of ``convert --budget-*``, the largest greedy subset within a limit, searched on a copy."""
+"""``normswap sensitivity``: the damage of each norm converted alone, and the greedy curve (what a conversion's
+quality budget, ``conversion.budget``, searches)."""
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import math
 
 from ..checkpoint.loading import load_model
-from ..surgery import ConversionError, check_not_converted, plan
+from ..conversion.job import ConversionJob, Selection
+from ..conversion.budget import measured_weights_lr, measurer
+from ..conversion.evaluation import calibration_overlap, check_context_lengths, warn
+from ..surgery import check_not_converted, plan
 from ..data import check_spec
 from ..model_inputs import context_length
 from ..evaluation import finite_json
 from ..evaluation.documents import evaluation_texts
+from ..evaluation.norm_sensitivity import (
+    CALIB_BLOCKS, CALIB_LEN, EVAL_LEN, EVAL_WINDOWS, SENTENCES, measure_map, plot,
+)
 from ..modules import METHODS
 from ..validation import check_number, check_output_file
 from ..calibration.defaults import NONE
 from .calibration_flags import calibration, calibration_args, check_calibration_args
-from .common import (
-    MODEL_HELP, calibration_overlap, check_context_lengths, placement, placement_args, roles,
-    selection_args, warn,
-)
+from .common import MODEL_HELP, placement, placement_args, roles, selection_args
 
 
 def add_parser(commands) -> None:
-    from ..evaluation.norm_sensitivity import CALIB_BLOCKS, CALIB_LEN, EVAL_LEN, EVAL_WINDOWS, SENTENCES
-
     sens = commands.add_parser("sensitivity", help="damage of each norm converted alone, and the greedy curve")
     sens.add_argument("model", help=MODEL_HELP)
     sens.add_argument("--to", required=True, choices=sorted(METHODS), type=str.lower, help="element-wise method")
@@ -49,72 +48,7 @@ def add_parser(commands) -> None:
     selection_args(sens)
 
 
-def budget_args(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("quality budget (convert the largest greedy subset within it; see "
-                                      "`normswap sensitivity`)").add_mutually_exclusive_group()
-    group.add_argument("--budget-kl", type=float, metavar="X", help="KL(original || converted) at most X nats/token")
-    group.add_argument("--budget-ppl-ratio", type=float, metavar="R", help="perplexity at most R times the original's")
-    group.add_argument("--budget-cosine", type=float, metavar="C", help="encoders: mean embedding cosine at least C")
-    parser.add_argument("--budget-data", default="builtin", help="text the budget is measured on (default: "
-                        "%(default)s, the evaluation half)")
-
-
-def budget(args) -> tuple[str, float] | None:
-    for metric in ("kl", "ppl_ratio", "cosine"):
-        limit = getattr(args, f"budget_{metric}")
-        if limit is not None:
-            if not (0 < limit < math.inf) or (metric == "ppl_ratio" and limit < 1) or (metric == "cosine" and limit > 1):
-                raise ConversionError(f"--budget-{metric.replace('_', '-')} {limit} is out of range: give a KL > 0, "
-                                      "a perplexity ratio >= 1 or a cosine in (0, 1]")
-            return metric, limit
-    return None
-
-
-def measurer(args, model, tokenizer, texts, calibration, **slice_options):
-    from ..evaluation.norm_sensitivity import Measurer, Reference
-
-    if tokenizer is None:
-        raise ConversionError(f"{args.model} has no tokenizer: the sensitivity map needs one to score text")
-    reference = Reference(model, tokenizer, texts, **slice_options)
-    return Measurer(model, reference, args.to, calibration, roles=roles(args.roles), per_channel=args.per_channel)
-
-
-def _measured_weights_lr(args) -> float:
-    """Block-wise reconstruction in a sensitivity measurement only when asked: the map is the damage of norms
-    converted with their blocks' weights as they are, and a few hundred tokens would overfit the weights."""
-    return 0.0 if args.block_weights_lr is None else args.block_weights_lr
-
-
-def select_within_budget(args, model, tokenizer):
-    """The budget search on a copy: the map on the sensitivity slice, then a bisection of its greedy curve."""
-    from dataclasses import replace
-
-    from ..evaluation.norm_sensitivity import CALIB_BLOCKS, CALIB_LEN, EVAL_LEN, EVAL_WINDOWS, measure_map
-    from ..evaluation.norm_sensitivity import select_within_budget as bisect
-    from ..model_inputs import ends_in_hidden_states
-
-    metric, limit = budget(args)
-    encoder = ends_in_hidden_states(model)
-    if (metric == "cosine") != encoder:
-        raise ConversionError(f"--budget-{metric.replace('_', '-')} does not apply to {args.model}: use "
-                              + ("--budget-cosine for an encoder" if encoder else
-                                 "--budget-kl or --budget-ppl-ratio for a model with an output head"))
-    measured = calibration(args, model, tokenizer)
-    if measured is not None:  # measured cheaply; the final conversion runs the full calibration
-        measured = replace(measured, num_blocks=CALIB_BLOCKS, block_len=CALIB_LEN, tune_steps=0, plots=None,
-                           block_weights_lr=_measured_weights_lr(args), progress=False)
-    texts = evaluation_texts(args.budget_data, model, tokenizer, EVAL_WINDOWS * EVAL_LEN)
-    measure = measurer(args, model, tokenizer, texts, measured)
-    _, selected, skipped = plan(model, roles(args.roles), args.include, args.exclude)
-    found = bisect(measure_map(measure, selected), measure, metric, limit)
-    if not found.converted:
-        raise ConversionError(f"no norm converts within the budget: {found.kept[0]['reason']}")
-    return found, {s["name"]: s["reason"] for s in skipped}
-
-
 def run(args) -> None:
-    from ..evaluation.norm_sensitivity import CALIB_LEN, EVAL_LEN, measure_map, plot
-
     check_calibration_args(args)
     for flag in ("windows", "window_len", "sentences"):
         if getattr(args, flag) is not None:
@@ -128,7 +62,7 @@ def run(args) -> None:
             check_output_file(path, flag)
     model, tokenizer = load_model(args.model, **placement(args))
     check_not_converted(model)
-    check_context_lengths(args, model, {"--window-len": args.window_len,
+    check_context_lengths(args.model, model, {"--window-len": args.window_len,
                                         "--calib-len": args.calib_len if args.calib else None},
                           {"--calib": args.calib, "--data": args.data})
     window_len = args.window_len or min(EVAL_LEN, context_length(model) or EVAL_LEN)
@@ -138,9 +72,11 @@ def run(args) -> None:
     if measured is not None:
         measured.block_len = args.calib_len or CALIB_LEN
         measured.tune_steps, measured.progress = args.tune_steps, False
-        measured.block_weights_lr = _measured_weights_lr(args)
+        measured.block_weights_lr = measured_weights_lr(args.block_weights_lr)
         warn(calibration_overlap(measured.data, None, args.data, texts))
-    measure = measurer(args, model, tokenizer, texts, measured, windows=args.windows, window_len=window_len,
+    job = ConversionJob(model=args.model, to=args.to, per_channel=args.per_channel,
+                        selection=Selection(roles=roles(args.roles), include=args.include, exclude=args.exclude))
+    measure = measurer(job, model, tokenizer, texts, measured, windows=args.windows, window_len=window_len,
                        sentences=args.sentences)
     with open(args.log, "a") if args.log else contextlib.nullcontext() as log:
         def write(entry: dict) -> None:

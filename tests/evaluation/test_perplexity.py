@@ -211,13 +211,14 @@ def test_cli_eval_table_and_user_errors(saved_model, capsys, tmp_path):
 def test_cli_convert_eval_prints_and_stores_the_table(saved_model, capsys, monkeypatch):
     model, data = saved_model
     stored = {}
-    real = __import__("hf_normswap.cli.convert", fromlist=["evaluate_conversion"]).evaluate_conversion
+    real = __import__("hf_normswap.conversion.run", fromlist=["evaluate_conversion"]).evaluate_conversion
 
-    def spy(args, converted, original, tokenizer):
-        real(args, converted, original, tokenizer)
-        stored.update(converted.config.normswap["evaluation"])
+    def spy(*args):
+        card = real(*args)
+        stored.update(card)
+        return card
 
-    monkeypatch.setattr("hf_normswap.cli.convert.evaluate_conversion", spy)
+    monkeypatch.setattr("hf_normswap.conversion.run.evaluate_conversion", spy)
     assert main(["convert", str(model), "--to", "dyt", "--eval", str(data)]) == 0
     out = capsys.readouterr().out
     assert "| metric | original | converted | ratio |" in out
@@ -268,7 +269,7 @@ metric_list:
 
 
 def test_recorded_calibration_of_a_checkpoint_is_checked(tmp_path):
-    from hf_normswap.cli.common import calibration_overlap as _calibration_overlap
+    from hf_normswap.conversion.evaluation import calibration_overlap as _calibration_overlap
 
     data = tmp_path / "t.txt"
     data.write_text(TEXTS[0])

@@ -154,11 +154,12 @@ def test_calibration_text_is_tokenized_once_for_all_measurements(llama_map):
 
 def test_convert_budget_converts_within_it_and_refuses_an_impossible_one(tmp_path, monkeypatch, capsys):
     import hf_normswap.cli as cli
+    import hf_normswap.conversion.run as conversion_run
 
     def load(*args, **kwargs):  # a fresh tiny Llama with room for the 256-token slice windows
         return tiny_model("llama", randomize_norms=False, max_position_embeddings=512), tiny_tokenizer()
 
-    monkeypatch.setattr(cli.convert, "load_model", load)
+    monkeypatch.setattr(conversion_run, "load_model", load)
     text, report = tmp_path / "text.txt", tmp_path / "report.json"
     text.write_text(TEXT[0])
     argv = ["convert", "tiny", "--to", "eln", *ANALYTIC, "--budget-data", str(text), "--report", str(report),
@@ -183,7 +184,7 @@ def test_sensitivity_leaves_the_blocks_weights_alone_unless_asked(tmp_path, monk
 
     seen = []
 
-    def measurer(args, model, tokenizer, texts, calibration, **options):
+    def measurer(job, model, tokenizer, texts, calibration, **options):
         seen.append(calibration.block_weights_lr)
         raise Measured
 
