@@ -1,13 +1,18 @@
 """The plan of a recipe run from the run it resolved (``recovery_run.RecoveryRun``), so the recipe can log at start
-what it is about to need. Read by attribute: this stage sits below training."""
+what it is about to need."""
 
 from __future__ import annotations
 
-from ..calibration.calibrate import STRATEGIES
+from typing import TYPE_CHECKING
+
+from ..calibration.calibrate import STRATEGIES, CalibrationConfig
 from .plan_settings import PlanSettings
 
+if TYPE_CHECKING:  # recovery_run imports this module to size its step: the run's class named for the types alone
+    from .recovery_run import RecoveryRun
 
-def run_plan_settings(run, device_memory: int | None = None) -> PlanSettings:
+
+def run_plan_settings(run: RecoveryRun, device_memory: int | None = None) -> PlanSettings:
     """:class:`PlanSettings` of a resolved recovery run (``recovery_run.RecoveryRun``): its processes, sharding
     (FSDP2 or DDP), whether the main process alone reads the weights, whether it calibrates, and its settings.
     ``precision: auto`` is planned as fp32, the larger of its two answers' activations."""
@@ -24,7 +29,7 @@ def run_plan_settings(run, device_memory: int | None = None) -> PlanSettings:
         **calibration_settings(run.calibration))
 
 
-def calibration_settings(calibration) -> dict:
+def calibration_settings(calibration: CalibrationConfig) -> dict:
     """The :class:`PlanSettings` fields of a ``CalibrationConfig``; what it leaves to its strategy is the block
     strategy's (the language models' default)."""
     block = STRATEGIES["block"]

@@ -13,10 +13,17 @@ import os
 import re
 from pathlib import Path
 
+import torch
+from huggingface_hub import try_to_load_from_cache
+from safetensors import safe_open
+from transformers import TrainingArguments
+from transformers.trainer_pt_utils import safe_globals
+
 from ..atomic_write import atomic_write
+from ..checkpoint.directory import check_output_dir
 from ..checkpoint.loading import resolve
 from ..checkpoint.packaged import PREFIX as PACKAGED
-from ..checkpoint.directory import check_output_dir
+from ..checkpoint.record import ConversionRecord
 from ..evaluation import finite_json
 from ..validation import ValidationError, check_path_length, first_line, shown
 from .run_lock import LOCK
@@ -67,8 +74,6 @@ def model_identity(spec: str) -> dict:
     location, extra = resolve(spec)
     path = Path(location) / extra["gguf_file"] if "gguf_file" in extra else Path(location)
     if not path.exists():
-        from huggingface_hub import try_to_load_from_cache
-
         try:
             cached = try_to_load_from_cache(spec, "config.json")
         except ValueError:  # not a Hub id either: loading will say the model is not found
@@ -92,8 +97,6 @@ RESTORED_TRAINING_ARGUMENTS = ("weight_decay", "adam_beta1", "adam_beta2", "adam
 def optimizer_settings(config) -> dict:
     """The settings a resumed optimizer would silently drop, as the run records them: the learning rates (each
     group's, and the scheduler's base rates, come back from the checkpoint) and the optimizer's own."""
-    from transformers import TrainingArguments
-
     defaults = {f.name: f.default for f in dataclasses.fields(TrainingArguments)}
     restored = {f"training.{key}": config.training.get(key, defaults[key]) for key in RESTORED_TRAINING_ARGUMENTS}
     return {"lr.base": config.lr.base, "lr.shape": config.lr.shape, "lr.gamma": config.lr.gamma,
@@ -144,8 +147,6 @@ def finished_run(output_dir: Path, save_path: Path, resume: bool, train_tokens: 
     final checkpoint is still the one saved then; None otherwise. (The Trainer, resumed from a checkpoint at
     ``max_steps``, would train one more step and replace ``final``.) A larger budget with no Trainer checkpoint left
     to continue from would train again from the calibrated model and replace ``final``: a ValidationError."""
-    from ..checkpoint.record import ConversionRecord
-
     if not (resume and output_dir.is_dir()):
         return None
     last = last_checkpoint(output_dir)
@@ -183,10 +184,6 @@ def damaged_checkpoint(checkpoint: Path) -> str | None:
     """Why the Trainer could not resume from ``checkpoint`` (a cut or foreign file), or None: each state file read as
     the Trainer reads it, tensors only (``weights_only``: a pickle that would run code is refused, not run) and
     memory-mapped, so an optimizer state of gigabytes is not read into memory."""
-    import torch
-    from safetensors import safe_open
-    from transformers.trainer_pt_utils import safe_globals
-
     for file in sorted(checkpoint.iterdir()):
         try:
             if file.suffix in (".pt", ".pth") or file.suffix == ".bin" and file.name != "training_args.bin":
