@@ -203,7 +203,7 @@ def recipe_overrides(args, norm: str, method: str, budget: int, run_dir: Path) -
 def other_text(args, norm: str, method: str, run_dir: Path, checkpoint: Path) -> dict:
     """A point on ``--other-data``, text that neither calibration nor training read: ``normswap eval`` of the
     checkpoint against the original, on as many tokens in windows as long as the recipe's final evaluation."""
-    from hf_normswap.planning.recovery_run import resolve_run
+    from hf_normswap.training.recovery_run import resolve_run
     from hf_normswap.training.config import read_recipe_config
 
     run = resolve_run(read_recipe_config(args.config, recipe_overrides(args, norm, method, 1, run_dir)))

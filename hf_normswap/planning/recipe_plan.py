@@ -1,20 +1,15 @@
-"""The plan of a recipe run from the run it resolved (``recovery_run.RecoveryRun``), so the recipe can log at start
-what it is about to need."""
+"""The plan of a recipe run from the run it resolved (``training.recovery_run.RecoveryRun``), so the recipe can log at
+start what it is about to need. Read by attribute: the run is resolved in the training stage, above this one."""
 
 from __future__ import annotations
-
-from typing import TYPE_CHECKING
 
 from ..calibration.calibrate import STRATEGIES, CalibrationConfig
 from .plan_settings import PlanSettings
 
-if TYPE_CHECKING:  # recovery_run imports this module to size its step: the run's class named for the types alone
-    from .recovery_run import RecoveryRun
 
-
-def run_plan_settings(run: RecoveryRun, device_memory: int | None = None) -> PlanSettings:
-    """:class:`PlanSettings` of a resolved recovery run (``recovery_run.RecoveryRun``): its processes, sharding
-    (FSDP2 or DDP), whether the main process alone reads the weights, whether it calibrates, and its settings.
+def run_plan_settings(run, device_memory: int | None = None) -> PlanSettings:
+    """:class:`PlanSettings` of a resolved recovery run (``training.recovery_run.RecoveryRun``): its processes,
+    sharding (FSDP2 or DDP), whether the main process alone reads the weights, whether it calibrates, and its settings.
     ``precision: auto`` is planned as fp32, the larger of its two answers' activations."""
     config, training = run.settings, run.settings.training
     return PlanSettings(

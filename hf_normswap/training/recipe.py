@@ -27,6 +27,7 @@ methods of :class:`RecoveryRecipe`, in the order they run:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import gc
 import time
@@ -42,7 +43,7 @@ from ..checkpoint.record import ConversionRecord
 from ..data import DataError
 from ..evaluation.documents import evaluation_texts
 from ..planning import PlanError, plan, run_plan_settings
-from ..planning.recovery_run import RecoveryRunError, resolve_run
+from .recovery_run import RecoveryRunError, resolve_run
 from ..validation import ValidationError, first_line
 from .compiled_blocks import keep_compile_cache
 from .config import RecipeConfig
@@ -50,7 +51,7 @@ from .divergence import check_finite
 from .recipe_data import check_data, packs_blocks
 from .recipe_models import load_models, whole_student
 from .recipe_results import (block_perplexity, closing_line, final_evaluation, fit_for_use, launch_entry,
-                             plot_history, probe_logits, reloads_identically, save_final, training_record)
+                             plot_history, probe_logits, reloads_identically, save_final)
 from .recipe_settings import COMMAND, check_calibration_cache, fail, load_config, stopped
 from .recipe_training import TrainingRun, train
 from .run_dir import claim_run_dir, finished_run, launch_history, read_json, record_save, write_json
@@ -67,7 +68,8 @@ def main(argv: list[str] | None = None, command: str = "finetune") -> int:
     ``command``: what the user ran, named by every error and log line."""
     launched = time.monotonic()
     COMMAND.set(command)
-    return RecoveryRecipe(load_config(argv), launched).recover()
+    recipe = RecoveryRecipe(load_config(argv), launched)
+    return recipe.recover()
 
 
 class RecoveryRecipe:
@@ -96,53 +98,32 @@ class RecoveryRecipe:
         except (RecoveryRunError, ValidationError, CheckpointError) as error:
             fail(str(error))
         check_data(config, self.run.calibrates, packs_blocks(self.run.original))
-
-    def log(self, *parts) -> None:
-        """A line of the run's log, printed by the main process."""
-        if self.state.is_main_process:
-            print(f"[{COMMAND.get()}]", *parts, flush=True)
+        self.log = run_log(state.is_main_process)
 
     def recover(self) -> int:
         """The recovery, holding its run folder; 0 also when a finished run has nothing to train, and when a
         hand-over stopped half way (the next launch resumes it)."""
-        with self.held_run_dir(), written_or_stopped(self.config.output_dir):
+        state = self.state
+        with (held_run_dir(self.config.output_dir, state.is_main_process, state.num_processes),
+              written_or_stopped(self.config.output_dir)):
             set_seed(self.config.seed)
-            if self.finished():
+            if not self.claim():
                 return 0
-            self.start()
             student, original, tokenizer = self.load()
             eval_texts = self.evaluate_start(student, original, tokenizer)
-            trained = train(self.run, student, original, tokenizer, self.state, self.log, self.launched)
-            if self.handed_over(trained):
+            trained = train(self.run, student, original, tokenizer, state, self.log, self.launched)
+            stopped_half_way = half_handed_over(trained.hand_over)
+            if stopped_half_way:
+                self.log(stopped_half_way)
+            else:
                 self.finish(trained, original, tokenizer, eval_texts)
-            self.state.wait_for_everyone()
+            state.wait_for_everyone()
         return 0
 
-    @contextlib.contextmanager
-    def held_run_dir(self):
-        """Held while the launch runs: ``output_dir`` claimed under its lock (``run_lock``) by the main process. A
-        second launch into the same folder is refused in one line before any model loads, on every process of it."""
-        lock, refusal = None, None
-        if self.state.is_main_process:
-            try:
-                lock = lock_run_dir(self.config.output_dir)
-            except ValidationError as error:
-                refusal = str(error)
-        if self.state.num_processes > 1:
-            refusal = broadcast_object_list([refusal])[0]
-        if refusal is not None:
-            if self.state.is_main_process:
-                fail(refusal)
-            raise SystemExit(2)
-        try:
-            yield
-        finally:
-            if lock is not None:
-                lock.release()
-
-    def finished(self) -> bool:
-        """Whether the run finished already with nothing left to train (said in one line); else the main process
-        claims the folder. Under the lock: a launch that ended meanwhile may have changed it."""
+    def claim(self) -> bool:
+        """Claim the run folder (the main process, under its lock: a launch that ended meanwhile may have changed
+        it) and begin this launch's summary (a resumed run's so far), logging the step and the memory plan; False,
+        said in one line, when the run finished already with nothing left to train."""
         config, run = self.config, self.run
         try:
             done = finished_run(run.output_dir, run.save_path, config.resume, config.train_tokens, run.steps)
@@ -152,29 +133,18 @@ class RecoveryRecipe:
             fail(str(error))
         if done:
             self.log(done)
-        return bool(done)
-
-    def start(self) -> None:
-        """The summary this launch adds to (a resumed run's so far), then the step and the memory plan logged."""
-        config, run = self.config, self.run
+            return False
         self.summary = (read_json(run.output_dir / "summary.json") or {}) if config.resume else {}
         self.summary["config"] = config.to_dict()
         self.log(f"step: {run.batch_size} x {config.block_len} tokens x {run.accumulation} accumulated x "
                  f"{run.processes} processes = {run.tokens_per_step:,} tokens, {run.steps} steps")
-        self.log_memory_plan()
+        if self.state.is_main_process:  # what the run is about to need (``normswap plan``), before anything loads;
+            try:  # a model the plan cannot read (remote code, a config it does not know) is said, and the run goes on
+                self.log(f"memory plan:\n{plan(run.original, run_plan_settings(run, self.device_memory)).describe()}")
+            except (PlanError, OSError, ValueError) as error:
+                self.log(f"memory plan: not available ({error})")
         keep_compile_cache(run.output_dir)
-
-    def log_memory_plan(self) -> None:
-        """What the run is about to need (``normswap plan``), before anything loads; a model the plan cannot read
-        (remote code, a config it does not know) is said in one line and the run goes on."""
-        if not self.state.is_main_process:
-            return
-        try:
-            memory = plan(self.run.original, run_plan_settings(self.run, self.device_memory))
-        except (PlanError, OSError, ValueError) as error:
-            self.log(f"memory plan: not available ({error})")
-            return
-        self.log(f"memory plan:\n{memory.describe()}")
+        return True
 
     def load(self) -> tuple:
         """(student, original, tokenizer): the converted model (calibrated, or read) and its frozen original."""
@@ -206,16 +176,6 @@ class RecoveryRecipe:
             eval_texts = broadcast_object_list([eval_texts])[0]  # on the main process's texts (the others may hold
         return eval_texts  # no weights to sample the original's from)
 
-    def handed_over(self, trained: TrainingRun) -> bool:
-        """Whether the run's hand-over, if any, reached its end: half handed over, the model is not the converted
-        one, and nothing is saved."""
-        hand_over = trained.hand_over
-        if hand_over is None or hand_over.finished:
-            return True
-        self.log(f"{hand_over.name}: stopped at step {hand_over.stopped_at} of its {hand_over.end} "
-                 f"({hand_over.status()}); no converted model saved: launch again to resume from the last checkpoint")
-        return False
-
     def finish(self, trained: TrainingRun, original, tokenizer, eval_texts: list[str] | None) -> None:
         """After training: evaluate (every process when sharded), then on the main process save the checkpoint with
         the record of its training (the ``training`` part of its ``ConversionRecord``) and its evaluation, check
@@ -238,7 +198,16 @@ class RecoveryRecipe:
         self.log(f"after training:\n{after.table()}")
         history = launch_history(summary, trained.resumed, trainer.state.log_history)
         launches = summary.get("launches", []) + [launch_entry(trained)]
-        training = training_record(config, trained, launches, state.num_processes)
+        training = {"steps": trainer.state.global_step, "tokens_seen": trainer.state.num_input_tokens_seen,
+                    "trainable": config.trainable, "distill": dataclasses.asdict(config.distill),
+                    "lr": dataclasses.asdict(config.lr),
+                    "progressive": dataclasses.asdict(config.progressive) if config.progressive.enabled else None,
+                    "taper": {**dataclasses.asdict(config.taper), "steps": trained.hand_over.steps}
+                    if config.taper.fraction else None,
+                    "train_data": config.train_data, "block_len": config.block_len,
+                    "precision": vars(trained.precision), "freeze_embeddings": config.freeze_embeddings,
+                    "wall_seconds": round(sum(s["wall_seconds"] for s in launches), 1),
+                    "world_size": state.num_processes, "train_loss": trained.result.training_loss}
         ConversionRecord.amend(model, training=training)
         fit = None if encoder else fit_for_use(after, model, original, tokenizer, eval_texts, config.final_eval,
                                                self.log)
@@ -260,6 +229,45 @@ class RecoveryRecipe:
         self.log(closing_line(summary, encoder, trained.wall))
         if config.push_to_hub:
             self.log(f"pushed to {hub.push(save_dir, config.push_to_hub)}")
+
+
+def run_log(is_main: bool):
+    """The run's log: a line that starts with the command's name, printed by the main process alone."""
+    if not is_main:
+        return lambda *parts: None
+    return lambda *parts: print(f"[{COMMAND.get()}]", *parts, flush=True)
+
+
+def half_handed_over(hand_over) -> str | None:
+    """Why nothing is saved when the run's hand-over (the taper's or the progressive swap's callback, None without
+    one) stopped before its end: half handed over, the model is not the converted one; None otherwise."""
+    if hand_over is None or hand_over.finished:
+        return None
+    return (f"{hand_over.name}: stopped at step {hand_over.stopped_at} of its {hand_over.end} ({hand_over.status()}); "
+            "no converted model saved: launch again to resume from the last checkpoint")
+
+
+@contextlib.contextmanager
+def held_run_dir(output_dir: str, is_main: bool, processes: int):
+    """Held while the launch runs: ``output_dir`` claimed under its lock (``run_lock``) by the main process. A second
+    launch into the same folder is refused in one line before any model loads, on every process of it."""
+    lock, refusal = None, None
+    if is_main:
+        try:
+            lock = lock_run_dir(output_dir)
+        except ValidationError as error:
+            refusal = str(error)
+    if processes > 1:
+        refusal = broadcast_object_list([refusal])[0]
+    if refusal is not None:
+        if is_main:
+            fail(refusal)
+        raise SystemExit(2)
+    try:
+        yield
+    finally:
+        if lock is not None:
+            lock.release()
 
 
 @contextlib.contextmanager

@@ -16,7 +16,7 @@ from ..data.streaming import block_features
 from ..evaluation.embeddings import sentences
 from ..evaluation.perplexity import EvaluationError
 from ..evaluation.tasks import check_tasks
-from ..planning.recovery_run import TrainingText
+from .recovery_run import TrainingText
 from ..planning.sizes import PlanError, read_config
 from .recipe_settings import fail, stopped
 

@@ -16,7 +16,7 @@ from ..checkpoint import loading
 from ..checkpoint.record import converted_config
 from ..data import DataError
 from ..model_inputs import check_context
-from ..planning.recovery_run import RecoveryRun
+from .recovery_run import RecoveryRun
 from .hand_over import check_hand_over
 from .recipe_settings import COMMAND, fail, stopped
 from .sharding import empty_copy, fsdp2_requested, gathered, is_sharded, loads_once, release, storage_for_optimizer

@@ -4,7 +4,6 @@ and the loss / learning-rate / perplexity curve drawn."""
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 from pathlib import Path
@@ -20,7 +19,6 @@ from ..evaluation.report import FitSettings, fit_report
 from ..evaluation.tasks import check_tasks
 from ..model_inputs import ends_in_hidden_states, first_tensor
 from ..validation import first_line
-from .config import RecipeConfig
 from .recipe_settings import stopped
 from .recipe_training import TrainingRun
 
@@ -147,21 +145,6 @@ def launch_entry(trained: TrainingRun) -> dict:
             "start_tokens": trained.resumed.get("num_input_tokens_seen", 0),
             "global_step": state.global_step, "tokens": state.num_input_tokens_seen,
             "first_step_seconds": trained.first_step and round(trained.first_step, 1)}
-
-
-def training_record(config: RecipeConfig, trained: TrainingRun, launches: list[dict], world_size: int) -> dict:
-    """The ``training`` part of the checkpoint's :class:`~hf_normswap.checkpoint.record.ConversionRecord` (and of
-    ``summary.json``): what trained, on what, how, and for how long over every launch (``launches``)."""
-    state = trained.trainer.state
-    return {"steps": state.global_step, "tokens_seen": state.num_input_tokens_seen, "trainable": config.trainable,
-            "distill": dataclasses.asdict(config.distill), "lr": dataclasses.asdict(config.lr),
-            "progressive": dataclasses.asdict(config.progressive) if config.progressive.enabled else None,
-            "taper": {**dataclasses.asdict(config.taper), "steps": trained.hand_over.steps} if config.taper.fraction
-            else None,
-            "train_data": config.train_data, "block_len": config.block_len,
-            "precision": vars(trained.precision), "freeze_embeddings": config.freeze_embeddings,
-            "wall_seconds": round(sum(s["wall_seconds"] for s in launches), 1),
-            "world_size": world_size, "train_loss": trained.result.training_loss}
 
 
 def closing_line(summary: dict, encoder: bool, wall: float) -> str:

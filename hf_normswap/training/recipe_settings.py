@@ -42,7 +42,7 @@ def stopped(message: str) -> SystemExit:
 
 def load_config(argv: list[str] | None = None) -> RecipeConfig:
     """The settings of the YAML file and the overrides, every key, type and range checked, then what they name on
-    disk, before anything is loaded (the calibration cache, once the run is resolved: :func:`check_calibration_cache`)."""
+    disk, before anything is loaded (the calibration cache once the run is resolved: ``check_calibration_cache``)."""
     parser = argparse.ArgumentParser(prog=COMMAND.get(), description=DESCRIPTION)
     parser.add_argument("--config", help="YAML file (recipes/configs/*.yaml)")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="e.g. training.max_steps=20 method=dyt")

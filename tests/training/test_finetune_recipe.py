@@ -24,7 +24,7 @@ import yaml
 
 import hf_normswap
 from hf_normswap.data.generated import is_generated
-from hf_normswap.planning.recovery_run import converted_checkpoint, resolve_run
+from hf_normswap.training.recovery_run import converted_checkpoint, resolve_run
 from hf_normswap.training import recipe_data, recipe_models, recipe_results, recipe_settings
 from hf_normswap.training.config import RecipeConfig
 from hf_normswap.training.losses import distillation_loss

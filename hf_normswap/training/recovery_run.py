@@ -3,7 +3,8 @@
 The recipe's settings (``hf_normswap.training.config.RecipeConfig``) say what the user asked; a run also decides
 whether it calibrates or loads a converted checkpoint, which original it trains toward, where it runs, how the
 weights are placed, and where it writes. :func:`resolve_run` decides them once, without changing the settings, so
-that the recipe, its memory plan and the benchmarks read one frozen :class:`RecoveryRun` and cannot disagree.
+that the recipe, its memory plan (``planning.recipe_plan``, which reads it by attribute) and the benchmarks read one
+frozen :class:`RecoveryRun` and cannot disagree.
 """
 
 from __future__ import annotations
@@ -12,20 +13,16 @@ import dataclasses
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from ..calibration.calibrate import CalibrationConfig
 from ..checkpoint.config_checks import check_block
 from ..checkpoint.record import ConversionRecord, converted_config
 from ..data import DataError, sample_length
 from ..data.sources import source
+from ..planning import PlanError, plan, run_plan_settings
+from ..planning.memory_plan import MemoryPlan, replan
 from ..validation import ValidationError
-from .memory_plan import MemoryPlan, plan, replan
-from .recipe_plan import run_plan_settings
-from .sizes import PlanError
-
-if TYPE_CHECKING:  # the settings' class lives in the training stage, above this one: named for the types alone
-    from ..training.config import RecipeConfig
+from .config import RecipeConfig
 
 STEP_TOKENS_ON_CUDA = 65536  # llm.c trains GPT-2 124M at 2^19 tokens a step; 2^16 keeps 30M tokens at 450+ steps
 BATCHES = (64, 32, 16, 8, 4, 2, 1)  # sequences a process a micro-batch, tried largest first
