@@ -15,7 +15,7 @@ from ..checkpoint import hub
 from ..checkpoint.directory import CheckpointError
 from ..checkpoint.loading import ModelLoadError
 from ..checkpoint.packaged import PackagedModelMissing
-from ..checkpoint.record import converted_config
+from ..checkpoint.record import ConversionRecord, converted_config
 from ..surgery import ConvertConfig
 from ..validation import ValidationError
 from .config import RecipeConfig, read_recipe_config
@@ -73,11 +73,12 @@ def check_sharding() -> None:
 def check_calibration_cache(cache: Path, method: str, calibration: CalibrationConfig) -> None:
     """A resumed run that calibrates reuses its ``cache`` only if it was converted as the config asks (``method``,
     ``calibration``): another method or other calibration settings in the same output_dir would otherwise train a
-    start the config does not describe. The cached model's own record (``ConvertConfig.from_pretrained``) is
+    start the config does not describe. The cached model's own record (its ``ConvertConfig``) is
     compared with the config."""
-    if not converted_config(cache):
+    record = converted_config(cache)
+    if not record:
         return
-    made = ConvertConfig.from_pretrained(cache)
+    made = ConvertConfig.from_record(ConversionRecord.in_config(record))
     names = [f.name for f in dataclasses.fields(calibration) if f.name not in CalibrationConfig.run_time()]
     asked = {"method": method, **{name: getattr(calibration, name) for name in names}}
     recorded = {"method": made.method, **{name: getattr(made.calibration, name) for name in names}}
