@@ -87,6 +87,7 @@ class RecoveryRecipe:
         # join with gloo only when the state is created with cpu=True (accelerate's --cpu starts a single process).
         cpu = bool(config.training.get("use_cpu")) or not torch.cuda.is_available()
         self.state = state = PartialState(cpu=cpu)
+        self.log = run_log(state.is_main_process)
         cuda = state.device.type == "cuda"
         self.device_memory = torch.cuda.get_device_properties(state.device).total_memory if cuda else None
         try:  # settings that name no run, or a cache calibrated otherwise: a mistake, before anything loads
@@ -98,7 +99,6 @@ class RecoveryRecipe:
         except (RecoveryRunError, ValidationError, CheckpointError) as error:
             fail(str(error))
         check_data(config, self.run.calibrates, packs_blocks(self.run.original))
-        self.log = run_log(state.is_main_process)
 
     def recover(self) -> int:
         """The recovery, holding its run folder; 0 also when a finished run has nothing to train, and when a
