@@ -64,11 +64,11 @@ def check_lora_targets(targets, name: str, model) -> None:
 
 def load_models(run: RecoveryRun, state):
     """(student, original, tokenizer), on the training device (:func:`place_for_training`), the tokenizer able to
-    pad (:func:`ensure_pad_token`): the model the settings name is the original to calibrate (:func:`calibrated`),
-    or the converted student, whose original is read next. Every setting is checked against them before the
-    calibration, slow. Loading once a node (``run.loaded_by_main``), a process builds them on the meta device and
-    receives its shards when they are sharded."""
-    config = run.settings
+    pad (:func:`ensure_pad_token`): the model the settings name is the original to calibrate, or the converted
+    student, whose original is read next. Every setting is checked against them before the calibration, slow. The
+    main process calibrates and caches; the others load its result, or, loading once a node
+    (``run.loaded_by_main``), build it on the meta device and receive their shards when it is sharded."""
+    config, cache = run.settings, run.calibrated_cache
     lora_targets = config.lora.target_modules if config.trainable == "lora" else None
     empty = run.loaded_by_main
     empty_original = empty and run.teacher_sharded  # else every process holds the original whole
@@ -80,37 +80,33 @@ def load_models(run: RecoveryRun, state):
     # the norms the conversion replaces (or replaced), found on the model the settings name
     check_hand_over(config.progressive, config.taper, run.steps, config.train_tokens, named)
     original = place_for_training(original, state.device, run.sharded)
-    student = calibrated(run, original, tokenizer, state) if run.calibrates else named
+    student = named
+    if run.calibrates:
+        with state.main_process_first():
+            # the main process reuses the cache on a resume (check_calibration_cache: it matches the config); the
+            # others come after it and load what it has just written (its config alone when the main process loads
+            # once)
+            if converted_config(cache) is not None and (config.resume or not state.is_main_process):
+                student = (loading.load_model(str(cache), with_tokenizer=False, empty=True)[0] if empty
+                           else hf_normswap.load(cache))
+                print(f"[{COMMAND.get()}] calibrated model from {cache}", flush=True)
+            else:
+                student = copy.deepcopy(original)
+                start = time.time()
+                try:
+                    report = hf_normswap.convert(student, to=config.method, calibration=dataclasses.replace(
+                        run.calibration, tokenizer=tokenizer))
+                except DataError as error:  # e.g. the original's samples cannot be cached
+                    raise stopped(f"calibration.data: {error}") from None
+                print(f"[{COMMAND.get()}] converted {len(report.converted)} norms to {config.method.upper()} with "
+                      f"calibration in {time.time() - start:.0f}s", flush=True)
+                if state.is_main_process:
+                    hf_normswap.save_pretrained(student, cache, tokenizer=tokenizer, overwrite=True)
     student = fp32_master_weights(trainable_dense(student))
     match_main({"student": student, "original": original}, state)
     if empty:
         storage_for_optimizer(student)
     return place_for_training(student, state.device, run.sharded), original, tokenizer
-
-
-def calibrated(run: RecoveryRun, original, tokenizer, state):
-    """The converted copy of ``original``, calibrated by the main process, which caches it; the others load its
-    result (its config alone when the main process loads once). A resumed run reuses the cache
-    (``check_calibration_cache``: it matches the settings)."""
-    config, cache = run.settings, run.calibrated_cache
-    with state.main_process_first():
-        if converted_config(cache) is not None and (config.resume or not state.is_main_process):
-            student = (loading.load_model(str(cache), with_tokenizer=False, empty=True)[0] if run.loaded_by_main
-                       else hf_normswap.load(cache))
-            print(f"[{COMMAND.get()}] calibrated model from {cache}", flush=True)
-            return place_for_training(student, state.device, run.sharded)
-        student = copy.deepcopy(original)
-        start = time.time()
-        try:
-            report = hf_normswap.convert(student, to=config.method,
-                                         calibration=dataclasses.replace(run.calibration, tokenizer=tokenizer))
-        except DataError as error:  # e.g. the original's samples cannot be cached
-            raise stopped(f"calibration.data: {error}") from None
-        print(f"[{COMMAND.get()}] converted {len(report.converted)} norms to {config.method.upper()} with "
-              f"calibration in {time.time() - start:.0f}s", flush=True)
-        if state.is_main_process:
-            hf_normswap.save_pretrained(student, cache, tokenizer=tokenizer, overwrite=True)
-        return student
 
 
 def fp32_master_weights(student):
