@@ -265,15 +265,16 @@ def calibration_walk(root: Path, fields: bool = False) -> Walk:
                 ("hf_normswap.calibration.calibrate", "CalibrationConfig"), fields=fields)
 
 
-RECOVERY_START = ("hf_normswap.training.recipe", "main")  # where the settings are read: ``config = load_config()``
+# where the settings are read and the recipe object is built from them: ``RecoveryRecipe(load_config(argv))``
+RECOVERY_START = ("hf_normswap.training.recipe", "main")
 RECOVERY_CLASS = ("hf_normswap.training.config", "RecipeConfig")
 RESOLVED = {"run": ("hf_normswap.training.recovery_run", "RecoveryRun")}  # the run resolved from the settings
 
 
 def recovery_walk(root: Path, fields: bool = False) -> Walk:
     """The recovery settings' walk, from ``normswap recover`` (``cli/recover.py:run``) through the recipe's
-    ``main``, where the settings object is read, to the Trainer and the save: the settings and the run resolved
-    from them (which holds them) are followed alike."""
+    ``main``, where the settings object is read, to the Trainer and the save: the settings, the run resolved from
+    them (which holds them) and the recipe object holding both (each of its methods a stop) are followed alike."""
     return walk(Package(root, "hf_normswap"), RECOVERY_START, "config", RECOVERY_CLASS, fields=fields,
                 entry=(("hf_normswap.cli.recover", "run"),), also=RESOLVED)
 
