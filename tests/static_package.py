@@ -112,13 +112,15 @@ def walk(package: Package, start: tuple[str, str], parameter: str, config_class:
     (``config.data`` carries, and so does each attribute of a carrier that is a field). ``entry``: the calls that
     lead to ``start`` before the object exists (a verb's ``run``), each counted as a stop and, across files, a
     return. ``also``: other names of ``start`` that carry an object made from it (``run = resolve(config)``: the run
-    holds the settings), each with its class; a call passing one is followed as a call passing the config."""
+    holds the settings), each with its class; a call passing one is followed as a call passing the config, and a
+    call whose annotation returns one of those classes returns a carrier (``self.run = resolve_run(config)``)."""
     result, stack, expanded = Walk(), [start], set()
     for depth, (caller, callee) in enumerate(zip(entry, (*entry[1:], start))):
         result.calls.append(f"{'  ' * depth}{caller[0]}.{caller[1]} -> {callee[0]}.{callee[1]}")
         result.files.add(package.modules[callee[0]].path)
         result.returns += package.modules[caller[0]].path != package.modules[callee[0]].path
     held: dict[tuple[str, str], dict[str, tuple[str, str]]] = {}  # a class -> its attributes holding a carrier
+    resolved = {cls[1]: cls for cls in (also or {}).values()}  # what a call annotated as returning one returns
 
     def constructed(key) -> bool:
         return key[1].endswith((".__init__", ".__post_init__"))
@@ -186,6 +188,8 @@ def walk(package: Package, start: tuple[str, str], parameter: str, config_class:
             returns = ast.unparse(callee_node.returns).strip("'\"") if callee_node and callee_node.returns else ""
             if returns == config_class[1]:
                 return config_class
+            if returns in resolved:  # ``run = resolve_run(config)``: the run holds the settings
+                return resolved[returns]
             built = callee if callee[1] in package.modules[callee[0]].classes else \
                 (callee[0], callee[1].split(".")[0]) if constructed(callee) else None
             if built is None:
@@ -261,15 +265,16 @@ def calibration_walk(root: Path, fields: bool = False) -> Walk:
                 ("hf_normswap.calibration.calibrate", "CalibrationConfig"), fields=fields)
 
 
-RECOVERY_START = ("hf_normswap.training.recipe", "main")  # where the settings are read: ``config = load_config()``
+# where the settings are read and the recipe object is built from them: ``RecoveryRecipe(load_config(argv))``
+RECOVERY_START = ("hf_normswap.training.recipe", "main")
 RECOVERY_CLASS = ("hf_normswap.training.config", "RecipeConfig")
-RESOLVED = {"run": ("hf_normswap.planning.recovery_run", "RecoveryRun")}  # the run resolved from the settings
+RESOLVED = {"run": ("hf_normswap.training.recovery_run", "RecoveryRun")}  # the run resolved from the settings
 
 
 def recovery_walk(root: Path, fields: bool = False) -> Walk:
     """The recovery settings' walk, from ``normswap recover`` (``cli/recover.py:run``) through the recipe's
-    ``main``, where the settings object is read, to the Trainer and the save: the settings and the run resolved
-    from them (which holds them) are followed alike."""
+    ``main``, where the settings object is read, to the Trainer and the save: the settings, the run resolved from
+    them (which holds them) and the recipe object holding both (each of its methods a stop) are followed alike."""
     return walk(Package(root, "hf_normswap"), RECOVERY_START, "config", RECOVERY_CLASS, fields=fields,
                 entry=(("hf_normswap.cli.recover", "run"),), also=RESOLVED)
 

@@ -144,7 +144,7 @@ def test_a_tokenizer_that_cannot_pad_is_refused_before_calibration(tmp_path, mon
     from transformers import PreTrainedTokenizerFast
 
     import hf_normswap
-    from hf_normswap.planning.recovery_run import resolve_run
+    from hf_normswap.training.recovery_run import resolve_run
     from hf_normswap.training import recipe_models, recipe_settings
 
     folder = tmp_path / "llama"

@@ -34,7 +34,7 @@ TEXT = "The model reads the text. The norm of the data is the scale of the model
 
 def check_settled(config):
     """``recipe_data.check_data`` as the recipe calls it, once the run is resolved."""
-    from hf_normswap.planning.recovery_run import converted_checkpoint
+    from hf_normswap.training.recovery_run import converted_checkpoint
     from hf_normswap.training import recipe_data
 
     recipe_data.check_data(config, converted_checkpoint(config.model) is None)

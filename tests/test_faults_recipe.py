@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from cli_runs import file_tree, recipe_refusal
-from hf_normswap.planning.recovery_run import resolve_run
+from hf_normswap.training.recovery_run import resolve_run
 from hf_normswap.training import recipe_models, recipe_settings, run_dir
 from tiny_models import tiny_model
 
@@ -246,7 +246,7 @@ PAST_THE_CONTEXT = {
 
 
 def test_the_list_of_settings_checked_against_the_context_is_the_recipes():
-    from hf_normswap.planning.recovery_run import CONTEXT_SETTINGS
+    from hf_normswap.training.recovery_run import CONTEXT_SETTINGS
 
     assert set(PAST_THE_CONTEXT) == set(CONTEXT_SETTINGS)
 

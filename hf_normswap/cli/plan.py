@@ -1,6 +1,6 @@
 """``normswap plan MODEL``: the memory a conversion and a recovery need, from the model's config alone
 (``hf_normswap.planning``); ``normswap plan --config RECIPE.yaml [KEY=VALUE ...]``: a recovery's, as the recipe
-resolves the run (``planning.recovery_run``)."""
+resolves the run (``training.recovery_run``)."""
 
 from __future__ import annotations
 
@@ -89,7 +89,7 @@ def recipe_plan(args: argparse.Namespace) -> int:
 
     from ..planning.memory_plan import plan
     from ..planning.recipe_plan import run_plan_settings
-    from ..planning.recovery_run import RecoveryRunError, resolve_run
+    from ..training.recovery_run import RecoveryRunError, resolve_run
     from ..planning.plan_settings import parse_bytes
     from ..planning.sizes import PlanError
     from ..training.config import read_recipe_config

@@ -5,9 +5,8 @@
 - ``phases.py``: what one phase holds and the size of each term (activations, calibration's caches).
 - ``recipe_memory.py``: the phases of ``normswap convert`` and of the recipe, under DDP or FSDP2.
 - ``plan.py``: :func:`plan`, the peak, whether it fits, the smallest change that does.
-- ``recovery_run.py``: a recovery run resolved once from its settings (what the recipe, its plan and the
-  benchmarks read).
-- ``recipe_plan.py``: the plan settings of a resolved recovery run (what the recipe logs at start).
+- ``recipe_plan.py``: the plan settings of a resolved recovery run (``training.recovery_run``; what the recipe logs
+  at start).
 - ``disk.py``: how much of a model calibration keeps in memory within a limit; the rest stays on disk.
 - ``normswap plan MODEL`` is ``hf_normswap/cli/plan.py``.
 """

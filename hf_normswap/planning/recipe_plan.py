@@ -1,15 +1,15 @@
-"""The plan of a recipe run from the run it resolved (``recovery_run.RecoveryRun``), so the recipe can log at start
-what it is about to need. Read by attribute: this stage sits below training."""
+"""The plan of a recipe run from the run it resolved (``training.recovery_run.RecoveryRun``), so the recipe can log at
+start what it is about to need. Read by attribute: the run is resolved in the training stage, above this one."""
 
 from __future__ import annotations
 
-from ..calibration.calibrate import STRATEGIES
+from ..calibration.calibrate import STRATEGIES, CalibrationConfig
 from .plan_settings import PlanSettings
 
 
 def run_plan_settings(run, device_memory: int | None = None) -> PlanSettings:
-    """:class:`PlanSettings` of a resolved recovery run (``recovery_run.RecoveryRun``): its processes, sharding
-    (FSDP2 or DDP), whether the main process alone reads the weights, whether it calibrates, and its settings.
+    """:class:`PlanSettings` of a resolved recovery run (``training.recovery_run.RecoveryRun``): its processes,
+    sharding (FSDP2 or DDP), whether the main process alone reads the weights, whether it calibrates, and its settings.
     ``precision: auto`` is planned as fp32, the larger of its two answers' activations."""
     config, training = run.settings, run.settings.training
     return PlanSettings(
@@ -24,7 +24,7 @@ def run_plan_settings(run, device_memory: int | None = None) -> PlanSettings:
         **calibration_settings(run.calibration))
 
 
-def calibration_settings(calibration) -> dict:
+def calibration_settings(calibration: CalibrationConfig) -> dict:
     """The :class:`PlanSettings` fields of a ``CalibrationConfig``; what it leaves to its strategy is the block
     strategy's (the language models' default)."""
     block = STRATEGIES["block"]

@@ -1,10 +1,13 @@
 """Training: recovery of a converted model against its frozen original.
 
-- ``recipe_training.py``: step 3, the trainer built from the run and trained.
-- ``recipe.py``: the recovery recipe (``normswap recover``, ``recipes/finetune.py``): resolve the run
-  (``planning.recovery_run``), load, evaluate, train, evaluate and save, from the pieces below.
-- ``recipe_settings.py``, ``recipe_models.py``, ``recipe_data.py``, ``recipe_results.py``: its settings checked
-  before any load, its models, its training text, its final evaluation and save.
+- ``recipe.py``: the recovery recipe (``normswap recover``, ``recipes/finetune.py``), one
+  :class:`~hf_normswap.training.recipe.RecoveryRecipe` whose methods run in order: set up, claim the run folder,
+  load, evaluate the start, train, evaluate and save, from the pieces below.
+- ``recovery_run.py``: the run resolved once from its settings and its launch (what the recipe, its memory plan and
+  the benchmarks read).
+- ``recipe_settings.py``, ``recipe_models.py``, ``recipe_data.py``, ``recipe_training.py``, ``recipe_results.py``:
+  its settings checked before any load, its models, its training text, the trainer built and trained, its final
+  evaluation and save.
 - ``trainer.py``: :class:`NormSwapTrainer`; ``losses.py``: cross-entropy, logit KL, layer-wise and embedding terms;
   ``trainable.py``: what trains and its optimizer groups; ``step_precision.py``: fp32 or bf16 for the step;
   ``wall_clock.py``: a stop on the wall clock.

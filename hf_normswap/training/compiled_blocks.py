@@ -2,7 +2,7 @@
 
 A GPU step at the recipe's CPU batch is bound by the host's Python, not the GPU (BENCHMARKS.md, "On a GPU"). Two
 changes lift the bound: many more tokens a step (the largest batch the memory plan fits on the device, the rest by
-gradient accumulation: ``planning.recovery_run.step_batches``), and each repeated block compiled
+gradient accumulation: ``recovery_run.step_batches``), and each repeated block compiled
 (:func:`compile_blocks`: inductor fuses the block's element-wise work and launches far fewer kernels). A compile of
 a model's first step can take minutes; inductor's caches are kept in the run directory (``OUTPUT/compile-cache``),
 so a resumed run, or the next chunk of a ``max_minutes`` run, reads them instead.

@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from transformers import TrainingArguments
+
 from ..calibration.calibrate import CalibrationConfig
 from ..modules import DEFAULT_METHOD, METHODS
 from ..precision import PRECISIONS
@@ -321,8 +323,6 @@ class RecipeConfig:
         self._check_training()
 
     def _check_training(self) -> None:
-        from transformers import TrainingArguments
-
         known = {f.name for f in dataclasses.fields(TrainingArguments) if f.init} - set(OWNED_TRAINING_ARGUMENTS)
         hints = typing.get_type_hints(TrainingArguments)
         merged = {**_training_defaults(), **self.training}

@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 
 import torch
+from accelerate.utils import gather_object
 
 from .recipe_settings import stopped
 
@@ -29,12 +30,10 @@ def first_non_finite_loss(history: list[dict]) -> int | None:
     return None
 
 
-def check_finite(model, trainer, state) -> None:
-    """Stop the run, on every process, when a weight of the trained ``model`` is not finite."""
-    from accelerate.utils import gather_object
-
+def check_finite(model, trainer, processes: int) -> None:
+    """Stop the run, on every process (of ``processes``), when a weight of the trained ``model`` is not finite."""
     bad = non_finite_tensors(model)
-    if state.num_processes > 1:  # shards differ: the gate is every process's
+    if processes > 1:  # shards differ: the gate is every process's
         bad = sum(gather_object([bad]))
     if not bad:
         return

@@ -7,7 +7,8 @@
     python recipes/finetune.py --config recipes/configs/smollm2-eln.yaml train_tokens=500000 output_dir=DIR
 
 Settings come from the YAML config, then from ``key=value`` overrides (dotted keys reach into sections; values are
-read as YAML), checked before anything loads (``recipe_settings``, ``recipe_data.check_data``). Steps:
+read as YAML), checked before anything loads (``recipe_settings``, ``recipe_data.check_data``). The steps are the
+methods of :class:`RecoveryRecipe`, in the order they run:
 
 1. load the original (Hub id, directory, ``.gguf``, ``offline:smollm2``) and convert a copy with calibration, or
    load an already converted checkpoint (its original from ``original:``); the calibrated model is cached in
@@ -26,108 +27,240 @@ read as YAML), checked before anything loads (``recipe_settings``, ``recipe_data
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
+import gc
 import time
-from pathlib import Path
 
 import torch
+from accelerate import PartialState
+from accelerate.utils import broadcast_object_list
+from transformers import set_seed
 
+from ..checkpoint import hub
 from ..checkpoint.directory import CheckpointError
 from ..checkpoint.record import ConversionRecord
-from ..validation import first_line
+from ..data import DataError
+from ..evaluation.documents import evaluation_texts
+from ..planning import PlanError, plan, run_plan_settings
+from .recovery_run import RecoveryRunError, resolve_run
+from ..validation import ValidationError, first_line
 from .compiled_blocks import keep_compile_cache
+from .config import RecipeConfig
+from .divergence import check_finite
 from .recipe_data import check_data, packs_blocks
-from .recipe_models import load_models
-from .recipe_results import final_evaluation, finish
-from .recipe_settings import COMMAND, fail, load_config, stopped
-from .recipe_training import train
+from .recipe_models import load_models, whole_student
+from .recipe_results import (block_perplexity, closing_line, final_evaluation, fit_for_use, launch_entry,
+                             plot_history, probe_logits, reloads_identically, save_final)
+from .recipe_settings import COMMAND, check_calibration_cache, fail, load_config, stopped
+from .recipe_training import TrainingRun, train
+from .run_dir import claim_run_dir, finished_run, launch_history, read_json, record_save, write_json
+from .run_lock import lock_run_dir
+from .sharding import fsdp2_requested, is_sharded, loads_once
+from .trainable import merge_lora
+from .trainer import without_autocast_wrapper
+
+RESUMES = "it goes on from its last checkpoint, if any"
 
 
 def main(argv: list[str] | None = None, command: str = "finetune") -> int:
-    """Run the recipe on ``argv`` (``--config FILE`` and ``key=value`` overrides; None: the command line): resolve
-    the run, load (calibrating or loading the converted model), evaluate, train, evaluate and save. ``command``:
-    what the user ran, named by every error and log line."""
-    from accelerate import PartialState
-    from transformers import set_seed
-
-    from ..planning.recovery_run import RecoveryRunError, resolve_run
-    from ..validation import ValidationError
-    from .run_dir import claim_run_dir, finished_run, read_json
-    from .sharding import fsdp2_requested, loads_once
-
+    """Run the recipe on ``argv`` (``--config FILE`` and ``key=value`` overrides; None: the command line).
+    ``command``: what the user ran, named by every error and log line."""
     launched = time.monotonic()
     COMMAND.set(command)
-    config = load_config(argv)
-    if config.threads:
-        torch.set_num_threads(int(config.threads))
-    # On a machine without GPU, `accelerate launch --multi_gpu --num_processes N` starts N CPU processes; they
-    # join with gloo only when the state is created with cpu=True (accelerate's --cpu starts a single process).
-    cpu = bool(config.training.get("use_cpu")) or not torch.cuda.is_available()
-    state = PartialState(cpu=cpu)
-    device_memory = torch.cuda.get_device_properties(state.device).total_memory if state.device.type == "cuda" else None
-    try:
-        run = resolve_run(config, processes=state.num_processes, is_main=state.is_main_process,
-                          device=str(state.device), cpu=cpu, sharded=fsdp2_requested(), load_once=loads_once(),
-                          device_memory=device_memory)
-    except RecoveryRunError as error:  # settings that name no run: a mistake, before anything loads
-        fail(str(error))
-    check_data(config, run.calibrates, packs_blocks(run.original))
-    with held_run_dir(config.output_dir, state), written_or_stopped(config.output_dir):
-        set_seed(config.seed)
-        try:  # under the lock, on the main process: a launch that ended meanwhile may have changed the folder
+    recipe = RecoveryRecipe(load_config(argv), launched)
+    return recipe.recover()
+
+
+class RecoveryRecipe:
+    """One recovery of a converted model, its steps as methods in the order they run: set up (this launch's state
+    and the run resolved from the settings, checked before anything loads), claim the run folder, load, evaluate
+    the start, train, evaluate and save. The run, the state, the log and the summary are held here, so that the
+    helpers each step calls get plain values."""
+
+    def __init__(self, config: RecipeConfig, launched: float):
+        """``launched``: when the launch started (``time.monotonic()``), for the seconds to its first step."""
+        self.config, self.launched, self.summary = config, launched, {}
+        if config.threads:
+            torch.set_num_threads(int(config.threads))
+        # On a machine without GPU, `accelerate launch --multi_gpu --num_processes N` starts N CPU processes; they
+        # join with gloo only when the state is created with cpu=True (accelerate's --cpu starts a single process).
+        cpu = bool(config.training.get("use_cpu")) or not torch.cuda.is_available()
+        self.state = state = PartialState(cpu=cpu)
+        self.log = run_log(state.is_main_process)
+        cuda = state.device.type == "cuda"
+        self.device_memory = torch.cuda.get_device_properties(state.device).total_memory if cuda else None
+        try:  # settings that name no run, or a cache calibrated otherwise: a mistake, before anything loads
+            self.run = resolve_run(config, processes=state.num_processes, is_main=state.is_main_process,
+                                   device=str(state.device), cpu=cpu, sharded=fsdp2_requested(),
+                                   load_once=loads_once(), device_memory=self.device_memory)
+            if config.resume and self.run.calibrates:
+                check_calibration_cache(self.run.calibrated_cache, config.method, config.calibration)
+        except (RecoveryRunError, ValidationError, CheckpointError) as error:
+            fail(str(error))
+        check_data(config, self.run.calibrates, packs_blocks(self.run.original))
+
+    def recover(self) -> int:
+        """The recovery, holding its run folder; 0 also when a finished run has nothing to train, and when a
+        hand-over stopped half way (the next launch resumes it)."""
+        state = self.state
+        with (held_run_dir(self.config.output_dir, state.is_main_process, state.num_processes),
+              written_or_stopped(self.config.output_dir)):
+            set_seed(self.config.seed)
+            if not self.claim():
+                return 0
+            student, original, tokenizer = self.load()
+            eval_texts = self.evaluate_start(student, original, tokenizer)
+            trained = train(self.run, student, original, tokenizer, state, self.log, self.launched)
+            stopped_half_way = half_handed_over(trained.hand_over)
+            if stopped_half_way:
+                self.log(stopped_half_way)
+            else:
+                self.finish(trained, original, tokenizer, eval_texts)
+            state.wait_for_everyone()
+        return 0
+
+    def claim(self) -> bool:
+        """Claim the run folder (the main process, under its lock: a launch that ended meanwhile may have changed
+        it) and begin this launch's summary (a resumed run's so far), logging the step and the memory plan; False,
+        said in one line, when the run finished already with nothing left to train."""
+        config, run = self.config, self.run
+        try:
             done = finished_run(run.output_dir, run.save_path, config.resume, config.train_tokens, run.steps)
-            if state.is_main_process and not done:
+            if self.state.is_main_process and not done:
                 claim_run_dir(config)
         except ValidationError as error:
             fail(str(error))
         if done:
-            if state.is_main_process:
-                print(f"[{command}] {done}", flush=True)
-            return 0
-        summary = (read_json(run.output_dir / "summary.json") or {}) if config.resume else {}
-        summary["config"] = config.to_dict()
-        log = (lambda *a: print(f"[{command}]", *a, flush=True)) if state.is_main_process else (lambda *a: None)
-        log(f"step: {run.batch_size} x {config.block_len} tokens x {run.accumulation} accumulated x "
-            f"{run.processes} processes = {run.tokens_per_step:,} tokens, {run.steps} steps")
-        log_memory_plan(run, device_memory, state, log)
+            self.log(done)
+            return False
+        self.summary = (read_json(run.output_dir / "summary.json") or {}) if config.resume else {}
+        self.summary["config"] = config.to_dict()
+        self.log(f"step: {run.batch_size} x {config.block_len} tokens x {run.accumulation} accumulated x "
+                 f"{run.processes} processes = {run.tokens_per_step:,} tokens, {run.steps} steps")
+        if self.state.is_main_process:  # what the run is about to need (``normswap plan``), before anything loads;
+            try:  # a model the plan cannot read (remote code, a config it does not know) is said, and the run goes on
+                self.log(f"memory plan:\n{plan(run.original, run_plan_settings(run, self.device_memory)).describe()}")
+            except (PlanError, OSError, ValueError) as error:
+                self.log(f"memory plan: not available ({error})")
         keep_compile_cache(run.output_dir)
+        return True
 
-        student, original, tokenizer = load_models(run, state)
+    def load(self) -> tuple:
+        """(student, original, tokenizer): the converted model (calibrated, or read) and its frozen original."""
+        student, original, tokenizer = load_models(self.run, self.state)
         original.eval().requires_grad_(False)
         record = ConversionRecord.of(student)
-        log(f"{len(record.converted)} {record.method.upper()} norms; original {run.original}")
-        eval_texts = evaluate_calibrated(config, student, original, tokenizer, summary, state, log)
-        trained = train(run, student, original, tokenizer, state, log, launched)
-        hand_over = trained.hand_over
-        if hand_over is not None and not hand_over.finished:  # half handed over: not the converted model
-            log(f"{hand_over.name}: stopped at step {hand_over.stopped_at} of its {hand_over.end} "
-                f"({hand_over.status()}); no converted model saved: launch again to resume from the last checkpoint")
-            state.wait_for_everyone()
-            return 0
-        finish(config, state, trained, original, tokenizer, eval_texts, summary, log)
+        self.log(f"{len(record.converted)} {record.method.upper()} norms; original {self.run.original}")
+        return student, original, tokenizer
+
+    def evaluate_start(self, student, original, tokenizer) -> list[str] | None:
+        """The calibrated model against the original, once (a resumed run keeps the first measurement), on the main
+        process; returns the evaluation texts, which the final evaluation reads again (every process under FSDP2)."""
+        config, state, summary = self.config, self.state, self.summary
+        eval_texts = None
+        if state.is_main_process:
+            try:
+                eval_texts = evaluation_texts(config.eval_data, original, tokenizer, config.final_eval.max_tokens)
+            except DataError as error:  # e.g. the original's samples cannot be cached
+                raise stopped(f"eval_data: {error}") from None
+        if state.is_main_process and "calibrated" not in summary:
+            start = time.time()
+            before = final_evaluation(student, original, tokenizer, eval_texts, config.eval_data, config.final_eval,
+                                      "calibrated")
+            summary["calibrated"] = before.to_dict()
+            write_json(self.run.output_dir / "summary.json", summary)
+            self.log(f"after calibration ({time.time() - start:.0f}s):\n{before.table()}")
         state.wait_for_everyone()
-    return 0
+        if fsdp2_requested() and state.num_processes > 1:  # under FSDP2 every process takes part in the final one,
+            eval_texts = broadcast_object_list([eval_texts])[0]  # on the main process's texts (the others may hold
+        return eval_texts  # no weights to sample the original's from)
+
+    def finish(self, trained: TrainingRun, original, tokenizer, eval_texts: list[str] | None) -> None:
+        """After training: evaluate (every process when sharded), then on the main process save the checkpoint with
+        the record of its training (the ``training`` part of its ``ConversionRecord``) and its evaluation, check
+        that it reloads with identical logits, draw the curve, write ``summary.json`` and push if asked. A model
+        with weights that are not finite (a diverged training) stops the run before any of it (``divergence``)."""
+        config, state, summary, trainer = self.config, self.state, self.summary, trained.trainer
+        out, save_dir, encoder = self.run.output_dir, self.run.save_path, trained.encoder
+        skeleton, trained.skeleton = trained.skeleton, None  # held here alone: freed once the save is checked
+        model = without_autocast_wrapper(trainer.accelerator.unwrap_model(trainer.model))
+        check_finite(model, trainer, state.num_processes)  # before the evaluation, the save and the push
+        sharded = skeleton is not None and is_sharded(model)
+        if state.is_main_process or sharded:
+            after = final_evaluation(model, original, tokenizer, eval_texts, config.eval_data, config.final_eval,
+                                     "finetuned")
+            original_block_ppl = None if encoder else block_perplexity(original, trained.eval_set)
+        model = whole_student(trainer, model, skeleton if sharded else None, original, state.is_main_process)
+        if not state.is_main_process:
+            return
+        model = merge_lora(model).eval()
+        self.log(f"after training:\n{after.table()}")
+        history = launch_history(summary, trained.resumed, trainer.state.log_history)
+        launches = summary.get("launches", []) + [launch_entry(trained)]
+        training = {"steps": trainer.state.global_step, "tokens_seen": trainer.state.num_input_tokens_seen,
+                    "trainable": config.trainable, "distill": dataclasses.asdict(config.distill),
+                    "lr": dataclasses.asdict(config.lr),
+                    "progressive": dataclasses.asdict(config.progressive) if config.progressive.enabled else None,
+                    "taper": {**dataclasses.asdict(config.taper), "steps": trained.hand_over.steps}
+                    if config.taper.fraction else None,
+                    "train_data": config.train_data, "block_len": config.block_len,
+                    "precision": vars(trained.precision), "freeze_embeddings": config.freeze_embeddings,
+                    "wall_seconds": round(sum(s["wall_seconds"] for s in launches), 1),
+                    "world_size": state.num_processes, "train_loss": trained.result.training_loss}
+        ConversionRecord.amend(model, training=training)
+        fit = None if encoder else fit_for_use(after, model, original, tokenizer, eval_texts, config.final_eval,
+                                               self.log)
+        card = None if encoder else dict(after.card("finetuned"), **({"fit_for_use": fit.parts_table()} if fit else {}))
+        expected = probe_logits(model, tokenizer)
+        save_final(model, save_dir, tokenizer, card)
+        steps, tokens = trainer.state.global_step, trainer.state.num_input_tokens_seen
+        record_save(out, save_dir, steps, tokens)
+        if sharded:  # the gathered copy (the skeleton filled) goes before the reloaded one comes; reference cycles
+            del model, skeleton  # hold the module past ``del``, so they are collected here
+            gc.collect()
+        identical = reloads_identically(expected, save_dir, tokenizer)
+        curve = plot_history(history, out / "curve.png", original_block_ppl,
+                             f"{config.model} -> {config.method.upper()}, {config.trainable}, {tokens:,} tokens")
+        summary.update(finetuned=after.to_dict(), training=training, launches=launches, history=history,
+                       reload_identical=identical, curve=str(curve), checkpoint=str(save_dir),
+                       original_eval_block_perplexity=original_block_ppl, fit_for_use=fit and fit.parts_dict())
+        write_json(out / "summary.json", summary)
+        self.log(closing_line(summary, encoder, trained.wall))
+        if config.push_to_hub:
+            self.log(f"pushed to {hub.push(save_dir, config.push_to_hub)}")
+
+
+def run_log(is_main: bool):
+    """The run's log: a line that starts with the command's name, printed by the main process alone."""
+    if not is_main:
+        return lambda *parts: None
+    return lambda *parts: print(f"[{COMMAND.get()}]", *parts, flush=True)
+
+
+def half_handed_over(hand_over) -> str | None:
+    """Why nothing is saved when the run's hand-over (the taper's or the progressive swap's callback, None without
+    one) stopped before its end: half handed over, the model is not the converted one; None otherwise."""
+    if hand_over is None or hand_over.finished:
+        return None
+    return (f"{hand_over.name}: stopped at step {hand_over.stopped_at} of its {hand_over.end} ({hand_over.status()}); "
+            "no converted model saved: launch again to resume from the last checkpoint")
 
 
 @contextlib.contextmanager
-def held_run_dir(output_dir: str, state):
+def held_run_dir(output_dir: str, is_main: bool, processes: int):
     """Held while the launch runs: ``output_dir`` claimed under its lock (``run_lock``) by the main process. A second
     launch into the same folder is refused in one line before any model loads, on every process of it."""
-    from accelerate.utils import broadcast_object_list
-
-    from ..validation import ValidationError
-    from .run_lock import lock_run_dir
-
     lock, refusal = None, None
-    if state.is_main_process:
+    if is_main:
         try:
             lock = lock_run_dir(output_dir)
         except ValidationError as error:
             refusal = str(error)
-    if state.num_processes > 1:
+    if processes > 1:
         refusal = broadcast_object_list([refusal])[0]
     if refusal is not None:
-        if state.is_main_process:
+        if is_main:
             fail(refusal)
         raise SystemExit(2)
     try:
@@ -135,9 +268,6 @@ def held_run_dir(output_dir: str, state):
     finally:
         if lock is not None:
             lock.release()
-
-
-RESUMES = "it goes on from its last checkpoint, if any"
 
 
 @contextlib.contextmanager
@@ -153,48 +283,3 @@ def written_or_stopped(output_dir: str):
                       f"again: {RESUMES}") from None
     except CheckpointError as error:
         raise stopped(f"{error}; launch again once that is fixed: {RESUMES}") from None
-
-
-def log_memory_plan(run, device_memory: int | None, state, log) -> None:
-    """What the run is about to need (``normswap plan``), before anything loads; a model the plan cannot read
-    (remote code, a config it does not know) is said in one line and the run goes on."""
-    if not state.is_main_process:
-        return
-    from ..planning import PlanError, plan, run_plan_settings
-
-    try:
-        memory = plan(run.original, run_plan_settings(run, device_memory))
-    except (PlanError, OSError, ValueError) as error:
-        log(f"memory plan: not available ({error})")
-        return
-    log(f"memory plan:\n{memory.describe()}")
-
-
-def evaluate_calibrated(config, student, original, tokenizer, summary: dict, state, log):
-    """The calibrated model against the original, once (a resumed run keeps the first measurement), on the main
-    process; returns the evaluation texts, which the final evaluation reads again (every process under FSDP2)."""
-    from accelerate.utils import broadcast_object_list
-
-    from ..data import DataError
-    from ..evaluation.documents import evaluation_texts
-    from .run_dir import write_json
-    from .sharding import fsdp2_requested
-
-    def texts():
-        try:
-            return evaluation_texts(config.eval_data, original, tokenizer, config.final_eval.max_tokens)
-        except DataError as error:  # e.g. the original's samples cannot be cached
-            raise stopped(f"eval_data: {error}") from None
-
-    eval_texts = texts() if state.is_main_process else None
-    if state.is_main_process and "calibrated" not in summary:
-        start = time.time()
-        before = final_evaluation(student, original, tokenizer, eval_texts, config.eval_data, config.final_eval,
-                                  "calibrated")
-        summary["calibrated"] = before.to_dict()
-        write_json(Path(config.output_dir) / "summary.json", summary)
-        log(f"after calibration ({time.time() - start:.0f}s):\n{before.table()}")
-    state.wait_for_everyone()
-    if fsdp2_requested() and state.num_processes > 1:  # under FSDP2 every process takes part in the final one,
-        eval_texts = broadcast_object_list([eval_texts])[0]  # on the main process's texts (the others may hold no
-    return eval_texts  # weights to sample the original's from)

@@ -6,6 +6,18 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+import datasets
+from accelerate.utils import broadcast_object_list
+
+from ..checkpoint.loading import resolve
+from ..data import DataError, hub_stream, load_texts, token_blocks
+from ..data.sources import NoWholeBlock, source
+from ..data.streaming import block_features
+from ..evaluation.embeddings import sentences
+from ..evaluation.perplexity import EvaluationError
+from ..evaluation.tasks import check_tasks
+from .recovery_run import TrainingText
+from ..planning.sizes import PlanError, read_config
 from .recipe_settings import fail, stopped
 
 
@@ -13,8 +25,6 @@ def packs_blocks(original: str) -> bool:
     """Whether the recipe reads its text as packed blocks for ``original`` (a model with an output head), from its
     config alone: a sentence encoder (a bare ``...Model``, as MiniLM's ``BertModel``) reads sentences of any length
     instead. A config that does not read counts as a model with a head (its load names the problem)."""
-    from ..planning.sizes import PlanError, read_config
-
     try:
         names = getattr(read_config(original), "architectures", None) or []
     except (PlanError, OSError, ValueError):
@@ -27,9 +37,6 @@ def check_data(config, calibrates: bool, packs: bool = True) -> None:
     is not UTF-8 or a source without one whole block stops the run at once with one line naming the key that
     overrides it (``Source.preflight``); a whole block is asked of each only where the run ``packs`` its text into
     blocks (:func:`packs_blocks`)."""
-    from ..data import DataError, hub_stream
-    from ..data.sources import NoWholeBlock, source
-
     training = [("train_data", spec, "calibration", "block_len") for spec in config.train_sources]
     sources = [*training, ("eval_data", config.eval_data, "evaluation", "block_len")]
     if calibrates:  # a converted checkpoint is calibrated already
@@ -66,13 +73,6 @@ def block_dataset(tokenizer, spec: str, split: str, block_len: int, max_tokens: 
     samples (``generated``) are drawn up to the budget, each process its share (``state``), or the main process all
     of them when the others hold the original on the meta device (``from_main``, ``RecoveryRun.original_read_once``),
     which then receive its texts."""
-    import datasets
-    from accelerate.utils import broadcast_object_list
-
-    from ..data import DataError, load_texts, token_blocks
-    from ..data.sources import source
-    from ..data.streaming import block_features
-
     limits = [n for n in (max_blocks, None if max_tokens is None else max_tokens // block_len) if n is not None]
     share = {"rank": state.process_index, "world_size": state.num_processes} if state is not None else {}
     from_main = from_main and source(spec).samples_original
@@ -92,20 +92,14 @@ def block_dataset(tokenizer, spec: str, split: str, block_len: int, max_tokens: 
 def mixed(parts: list):
     """The training rows of a mix: each source's rows in turn, a shorter source read again until the longest ends
     (``interleave_datasets``, all exhausted), so every source is an equal share of what the run trains on."""
-    import datasets
-
     return parts[0] if len(parts) == 1 else datasets.interleave_datasets(parts, stopping_strategy="all_exhausted")
 
 
-def training_blocks(text, tokenizer, original, state):
+def training_blocks(text: TrainingText, tokenizer, original, state):
     """The training sources (``text``: ``RecoveryRun.text``) packed into blocks, a mix in equal shares. The
     original's samples and local text files are streams read as the run trains (:func:`training_stream`); where the
     original is sharded as the teacher under FSDP2 it cannot sample between steps, and its samples are drawn before
     training, each source up to its share."""
-    import datasets
-
-    from ..data.sources import source
-
     if text.drawn_first and any(source(s).samples_original for s in text.sources):
         return mixed([block_dataset(tokenizer, spec, "calibration", text.block_len, share, original=original,
                                     state=state, from_main=text.from_main)
@@ -121,9 +115,6 @@ def training_stream(spec: str, cap: int | None, block_len: int, seed: int, token
     """One training source as the run reads it: its stream (``Source.stream``: the original's samples drawn as the
     run reads them, this process drawing its own batches; a local text file read lazily), or, for a source read
     whole, a ``datasets.Dataset``; at most ``cap`` tokens of it (None: all)."""
-    from ..data import DataError
-    from ..data.sources import source
-
     try:
         stream = source(spec).stream(tokenizer, block_len, original=original, rank=state.process_index,
                                      world_size=state.num_processes, seed=seed)
@@ -138,11 +129,6 @@ def sentence_dataset(tokenizer, spec: str, max_len: int, max_tokens: int | None 
     """A sentence encoder's training rows: prose sentences with the tokenizer's special tokens, as the encoder is
     used and evaluated (``hf_normswap.evaluation.embeddings``), padded per batch by the Trainer's collator. Packed blocks would
     train it on inputs it never sees: no [CLS] / [SEP], no padding."""
-    import datasets
-
-    from ..data import DataError, load_texts
-    from ..evaluation.embeddings import sentences
-
     try:
         found = sentences(load_texts(spec, "calibration"), tokenizer, max_tokens, max_sentences=None)
     except DataError as error:
@@ -159,12 +145,10 @@ def tokens_per_row(dataset) -> float:
     return sum(map(len, rows)) / len(rows)
 
 
-def recipe_datasets(text, tokenizer, original, state, encoder: bool):
+def recipe_datasets(text: TrainingText, tokenizer, original, state, encoder: bool):
     """(training rows, eval blocks) of ``text`` (``RecoveryRun.text``): a sentence encoder's sentences and no eval
     blocks (it is evaluated by embedding cosine after training), else packed blocks of the training sources (or
     the Hub stream, packed on the fly: ``hf_normswap.data.streaming``) and the eval blocks of ``eval_data``."""
-    from ..data import DataError, hub_stream
-
     if encoder:
         return mixed([sentence_dataset(tokenizer, spec, text.block_len, share)
                       for spec, share in zip(text.sources, text.shares)]), None
@@ -190,11 +174,6 @@ def check_final_tasks(task_names: str | None, model: str) -> None:
     """``final_eval.tasks`` checked before any model loads (lm-eval installed, every name known, every task file
     readable), as ``normswap eval --tasks`` checks them; a task file inside the model's folder is refused (its
     Python would run)."""
-    # as check_data's: the model stack loads only when a run reaches it (the recipe's settings errors come first)
-    from ..checkpoint.loading import resolve
-    from ..evaluation.perplexity import EvaluationError
-    from ..evaluation.tasks import check_tasks
-
     if task_names is None:
         return
     folder = Path(resolve(model)[0])

@@ -5,9 +5,21 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import re
 import time
 
+import torch
+from accelerate.utils import broadcast_object_list
+
+import hf_normswap  # its convert, load and save_pretrained looked up at the call, as a user's code calls them
+from ..checkpoint import loading
+from ..checkpoint.record import converted_config
+from ..data import DataError
+from ..model_inputs import check_context
+from .recovery_run import RecoveryRun
+from .hand_over import check_hand_over
 from .recipe_settings import COMMAND, fail, stopped
+from .sharding import empty_copy, fsdp2_requested, gathered, is_sharded, loads_once, release, storage_for_optimizer
 
 
 def place_for_training(model, device, sharded: bool):
@@ -25,8 +37,6 @@ def check_context_settings(lengths: dict, models: dict, lora_targets=None) -> No
     loaded and before calibration, and ``lora_targets`` (None: no LoRA) among the first model's modules: a longer
     setting failed (an IndexError, a DataError) or was cut silently, and peft refused the targets, only after the
     calibration and the first evaluation."""
-    from ..model_inputs import check_context
-
     for name, model in models.items():
         try:
             check_context(lengths, model, name)
@@ -39,8 +49,6 @@ def check_context_settings(lengths: dict, models: dict, lora_targets=None) -> No
 def check_lora_targets(targets, name: str, model) -> None:
     """``lora.target_modules`` (``targets``) names modules of the model ``name`` (as peft matches them: a string is a
     regular expression over the whole name, a list's entries name a module or end its name)."""
-    import re
-
     if targets == "all-linear":
         return
     names = [module for module, _ in model.named_modules()]
@@ -54,65 +62,51 @@ def check_lora_targets(targets, name: str, model) -> None:
              "q_proj, v_proj) or all-linear")
 
 
-def load_models(run, state):
+def load_models(run: RecoveryRun, state):
     """(student, original, tokenizer), on the training device (:func:`place_for_training`), the tokenizer able to
-    pad (:func:`ensure_pad_token`). The main process
-    calibrates and caches; the others load its result, or, loading once a node (``run.loaded_by_main``), build it
-    on the meta device and receive their shards when it is sharded."""
-    import hf_normswap
-    from ..checkpoint.loading import load_model
-    from ..checkpoint.record import converted_config
-    from ..data import DataError
-    from .hand_over import check_hand_over
-    from .sharding import storage_for_optimizer
-
+    pad (:func:`ensure_pad_token`): the model the settings name is the original to calibrate, or the converted
+    student, whose original is read next. Every setting is checked against them before the calibration, slow. The
+    main process calibrates and caches; the others load its result, or, loading once a node
+    (``run.loaded_by_main``), build it on the meta device and receive their shards when it is sharded."""
     config, cache = run.settings, run.calibrated_cache
     lora_targets = config.lora.target_modules if config.trainable == "lora" else None
     empty = run.loaded_by_main
     empty_original = empty and run.teacher_sharded  # else every process holds the original whole
-    if not run.calibrates:
-        student, tokenizer = load_model(config.model, empty=empty)
-        ensure_pad_token(tokenizer)
-        original, _ = load_model(run.original, with_tokenizer=False, empty=empty_original)
-        check_context_settings(run.context, {config.model: student, run.original: original}, lora_targets)
-        check_hand_over(config.progressive, config.taper, run.steps, config.train_tokens, student)
-        student = fp32_master_weights(trainable_dense(student))
-        match_main({"student": student, "original": original}, state)
-        if empty:
-            storage_for_optimizer(student)
-        return (place_for_training(student, state.device, run.sharded),
-                place_for_training(original, state.device, run.sharded), tokenizer)
-    original, tokenizer = load_model(config.model, empty=empty_original)
-    ensure_pad_token(tokenizer)  # before calibration, slow
-    check_context_settings(run.context, {config.model: original}, lora_targets)  # before calibration, slow
-    # the norms the conversion will replace, found on the original
-    check_hand_over(config.progressive, config.taper, run.steps, config.train_tokens, original)
+    named, tokenizer = loading.load_model(config.model, empty=empty_original if run.calibrates else empty)
+    ensure_pad_token(tokenizer)
+    original = (named if run.calibrates
+                else loading.load_model(run.original, with_tokenizer=False, empty=empty_original)[0])
+    check_context_settings(run.context, {config.model: named, run.original: original}, lora_targets)
+    # the norms the conversion replaces (or replaced), found on the model the settings name
+    check_hand_over(config.progressive, config.taper, run.steps, config.train_tokens, named)
     original = place_for_training(original, state.device, run.sharded)
-    with state.main_process_first():
-        # the main process reuses the cache on a resume (check_calibration_cache: it matches the config); the others
-        # come after it and load what it has just written (its config alone when the main process loads once)
-        if converted_config(cache) is not None and (config.resume or not state.is_main_process):
-            student = (load_model(str(cache), with_tokenizer=False, empty=True)[0] if empty
-                       else hf_normswap.load(cache))
-            student = place_for_training(student, state.device, run.sharded)
-            print(f"[{COMMAND.get()}] calibrated model from {cache}", flush=True)
-        else:
-            student = copy.deepcopy(original)
-            start = time.time()
-            try:
-                report = hf_normswap.convert(student, to=config.method,
-                                             calibration=dataclasses.replace(run.calibration, tokenizer=tokenizer))
-            except DataError as error:  # e.g. the original's samples cannot be cached
-                raise stopped(f"calibration.data: {error}") from None
-            print(f"[{COMMAND.get()}] converted {len(report.converted)} norms to {config.method.upper()} with "
-                  f"calibration in {time.time() - start:.0f}s", flush=True)
-            if state.is_main_process:
-                hf_normswap.save_pretrained(student, cache, tokenizer=tokenizer, overwrite=True)
+    student = named
+    if run.calibrates:
+        with state.main_process_first():
+            # the main process reuses the cache on a resume (check_calibration_cache: it matches the config); the
+            # others come after it and load what it has just written (its config alone when the main process loads
+            # once)
+            if converted_config(cache) is not None and (config.resume or not state.is_main_process):
+                student = (loading.load_model(str(cache), with_tokenizer=False, empty=True)[0] if empty
+                           else hf_normswap.load(cache))
+                print(f"[{COMMAND.get()}] calibrated model from {cache}", flush=True)
+            else:
+                student = copy.deepcopy(original)
+                start = time.time()
+                try:
+                    report = hf_normswap.convert(student, to=config.method, calibration=dataclasses.replace(
+                        run.calibration, tokenizer=tokenizer))
+                except DataError as error:  # e.g. the original's samples cannot be cached
+                    raise stopped(f"calibration.data: {error}") from None
+                print(f"[{COMMAND.get()}] converted {len(report.converted)} norms to {config.method.upper()} with "
+                      f"calibration in {time.time() - start:.0f}s", flush=True)
+                if state.is_main_process:
+                    hf_normswap.save_pretrained(student, cache, tokenizer=tokenizer, overwrite=True)
     student = fp32_master_weights(trainable_dense(student))
     match_main({"student": student, "original": original}, state)
     if empty:
         storage_for_optimizer(student)
-    return student, original, tokenizer
+    return place_for_training(student, state.device, run.sharded), original, tokenizer
 
 
 def fp32_master_weights(student):
@@ -121,8 +115,6 @@ def fp32_master_weights(student):
     ``precision``). It is saved in float32 too: the model that was trained. A model read from a GGUF file is float32
     already and transformers refuses its ``.float()``, so a float32 model is left as it is and any other is cast by
     torch's own cast."""
-    import torch
-
     if all(p.dtype == torch.float32 for p in student.parameters() if p.is_floating_point()):
         return student
     return torch.nn.Module.float(student)
@@ -132,10 +124,6 @@ def match_main(models: dict, state) -> None:
     """Loading once a node, the models built on the meta device take the main process's dtypes (a GGUF file is
     dequantized, a checkpoint loads in its own dtype: what accelerate's and torch's broadcasts send), and a model
     whose tensors differ from the main process's is one error here rather than a broadcast that never matches."""
-    from accelerate.utils import broadcast_object_list
-
-    from .sharding import loads_once
-
     if not (loads_once() and state.num_processes > 1):
         return
     layout = [{name: {key: (tuple(t.shape), t.dtype) for key, t in model.state_dict().items()}
@@ -178,25 +166,21 @@ def trainable_dense(model):
 def skeleton_to_gather(student):
     """Under FSDP2, a parameterless copy of the student made before it is sharded, into which the whole model is
     gathered for the save (``whole_student``); None otherwise."""
-    from .sharding import empty_copy, fsdp2_requested
-
     return empty_copy(student) if fsdp2_requested() else None
 
 
-def whole_student(trainer, model, skeleton, original, state):
-    """The trained ``model`` whole on the main process, for the save and the reload check: as it is under DDP or
-    one process (no ``skeleton``); sharded, gathered into ``skeleton`` (every process takes part, the others get
-    None), after which the sharded student and teacher are freed: their evaluation is done, and the main process
-    holds one whole model at a time."""
-    from .sharding import gathered, is_sharded, release
-
+def whole_student(trainer, model, skeleton, original, is_main: bool):
+    """The trained ``model`` whole on the main process (``is_main``), for the save and the reload check: as it is
+    under DDP or one process (no ``skeleton``); sharded, gathered into ``skeleton`` (every process takes part, the
+    others get None), after which the sharded student and teacher are freed: their evaluation is done, and the main
+    process holds one whole model at a time."""
     if skeleton is None:
         return model
     optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
     optimizer.state.clear()  # training is over: its AdamW moments make room for the whole copy
     if is_sharded(original):
         release(original)
-    whole = gathered(model, skeleton, state.is_main_process)
+    whole = gathered(model, skeleton, is_main)
     release(model)
     return whole
 

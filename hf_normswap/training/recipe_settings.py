@@ -10,7 +10,17 @@ import os
 import sys
 from pathlib import Path
 
-from ..planning.recovery_run import converted_checkpoint
+from ..calibration.calibrate import CalibrationConfig
+from ..checkpoint import hub
+from ..checkpoint.directory import CheckpointError
+from ..checkpoint.loading import ModelLoadError
+from ..checkpoint.packaged import PackagedModelMissing
+from ..checkpoint.record import ConversionRecord, converted_config
+from ..surgery import ConvertConfig
+from ..validation import ValidationError
+from .config import RecipeConfig, read_recipe_config
+from .run_dir import check_run_dir, check_save_dir
+from .sharding import fsdp2_requested
 
 DESCRIPTION = "Fine-tune a converted model against its original: convert with calibration, train, evaluate, save."
 
@@ -30,17 +40,9 @@ def stopped(message: str) -> SystemExit:
     return SystemExit(f"{COMMAND.get()}: {message}")
 
 
-def load_config(argv=None):
-    """The settings (``hf_normswap.training.config.RecipeConfig``) of the YAML file and the overrides, every key,
-    type and range checked, then what they name on disk, before anything is loaded."""
-    from ..checkpoint.hub import PushError, preflight
-    from ..checkpoint.loading import ModelLoadError
-    from ..checkpoint.packaged import PackagedModelMissing
-    from ..checkpoint.directory import CheckpointError
-    from .config import read_recipe_config
-    from .run_dir import check_run_dir, check_save_dir
-    from ..validation import ValidationError
-
+def load_config(argv: list[str] | None = None) -> RecipeConfig:
+    """The settings of the YAML file and the overrides, every key, type and range checked, then what they name on
+    disk, before anything is loaded (the calibration cache once the run is resolved: ``check_calibration_cache``)."""
     parser = argparse.ArgumentParser(prog=COMMAND.get(), description=DESCRIPTION)
     parser.add_argument("--config", help="YAML file (recipes/configs/*.yaml)")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="e.g. training.max_steps=20 method=dyt")
@@ -50,10 +52,9 @@ def load_config(argv=None):
         config = read_recipe_config(args.config, args.overrides)
         check_run_dir(config)
         check_save_dir(config)
-        check_calibration_cache(config)
         if config.push_to_hub:
-            preflight(config.push_to_hub)
-    except (ValidationError, CheckpointError, PushError, ModelLoadError, PackagedModelMissing) as error:
+            hub.preflight(config.push_to_hub)
+    except (ValidationError, CheckpointError, hub.PushError, ModelLoadError, PackagedModelMissing) as error:
         fail(str(error))
     return config
 
@@ -61,9 +62,6 @@ def load_config(argv=None):
 def check_sharding() -> None:
     """FSDP2 is the sharded engine (``hf_normswap.training.sharding``); FSDP1 and DeepSpeed ZeRO-3 are refused
     before anything loads: the gather for the final evaluation and save is FSDP2's, and ZeRO-3 is untested here."""
-    from .sharding import fsdp2_requested
-    from ..validation import ValidationError
-
     if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true" and not fsdp2_requested():
         raise ValidationError("FSDP1 is not supported: launch with recipes/accelerate_configs/fsdp2.yaml "
                               "(fsdp_version: 2)")
@@ -72,21 +70,17 @@ def check_sharding() -> None:
                               "(recipes/accelerate_configs/fsdp2.yaml)")
 
 
-def check_calibration_cache(config) -> None:
-    """A resumed run reuses ``OUTPUT/calibrated`` only if it was converted as the config asks: another method or
-    other calibration settings in the same output_dir would otherwise train a start the config does not describe.
-    The cached model's own record (``ConvertConfig.from_pretrained``) is compared with the config."""
-    from ..calibration.calibrate import CalibrationConfig
-    from ..checkpoint.record import converted_config
-    from ..surgery import ConvertConfig
-    from ..validation import ValidationError
-
-    cache = Path(config.output_dir) / "calibrated"
-    if not (config.resume and converted_checkpoint(config.model) is None and converted_config(cache)):
+def check_calibration_cache(cache: Path, method: str, calibration: CalibrationConfig) -> None:
+    """A resumed run that calibrates reuses its ``cache`` only if it was converted as the config asks (``method``,
+    ``calibration``): another method or other calibration settings in the same output_dir would otherwise train a
+    start the config does not describe. The cached model's own record (its ``ConvertConfig``) is
+    compared with the config."""
+    record = converted_config(cache)
+    if not record:
         return
-    made = ConvertConfig.from_pretrained(cache)
-    names = [f.name for f in dataclasses.fields(config.calibration) if f.name not in CalibrationConfig.run_time()]
-    asked = {"method": config.method, **{name: getattr(config.calibration, name) for name in names}}
+    made = ConvertConfig.from_record(ConversionRecord.in_config(record))
+    names = [f.name for f in dataclasses.fields(calibration) if f.name not in CalibrationConfig.run_time()]
+    asked = {"method": method, **{name: getattr(calibration, name) for name in names}}
     recorded = {"method": made.method, **{name: getattr(made.calibration, name) for name in names}}
     filled_in = (None, "auto")  # left to the strategy: recorded as the strategy resolved them
     differ = [f"{key} {recorded[key]!r} (the config: {value!r})" for key, value in asked.items()

@@ -13,10 +13,17 @@ import os
 import re
 from pathlib import Path
 
+import torch
+from huggingface_hub import try_to_load_from_cache
+from safetensors import safe_open
+from transformers import TrainingArguments
+from transformers.trainer_pt_utils import safe_globals
+
 from ..atomic_write import atomic_write
+from ..checkpoint.directory import check_output_dir
 from ..checkpoint.loading import resolve
 from ..checkpoint.packaged import PREFIX as PACKAGED
-from ..checkpoint.directory import check_output_dir
+from ..checkpoint.record import ConversionRecord
 from ..evaluation import finite_json
 from ..validation import ValidationError, check_path_length, first_line, shown
 from .run_lock import LOCK
@@ -67,8 +74,6 @@ def model_identity(spec: str) -> dict:
     location, extra = resolve(spec)
     path = Path(location) / extra["gguf_file"] if "gguf_file" in extra else Path(location)
     if not path.exists():
-        from huggingface_hub import try_to_load_from_cache
-
         try:
             cached = try_to_load_from_cache(spec, "config.json")
         except ValueError:  # not a Hub id either: loading will say the model is not found
@@ -78,10 +83,11 @@ def model_identity(spec: str) -> dict:
     return {"model": spec, "path": str(path.resolve()), "weights": weights_fingerprint(path)}
 
 
-def trained_parameters(config) -> dict:
-    """What decides the optimizer's state: a resume that trains other parameters cannot load it."""
-    return {"trainable": config.trainable, "freeze_embeddings": config.freeze_embeddings,
-            "lora": dataclasses.asdict(config.lora) if config.trainable == "lora" else None}
+def trained_parameters(trainable: str, freeze_embeddings: bool, lora) -> dict:
+    """What decides the optimizer's state: a resume that trains other parameters cannot load it (``lora``: the
+    adapters' settings, recorded where ``trainable`` is lora)."""
+    return {"trainable": trainable, "freeze_embeddings": freeze_embeddings,
+            "lora": dataclasses.asdict(lora) if trainable == "lora" else None}
 
 
 # TrainingArguments' settings that a resume takes from the checkpoint's optimizer state (each parameter group's
@@ -89,14 +95,13 @@ def trained_parameters(config) -> dict:
 RESTORED_TRAINING_ARGUMENTS = ("weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon", "optim", "optim_args")
 
 
-def optimizer_settings(config) -> dict:
+def optimizer_settings(lr, training: dict) -> dict:
     """The settings a resumed optimizer would silently drop, as the run records them: the learning rates (each
-    group's, and the scheduler's base rates, come back from the checkpoint) and the optimizer's own."""
-    from transformers import TrainingArguments
-
+    group's, and the scheduler's base rates, come back from the checkpoint) and the optimizer's own (of the
+    ``training`` section)."""
     defaults = {f.name: f.default for f in dataclasses.fields(TrainingArguments)}
-    restored = {f"training.{key}": config.training.get(key, defaults[key]) for key in RESTORED_TRAINING_ARGUMENTS}
-    return {"lr.base": config.lr.base, "lr.shape": config.lr.shape, "lr.gamma": config.lr.gamma,
+    restored = {f"training.{key}": training.get(key, defaults[key]) for key in RESTORED_TRAINING_ARGUMENTS}
+    return {"lr.base": lr.base, "lr.shape": lr.shape, "lr.gamma": lr.gamma,
             **{key: getattr(value, "value", value) for key, value in restored.items()}}  # an enum: its name
 
 
@@ -144,8 +149,6 @@ def finished_run(output_dir: Path, save_path: Path, resume: bool, train_tokens: 
     final checkpoint is still the one saved then; None otherwise. (The Trainer, resumed from a checkpoint at
     ``max_steps``, would train one more step and replace ``final``.) A larger budget with no Trainer checkpoint left
     to continue from would train again from the calibrated model and replace ``final``: a ValidationError."""
-    from ..checkpoint.record import ConversionRecord
-
     if not (resume and output_dir.is_dir()):
         return None
     last = last_checkpoint(output_dir)
@@ -183,10 +186,6 @@ def damaged_checkpoint(checkpoint: Path) -> str | None:
     """Why the Trainer could not resume from ``checkpoint`` (a cut or foreign file), or None: each state file read as
     the Trainer reads it, tensors only (``weights_only``: a pickle that would run code is refused, not run) and
     memory-mapped, so an optimizer state of gigabytes is not read into memory."""
-    import torch
-    from safetensors import safe_open
-    from transformers.trainer_pt_utils import safe_globals
-
     for file in sorted(checkpoint.iterdir()):
         try:
             if file.suffix in (".pt", ".pth") or file.suffix == ".bin" and file.name != "training_args.bin":
@@ -206,7 +205,8 @@ def check_run_dir(config) -> None:
     out = Path(config.output_dir)
     check_path_length(out, "output_dir")
     inside = Path(os.path.realpath(out.expanduser()))
-    for key, spec, source in read_sources(config):  # rotation and resumes would delete and read beside them
+    # rotation and resumes would delete and read beside them
+    for key, spec, source in read_sources(config.model, config.original):
         if source.is_dir() and source in (inside, *inside.parents):
             raise ValidationError(f"output_dir {out} is inside {key} {shown(spec)}, which the recipe reads: name an "
                                   "output_dir outside it")
@@ -243,7 +243,7 @@ def check_run_dir(config) -> None:
     if changed:
         raise ValidationError(f"output_dir {out} was calibrated and trained from {changed}; the config names "
                               f"{shown(config.model)}: name another output_dir, or set resume=false to start over")
-    asked = trained_parameters(config)
+    asked = trained_parameters(config.trainable, config.freeze_embeddings, config.lora)
     last = last_checkpoint(out)
     damaged = damaged_checkpoint(last) if last is not None else None
     if damaged:
@@ -254,14 +254,13 @@ def check_run_dir(config) -> None:
                               "checkpoints' optimizer state fits those parameters only; set them back, name another "
                               "output_dir, or set resume=false to start over")
     if last is not None:
-        check_optimizer_settings(out, record, optimizer_settings(config), last)
+        check_optimizer_settings(out, record, optimizer_settings(config.lr, config.training), last)
 
 
-def read_sources(config):
-    """``(key, spec, real path)`` of the model and the original the recipe reads from disk (a packaged model lives
-    in the package); a name too long to be a path or a Hub id is refused here."""
-    for key in ("model", "original"):
-        spec = getattr(config, key)
+def read_sources(model: str, original: str | None):
+    """``(key, spec, real path)`` of the ``model`` and the ``original`` the recipe reads from disk (a packaged model
+    lives in the package); a name too long to be a path or a Hub id is refused here."""
+    for key, spec in (("model", model), ("original", original)):
         if spec and not spec.startswith(PACKAGED):
             check_path_length(spec, key)
             yield key, spec, Path(os.path.realpath(Path(spec).expanduser()))
@@ -271,7 +270,7 @@ def check_save_dir(config) -> None:
     """The final checkpoint replaces only one that a run in this output_dir saved (save_dir inside output_dir, or
     recorded in its run.json): never the model or the original it reads, nor any other checkpoint of the user's."""
     save = Path(os.path.realpath(config.save_path.expanduser()))
-    for key, spec, source in read_sources(config):
+    for key, spec, source in read_sources(config.model, config.original):
         if source.exists() and save in (source, *source.parents):
             raise ValidationError(f"save_dir {config.save_path} would replace {key} {shown(spec)}, which the recipe "
                                   "reads: name another save_dir")
@@ -307,5 +306,6 @@ def claim_run_dir(config) -> None:
     if record is not None and record.get("model", {}).get("weights") is not None:
         identity = record["model"]  # a Hub id recorded once downloaded; check_run_dir compared the two
     kept = {key: record[key] for key in ("saved", "finished") if key in record} if record is not None else {}
-    write_json(out / RECORD, {"written_by": WRITTEN_BY, "model": identity, "parameters": trained_parameters(config),
-                              "optimizer": optimizer_settings(config), **kept})
+    write_json(out / RECORD, {"written_by": WRITTEN_BY, "model": identity,
+                              "parameters": trained_parameters(config.trainable, config.freeze_embeddings, config.lora),
+                              "optimizer": optimizer_settings(config.lr, config.training), **kept})

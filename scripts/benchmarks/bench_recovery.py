@@ -208,7 +208,7 @@ def other_text(args, norm: str, method: str, run_dir: Path, checkpoint: Path) ->
     """A point on ``--other-data``, text that neither calibration nor training read: ``normswap eval`` of the
     checkpoint against the original, on as many tokens in windows as long as the recipe's final evaluation."""
     # internal: the run as the recipe resolves it, for its evaluation windows
-    from hf_normswap.planning.recovery_run import resolve_run
+    from hf_normswap.training.recovery_run import resolve_run
     from hf_normswap.training.config import read_recipe_config
 
     run = resolve_run(read_recipe_config(args.config, recipe_overrides(args, norm, method, 1, run_dir)))

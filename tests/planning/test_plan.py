@@ -160,7 +160,7 @@ def test_an_8b_config_plans_without_its_weights():
 
 def test_a_recipe_config_plans_as_the_recipe_runs(tmp_path):
     from hf_normswap.planning import plan, run_plan_settings
-    from hf_normswap.planning.recovery_run import resolve_run
+    from hf_normswap.training.recovery_run import resolve_run
     from hf_normswap.training.config import read_recipe_config
 
     recipe = Path(__file__).parents[2] / "recipes" / "configs" / "smollm2-eln.yaml"
@@ -185,7 +185,7 @@ def test_the_command_plans_a_recipe_config_as_the_recipe_resolves_it(tmp_path, c
     import dataclasses
 
     from hf_normswap.planning import plan, run_plan_settings
-    from hf_normswap.planning.recovery_run import resolve_run
+    from hf_normswap.training.recovery_run import resolve_run
     from hf_normswap.training.config import read_recipe_config
 
     tiny_config("llama").save_pretrained(tmp_path)
@@ -217,7 +217,7 @@ def test_processes_below_one_are_refused_as_the_flags_are_parsed(tmp_path, capsy
 
 
 def test_a_run_on_no_process_is_refused_by_resolve_run():
-    from hf_normswap.planning.recovery_run import RecoveryRunError, resolve_run
+    from hf_normswap.training.recovery_run import RecoveryRunError, resolve_run
     from hf_normswap.training.config import read_recipe_config
 
     config = read_recipe_config(str(Path(__file__).parents[2] / "recipes" / "configs" / "smollm2-eln.yaml"),

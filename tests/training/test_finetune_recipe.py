@@ -24,7 +24,7 @@ import yaml
 
 import hf_normswap
 from hf_normswap.data.generated import is_generated
-from hf_normswap.planning.recovery_run import converted_checkpoint, resolve_run
+from hf_normswap.training.recovery_run import converted_checkpoint, resolve_run
 from hf_normswap.training import recipe_data, recipe_models, recipe_results, recipe_settings
 from hf_normswap.training.config import RecipeConfig
 from hf_normswap.training.losses import distillation_loss
@@ -178,7 +178,8 @@ def test_lora_single_process(tiny_setup):
     assert not any("k_proj" in n for n in changed)
 
 
-def test_a_resumed_run_refuses_a_cached_calibration_the_config_does_not_describe(tiny_setup, tmp_path, capsys):
+def test_a_resumed_run_refuses_a_cached_calibration_the_config_does_not_describe(tiny_setup, tmp_path, capsys,
+                                                                                  no_loading):
     """``OUTPUT/calibrated`` from another method or other calibration settings stops the run before any model loads,
     instead of training a start the config does not describe; ``resume=false`` calibrates anew."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -193,13 +194,14 @@ def test_a_resumed_run_refuses_a_cached_calibration_the_config_does_not_describe
     hf_normswap.convert(model, to="eln", calibration=dataclasses.replace(config.calibration, tokenizer=tokenizer))
     hf_normswap.save_pretrained(model, output / "calibrated", tokenizer=tokenizer)
 
-    recipe_settings.load_config([*base, "calibration.progress=true"])  # calibrated as asked: the run goes on
+    # calibrated as asked: the run is set up and goes on
+    no_loading.RecoveryRecipe(recipe_settings.load_config([*base, "calibration.progress=true"]), launched=0.0)
     capsys.readouterr()
     for override, named in (("method=dyt", "method 'eln' (the config: 'dyt')"),
                             ("calibration.num_blocks=3", "num_blocks 4 (the config: 3)"),
                             ("calibration.precision=fp32", "precision 'auto' (the config: 'fp32')")):
         with pytest.raises(SystemExit) as error:
-            recipe_settings.load_config([*base, override])
+            no_loading.main([*base, override])  # refused as the run is set up, before any model loads
         assert error.value.code == 2
         message = capsys.readouterr().err
         assert named in message and "resume=false" in message and message.count("\n") == 1, message

@@ -11,7 +11,7 @@ import torch
 from hf_normswap import convert
 from hf_normswap.planning import PlanSettings, plan
 from hf_normswap.training.losses import layerwise_step
-from hf_normswap.planning.recovery_run import step_batches
+from hf_normswap.training.recovery_run import step_batches
 from hf_normswap.training.compiled_blocks import compile_blocks, repeated_blocks
 from tiny_models import tiny_model
 

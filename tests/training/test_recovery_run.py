@@ -11,7 +11,7 @@ import hf_normswap
 from hf_normswap.checkpoint import loading
 from hf_normswap.checkpoint.record import converted_config
 from hf_normswap.planning import run_plan_settings
-from hf_normswap.planning.recovery_run import RecoveryRunError, resolve_run
+from hf_normswap.training.recovery_run import RecoveryRunError, resolve_run
 from hf_normswap.training import recipe_models
 from hf_normswap.training.config import RecipeConfig
 from tiny_models import tiny_model
@@ -64,7 +64,7 @@ def test_the_plan_and_the_recipe_agree_on_every_field_they_share(models, monkeyp
     if model == "converted" and original == "other":
         record = converted_config(models / "converted")
         record["normswap"]["base_model"] = str(models / "plain")
-        monkeypatch.setattr("hf_normswap.planning.recovery_run.converted_checkpoint", lambda config: record)
+        monkeypatch.setattr("hf_normswap.training.recovery_run.converted_checkpoint", lambda config: record)
     kept = copy.deepcopy(config.to_dict())
     run = resolve_run(config, **launch)
     planned = run_plan_settings(run)
@@ -90,7 +90,7 @@ def test_the_plan_and_the_recipe_agree_on_every_field_they_share(models, monkeyp
 def test_a_converted_checkpoint_naming_no_original_is_refused(models, tmp_path, monkeypatch):
     record = converted_config(models / "converted")
     record["normswap"]["base_model"] = None
-    monkeypatch.setattr("hf_normswap.planning.recovery_run.converted_checkpoint", lambda config: record)
+    monkeypatch.setattr("hf_normswap.training.recovery_run.converted_checkpoint", lambda config: record)
     with pytest.raises(RecoveryRunError, match="original"):
         resolve_run(RecipeConfig(model=str(models / "converted"), output_dir=str(tmp_path / "out")))
 

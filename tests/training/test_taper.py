@@ -18,7 +18,7 @@ import hf_normswap
 from hf_normswap.checkpoint.hub import PushError, push
 from hf_normswap.checkpoint.loading import HandOverWarning
 from hf_normswap.checkpoint.record import ConversionRecord
-from hf_normswap.planning.recovery_run import resolve_run
+from hf_normswap.training.recovery_run import resolve_run
 from hf_normswap.training import recipe_models, recipe_settings
 from hf_normswap.training.config import read_recipe_config
 from hf_normswap.training.hand_over import converted_roles

@@ -2,9 +2,9 @@
 
 The recipe's settings (``hf_normswap.training.config.RecipeConfig``) say what the user asked; a run also decides
 whether it calibrates or loads a converted checkpoint, which original it trains toward, where it runs, how the
-weights are placed, and where it writes. :func:`resolve_run` decides each of these once, and the recipe, its memory
-plan and the benchmarks read the frozen :class:`RecoveryRun`, so that they agree and none changes the settings in
-place. Read by attribute: this stage sits below training.
+weights are placed, and where it writes. :func:`resolve_run` decides them once, without changing the settings, so
+that the recipe, its memory plan (``planning.recipe_plan``, which reads it by attribute) and the benchmarks read one
+frozen :class:`RecoveryRun` and cannot disagree.
 """
 
 from __future__ import annotations
@@ -13,6 +13,16 @@ import dataclasses
 import math
 from dataclasses import dataclass
 from pathlib import Path
+
+from ..calibration.calibrate import CalibrationConfig
+from ..checkpoint.config_checks import check_block
+from ..checkpoint.record import ConversionRecord, converted_config
+from ..data import DataError, sample_length
+from ..data.sources import source
+from ..planning import PlanError, plan, run_plan_settings
+from ..planning.memory_plan import MemoryPlan, replan
+from ..validation import ValidationError
+from .config import RecipeConfig
 
 STEP_TOKENS_ON_CUDA = 65536  # llm.c trains GPT-2 124M at 2^19 tokens a step; 2^16 keeps 30M tokens at 450+ steps
 BATCHES = (64, 32, 16, 8, 4, 2, 1)  # sequences a process a micro-batch, tried largest first
@@ -43,10 +53,10 @@ class RecoveryRunError(ValueError):
 class RecoveryRun:
     """What a recovery run decides, and the settings it was resolved from (read, never changed)."""
 
-    settings: object  # the checked RecipeConfig
+    settings: RecipeConfig  # the checked settings
     converted: dict | None  # the converted checkpoint's config.json; None: the run calibrates ``settings.model``
     original: str  # the original the converted model trains toward (teacher and reference)
-    calibration: object  # the CalibrationConfig the run calibrates with (its device set where FSDP2 shards)
+    calibration: CalibrationConfig  # what the run calibrates with (its device set where FSDP2 shards)
     cpu: bool  # no GPU, or ``training.use_cpu``
     device: str  # where accelerate trains this process: cpu, cuda:N
     processes: int
@@ -87,26 +97,21 @@ class RecoveryRun:
 def converted_checkpoint(model: str) -> dict | None:
     """config.json of ``model`` when it is a checkpoint converted by hf_normswap (no calibration then), else None:
     the one rule by which the plan and the recipe decide whether the run calibrates."""
-    from ..checkpoint.record import converted_config
-
     return converted_config(model) if Path(model).is_dir() else None
 
 
-def resolve_run(config, *, processes: int = 1, is_main: bool = True, device: str = "cpu", cpu: bool = True,
-                sharded: bool = False, load_once: bool = False, device_memory: int | None = None) -> RecoveryRun:
+def resolve_run(config: RecipeConfig, *, processes: int = 1, is_main: bool = True, device: str = "cpu",
+                cpu: bool = True, sharded: bool = False, load_once: bool = False,
+                device_memory: int | None = None) -> RecoveryRun:
     """The :class:`RecoveryRun` of checked settings launched on ``processes`` processes, this one training on
     ``device`` (of ``device_memory`` bytes); :class:`RecoveryRunError` for a converted checkpoint that names no
     original. With ``step_tokens`` (on CUDA by default :data:`STEP_TOKENS_ON_CUDA`) the micro-batch is the largest
     the memory plan fits on the device and the rest of the step is accumulated; else the training section's."""
     if isinstance(processes, bool) or not isinstance(processes, int) or processes < 1:
         raise RecoveryRunError(f"processes must be a whole number of at least 1, got {processes!r}")
-    converted = converted_checkpoint(config.model)
+    converted = converted_checkpoint(config.model)  # read here alone: the recipe reads the run's ``converted``
     original = config.model
     if converted is not None:
-        from ..checkpoint.config_checks import check_block
-        from ..checkpoint.record import ConversionRecord
-        from ..validation import ValidationError
-
         try:  # the record's every entry, before a model loads (a malformed one failed at the first save)
             record = check_block(ConversionRecord.in_config(converted))
         except ValidationError as error:
@@ -130,10 +135,6 @@ def resolve_run(config, *, processes: int = 1, is_main: bool = True, device: str
                                 calibration.block_len, calibration.data, config.train_sources, config.eval_data))
     step_tokens = config.step_tokens or (STEP_TOKENS_ON_CUDA if device.startswith("cuda") else None)
     if step_tokens:
-        from .memory_plan import plan
-        from .recipe_plan import run_plan_settings
-        from .sizes import PlanError
-
         try:
             memory = plan(run.original, run_plan_settings(run, device_memory))
         except (PlanError, OSError, ValueError):  # a model the plan cannot read: the configured batch, accumulated
@@ -151,12 +152,10 @@ def resolve_run(config, *, processes: int = 1, is_main: bool = True, device: str
         eval_data=config.eval_data, eval_blocks=config.eval_blocks))
 
 
-def step_batches(memory, step_tokens: int, seq_len: int, processes: int) -> tuple[int, int]:
+def step_batches(memory: MemoryPlan, step_tokens: int, seq_len: int, processes: int) -> tuple[int, int]:
     """``(micro-batch, accumulation)`` for at least ``step_tokens`` tokens a step over ``processes``: the largest of
     :data:`BATCHES` whose memory plan (``memory``, a :class:`~hf_normswap.planning.MemoryPlan` with the device's
     memory) fits, then as many accumulated micro-batches as the rest needs."""
-    from .memory_plan import replan
-
     whole = max(1, step_tokens // (seq_len * processes))
     batch = next((b for b in BATCHES if b <= whole and replan(memory, batch_size=b).fits), 1)
     return batch, math.ceil(step_tokens / (batch * seq_len * processes))
@@ -176,8 +175,6 @@ def training_shares(sources: list[str], block_len: int, run_tokens: int | None,
     """Tokens to read of each training source: its share of ``max_train_tokens`` (None: all of it); for the
     original's samples, which have no end, its share of what the run trains on over every launch (``run_tokens``)
     within that cap. A share is at least a block."""
-    from ..data.sources import source
-
     def share(tokens):
         return None if tokens is None else max(tokens // len(sources), block_len)
 
@@ -195,8 +192,6 @@ def context_lengths(calibrates: bool, block_len: int, eval_length: int | None, c
                     calibration_data: str | None, train_sources: list[str], eval_data: str) -> dict[str, int | None]:
     """Each of :data:`CONTEXT_SETTINGS` with the tokens it asks of the model's context (None: unset or unused; the
     calibration's only when the run calibrates); :class:`RecoveryRunError` naming the key of a malformed spec."""
-    from ..data import DataError, sample_length
-
     def length(key: str, spec: str | None) -> int | None:
         try:
             return sample_length(spec)
