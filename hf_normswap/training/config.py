@@ -20,6 +20,7 @@ from ..modules import DEFAULT_METHOD, METHODS
 from ..precision import PRECISIONS
 from ..settings import read_overrides, read_settings, read_yaml_file, unknown_setting
 from ..validation import ValidationError, check_number, first_line, shown
+from .loss_terms import TERMS
 
 # set by the recipe from its own settings: output_dir, seed, learning_rate (lr.base)
 OWNED_TRAINING_ARGUMENTS = ("output_dir", "seed", "learning_rate")
@@ -40,7 +41,8 @@ def _at_least(value, name: str, minimum: float, whole: bool = False) -> None:
 class DistillSettings:
     """loss = (1 - weight) * CE + weight * (logit KL + hidden * layer-wise + embedding * (1 - embedding cosine)
     + scale * scale error at ``scale_at``, the final norm's input or every converted norm's
-    (``hf_normswap.training.scale_anchor``))."""
+    (``hf_normswap.training.scale_anchor``) + the terms added as files of ``training/loss_terms``, each weighted
+    by ``terms.KEY``: a number, or ``{weight: W, OPTION: VALUE}``)."""
 
     weight: float = 0.5
     temperature: float = 1.0
@@ -50,6 +52,7 @@ class DistillSettings:
     embedding: float = 0.0
     scale: float = 0.0
     scale_at: str = "final"  # final | all
+    terms: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self):
         # above 1, (1 - weight) * CE turns negative and training pushes cross-entropy up
@@ -62,6 +65,37 @@ class DistillSettings:
         if self.scale and not self.weight:
             raise ValidationError("distill.scale is a term of the distillation loss, which distill.weight 0 turns "
                                   "off: set distill.weight > 0 or distill.scale=0")
+        self._check_terms()
+
+    def _check_terms(self) -> None:
+        """``terms``: every key a term added as a file, with a weight of at least 0 and the options it takes."""
+        own = {kind.key for kind in TERMS.values() if kind.own_setting}
+        for key, given in (self.terms or {}).items():
+            if key not in TERMS or key in own:
+                added = sorted(set(TERMS) - own)
+                raise ValidationError(f"distill.terms.{key} is not a loss term added to training/loss_terms ("
+                                      f"{', '.join(added) or 'none is'}); the built-in ones are distill's own keys")
+            weight, options = TERMS[key].setting(self)
+            check_number(weight, f"distill.terms.{key}", minimum=0)
+            problem = TERMS[key].check(weight, options)
+            if problem:
+                raise ValidationError(problem)
+            if weight and not self.weight:
+                raise ValidationError(f"distill.terms.{key} is a term of the distillation loss, which distill.weight "
+                                      f"0 turns off: set distill.weight > 0 or distill.terms.{key}=0")
+
+    @property
+    def hidden_states(self) -> bool:
+        """Whether a term that is on reads every block's output (the memory plan keeps the teacher's)."""
+        return any(kind.hidden_states and kind.setting(self)[0] > 0 for kind in TERMS.values())
+
+    def memory(self, sizes, tokens: int, value_bytes: int) -> dict[str, int]:
+        """What the terms that are on hold in a training step beyond the models' activations (the memory plan)."""
+        held: dict[str, int] = {}
+        for kind in TERMS.values():
+            if kind.setting(self)[0] > 0:
+                held.update(kind.memory(sizes, tokens, value_bytes))
+        return held
 
 
 @dataclass

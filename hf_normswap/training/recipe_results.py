@@ -12,6 +12,8 @@ from pathlib import Path
 
 import torch
 
+from .loss_terms import plot_labels
+
 
 def final_evaluation(model, original, tokenizer, texts: list[str], data: str, settings, name: str):
     """The converted model against the original on ``texts`` (of the spec ``data``), with the ``final_eval``
@@ -71,9 +73,7 @@ def plot_history(history: list[dict], path: Path, original_ppl: float | None, ti
     fig, (ax_loss, ax_lr, ax_ppl) = plt.subplots(1, 3, figsize=(15, 4))
     if train:
         ax_loss.plot(tokens(train), [h["loss"] for h in train], label="training loss")
-        for key, label in (("ce_loss", "cross-entropy"), ("kd_loss", "distillation KL"),
-                           ("hidden_loss", "layer-wise"), ("embedding_loss", "1 - embedding cosine"),
-                           ("scale_loss", "pre-logit scale spread")):
+        for key, label in plot_labels().items():  # every loss term's parts (training.loss_terms)
             rows = [h for h in train if h.get(key)]  # a term that is off logs 0
             if rows:
                 ax_loss.plot(tokens(rows), [h[key] for h in rows], lw=0.8, label=label)
@@ -178,7 +178,8 @@ def finish(config, state, run, original, tokenizer, eval_texts, summary: dict, l
                                                "global_step": trainer.state.global_step, "tokens": tokens,
                                                "first_step_seconds": run.first_step and round(run.first_step, 1)}]
     training = {"steps": trainer.state.global_step, "tokens_seen": tokens, "trainable": config.trainable,
-                "distill": dataclasses.asdict(config.distill), "lr": dataclasses.asdict(config.lr),
+                "distill": dataclasses.asdict(config.distill), "loss": run.trainer.recovery_loss.describe(),
+                "lr": dataclasses.asdict(config.lr),
                 "progressive": dataclasses.asdict(config.progressive) if config.progressive.enabled else None,
                 "taper": {**dataclasses.asdict(config.taper), "steps": run.hand_over.steps} if config.taper.fraction
                 else None,

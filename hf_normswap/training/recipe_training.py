@@ -62,15 +62,15 @@ def train(run, student, original, tokenizer, state, log, launched: float) -> Tra
     swap = progressive_swap(config.progressive, config.taper, steps, run.original_read_once, student, original,
                             state, log)
     hand_over = hand_over_callback(config.progressive, config.taper, swap, log)
-    anchor = scale_anchor(distill.scale, student, distill.scale_at)
+    loss = recovery_loss(distill, config.head_chunk, student)
     student, trainable = choose_trainable(student, config.trainable, config.lora, config.freeze_embeddings, log)
     rows = f"sentences (at most {config.block_len} tokens)" if encoder else f"blocks of {config.block_len} tokens"
     mix = f", a mix of {' + '.join(run.text.sources)}" if len(run.text.sources) > 1 else ""
     log(f"training {trainable:,} parameters ({config.trainable}) on "
         + (f"{config.train_data} streamed in {rows}" if not hasattr(train_set, "__len__") else
            f"{len(train_set)} {rows}{mix}"))
-    precision = training_precision(config.precision, config.distill, config.head_chunk, run.batch_size, student,
-                                   original, train_set, tokenizer, state)
+    precision = training_precision(config.precision, loss, run.batch_size, student, original, train_set,
+                                   tokenizer, state)
     log(precision.describe())
     if config.compile if config.compile is not None else state.device.type == "cuda":
         log(f"compiled: {compile_blocks([student, original])} blocks of the student and the original")
@@ -93,12 +93,8 @@ def train(run, student, original, tokenizer, state, log, launched: float) -> Tra
     skeleton = skeleton_to_gather(student)  # after LoRA and the trainable choice: the model as it is sharded
     trainer = NormSwapTrainer(model=student, args=args, train_dataset=train_set, eval_dataset=eval_set,
                               processing_class=tokenizer, callbacks=callbacks,
-                              teacher=original if distill.weight > 0 else None, distill_weight=distill.weight,
-                              temperature=distill.temperature, logits=distill.logits,
-                              hidden_weight=distill.hidden, sink_weight=distill.sink_weight,
-                              embedding_weight=distill.embedding, scale_anchor=anchor, scale_weight=distill.scale,
-                              shape_lr=config.lr.shape, gamma_lr=config.lr.gamma,
-                              head_chunk=config.head_chunk, shard_teacher=config.shard_teacher)
+                              teacher=original if distill.weight > 0 else None, loss=loss,
+                              shape_lr=config.lr.shape, gamma_lr=config.lr.gamma, shard_teacher=config.shard_teacher)
     last = last_checkpoint(Path(config.output_dir)) if config.resume else None
     log(f"resuming from {last}" if last else "training from the calibrated model")
     resumed = read_json(last / "trainer_state.json") if last else {}
@@ -154,17 +150,14 @@ def progressive_swap(progressive, taper, steps: int, from_main: bool, student, o
     return swap
 
 
-def scale_anchor(weight: float, student, at: str = "final"):
-    """The scale anchor on the converted final norm, or on every converted norm (``at``; None when ``weight`` is 0),
-    built before LoRA wraps the student: its hooks sit on the modules themselves."""
-    from .scale_anchor import ScaleAnchor, ScaleAnchorError
+def recovery_loss(distill, head_chunk: int, student):
+    """The loss of the ``distill`` settings (:class:`RecoveryLoss`), built before LoRA wraps the student: a term's
+    hooks (the scale anchor's) sit on the modules themselves."""
+    from .recovery_loss import RecoveryLoss
 
-    if not weight:
-        return None
-    roles = {name: entry.role for name, entry in ConversionRecord.of(student).converted.items()}
     try:
-        return ScaleAnchor.of(student, roles, at)
-    except ScaleAnchorError as error:
+        return RecoveryLoss.of(distill, student, head_chunk)
+    except ValueError as error:  # a term that cannot work here (the scale anchor without a converted final norm)
         fail(str(error))
 
 
@@ -199,9 +192,9 @@ def choose_trainable(student, which: str, lora, freeze: bool, log):
     return student, freeze_embeddings(student) if freeze else trainable
 
 
-def training_precision(asked: str, distill, head_chunk, batch: int, student, original, train_set, tokenizer, state):
+def training_precision(asked: str, loss, batch: int, student, original, train_set, tokenizer, state):
     """fp32 or bf16 autocast (``asked``: the ``precision`` setting); ``auto`` times the recipe's own step (forward,
-    the ``distill`` loss, backward; ``batch`` training rows) in both on the main process, and every process takes its
+    the ``loss``, backward; ``batch`` training rows) in both on the main process, and every process takes its
     answer."""
     from accelerate.utils import broadcast_object_list
     from datasets import IterableDataset
@@ -215,12 +208,7 @@ def training_precision(asked: str, distill, head_chunk, batch: int, student, ori
             else train_set[:batch]["input_ids"])
     if state.is_main_process or asked != "auto":
         inputs = tokenizer.pad({"input_ids": rows}, return_tensors="pt")  # sentences differ in length
-        choice = [training_step_precision(asked, student, original, dict(inputs), device=state.device,
-                                          head_chunk=head_chunk, distill_weight=distill.weight,
-                                          temperature=distill.temperature, logits=distill.logits,
-                                          hidden_weight=distill.hidden, sink_weight=distill.sink_weight,
-                                          embedding_weight=distill.embedding)]
+        choice = [training_step_precision(asked, student, original, dict(inputs), device=state.device, loss=loss)]
     if state.num_processes > 1 and asked == "auto":
         choice = broadcast_object_list(choice)
     return choice[0]
-
