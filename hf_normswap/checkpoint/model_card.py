@@ -92,10 +92,12 @@ def _training_section(training) -> str | None:
              f"parameters: `{training.get('trainable')}`; {training.get('steps')} steps, "
              f"{training.get('tokens_seen')} tokens of `{data}` in "
              f"{training.get('wall_seconds')} s on {training.get('world_size', 1)} process(es)."]
-    if training.get("progressive"):
+    if training.get("hand_over"):  # its kind's own sentence (training.hand_overs)
+        lines.append(training["hand_over"])
+    elif training.get("progressive"):  # a record written before hand-overs described themselves
         lines.append("The norms were handed over from the original to the converted modules progressively "
                      f"({training['progressive'].get('order')} order).")
-    if training.get("taper"):
+    elif training.get("taper"):
         taper = training["taper"]
         length = (f"its first {taper['steps']} steps" if taper.get("steps") else
                   f"the first {taper.get('fraction'):g} of the steps")

@@ -20,6 +20,7 @@ from ..modules import DEFAULT_METHOD, METHODS
 from ..precision import PRECISIONS
 from ..settings import read_overrides, read_settings, read_yaml_file, unknown_setting
 from ..validation import ValidationError, check_number, first_line, shown
+from . import hand_overs
 from .loss_terms import TERMS
 
 # set by the recipe from its own settings: output_dir, seed, learning_rate (lr.base)
@@ -85,17 +86,15 @@ class DistillSettings:
                                       f"0 turns off: set distill.weight > 0 or distill.terms.{key}=0")
 
     @property
-    def hidden_states(self) -> bool:
-        """Whether a term that is on reads every block's output (the memory plan keeps the teacher's)."""
-        return any(kind.hidden_states and kind.setting(self)[0] > 0 for kind in TERMS.values())
+    def active_terms(self) -> tuple[type, ...]:
+        """The kinds of loss term this run trains with (the logit terms always; a term weighted 0 is off), for the
+        memory plan: what each holds in a step (``LossTerm.memory``)."""
+        return tuple(kind for kind in TERMS.values() if kind.setting(self)[0] > 0)
 
-    def memory(self, sizes, tokens: int, value_bytes: int) -> dict[str, int]:
-        """What the terms that are on hold in a training step beyond the models' activations (the memory plan)."""
-        held: dict[str, int] = {}
-        for kind in TERMS.values():
-            if kind.setting(self)[0] > 0:
-                held.update(kind.memory(sizes, tokens, value_bytes))
-        return held
+    @property
+    def hidden_states(self) -> bool:
+        """Whether a term that is on reads every block's output (the forwards then return the teacher's)."""
+        return any(kind.hidden_states for kind in self.active_terms)
 
 
 @dataclass
@@ -160,6 +159,24 @@ class TaperSettings:
         check_number(self.fraction, "taper.fraction", minimum=0, maximum=1)
         if self.schedule not in SCHEDULES:
             raise ValidationError(f"taper.schedule {self.schedule!r} is unknown: choose {', '.join(SCHEDULES)}")
+
+
+@dataclass
+class HandOverSettings:
+    """How the norms pass from the original's to the converted modules during training (``training.hand_overs``):
+    ``kind`` none, progressive (a few at a time, the ``progressive`` section), taper (every norm blended, the
+    ``taper`` section) or a kind added as a file of ``training/hand_overs``, whose settings are ``options``.
+    ``progressive.enabled: true`` and ``taper.fraction > 0`` name theirs too; a run has one at most."""
+
+    kind: str = "none"
+    options: dict[str, Any] = field(default_factory=dict)
+
+    def chosen(self, progressive, taper, trainable: str):
+        """The run's hand-over (``hand_overs.HandOver``) or None; ValidationError, in one line, where it cannot
+        be (two at once, with LoRA, its settings)."""
+        hand_over = hand_overs.chosen(self.kind, progressive, taper, self.options, trainable)
+        self.kind = hand_over.key if hand_over else hand_overs.NONE
+        return hand_over
 
 
 @dataclass
@@ -289,6 +306,7 @@ class RecipeConfig:
     lr: LearningRates = field(default_factory=LearningRates)
     progressive: ProgressiveSettings = field(default_factory=ProgressiveSettings)
     taper: TaperSettings = field(default_factory=TaperSettings)
+    hand_over: HandOverSettings = field(default_factory=HandOverSettings)  # kind: none | progressive | taper | ...
     first_scale_handover: float = 0.25  # share of the run at its end over which a linear position 0 joins the rest
     max_minutes: float | None = None  # wall-clock budget of this launch; stops with a checkpoint
     resume: bool = True  # go on from the last checkpoint in output_dir (false: a new run)
@@ -339,15 +357,7 @@ class RecipeConfig:
             raise ValidationError("streaming reads one Hub dataset: name one train_data, or set streaming=false to mix")
         if self.streaming and self.max_train_tokens is not None:
             raise ValidationError("a stream is read up to train_tokens (or training.max_steps); drop max_train_tokens")
-        if self.progressive.enabled and self.trainable == "lora":
-            raise ValidationError("progressive conversion works with trainable: norms or all, not lora")
-        if self.taper.fraction and self.progressive.enabled:
-            raise ValidationError("taper and progressive.enabled both hand the norms over: set progressive.enabled="
-                                  "false (taper.schedule=progressive tapers in progressive.order)")
-        if self.taper.fraction and self.trainable == "lora":
-            raise ValidationError("the taper works with trainable: norms or all, not lora")
-        if self.progressive.enabled or self.taper.fraction and self.taper.schedule == "progressive":
-            self.progressive.check_order()
+        self.hand_over.chosen(self.progressive, self.taper, self.trainable)
         output = Path(self.output_dir).absolute()
         if self.save_path.absolute() in (output, *output.parents, output / "calibrated"):
             raise ValidationError(f"save_dir {self.save_dir} is output_dir, holds it or its calibrated/: the final "

@@ -183,6 +183,7 @@ def finish(config, state, run, original, tokenizer, eval_texts, summary: dict, l
                 "progressive": dataclasses.asdict(config.progressive) if config.progressive.enabled else None,
                 "taper": {**dataclasses.asdict(config.taper), "steps": run.hand_over.steps} if config.taper.fraction
                 else None,
+                "hand_over": run.hand_over.describe() if run.hand_over is not None else None,
                 "train_data": config.train_data, "block_len": config.block_len,
                 "precision": vars(run.precision), "freeze_embeddings": config.freeze_embeddings,
                 "wall_seconds": round(sum(s["wall_seconds"] for s in launches), 1),

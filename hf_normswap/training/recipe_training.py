@@ -11,6 +11,7 @@ from pathlib import Path
 from ..checkpoint.record import ConversionRecord
 from .compiled_blocks import compile_blocks
 from .first_scale import FirstScaleHandover
+from .hand_over import converted_roles
 from .recipe_data import recipe_datasets, sentence_steps
 from .recipe_settings import fail
 
@@ -59,9 +60,9 @@ def train(run, student, original, tokenizer, state, log, launched: float) -> Tra
     if steps <= 0 and not hasattr(train_set, "__len__"):
         fail(f"train_data {config.train_data} is read as a stream, which has no epochs: set train_tokens or "
              "training.max_steps")
-    swap = progressive_swap(config.progressive, config.taper, steps, run.original_read_once, student, original,
-                            state, log)
-    hand_over = hand_over_callback(config.progressive, config.taper, swap, log)
+    kind = config.hand_over.chosen(config.progressive, config.taper, config.trainable)
+    swap = progressive_swap(kind, steps, run.original_read_once, student, original, state, log)
+    hand_over = kind.callback(swap, converted_roles(student), log) if swap is not None else None
     loss = recovery_loss(distill, config.head_chunk, student)
     student, trainable = choose_trainable(student, config.trainable, config.lora, config.freeze_embeddings, log)
     rows = f"sentences (at most {config.block_len} tokens)" if encoder else f"blocks of {config.block_len} tokens"
@@ -119,24 +120,21 @@ def own_share(train_set, hub_stream: bool) -> dict:
     return {"accelerator_config": {"dispatch_batches": False}} if ours else {}
 
 
-def progressive_swap(progressive, taper, steps: int, from_main: bool, student, original, state, log):
-    """The :class:`ProgressiveSwap` of the ``progressive`` settings or of the ``taper`` (None when both are off):
-    the converted norms blended with the original's (the main process's, ``from_main``, where the others hold the
-    original on the meta device), handed over a few at a time or all along the taper's gate (whose length the
-    taper's callback fixes when training starts; ``steps`` until then, -1 in an epoch-based run)."""
+def progressive_swap(hand_over, steps: int, from_main: bool, student, original, state, log):
+    """The :class:`ProgressiveSwap` of the run's ``hand_over`` (``hand_overs.HandOver``; None: none): the
+    converted norms blended with the original's (the main process's, ``from_main``, where the others hold the
+    original on the meta device) along its stages (``steps`` the run's where known, -1 in an epoch-based run:
+    the taper's callback fixes its length when training starts)."""
     from accelerate.utils import broadcast_object_list
 
-    from .hand_over import hand_over_stages
-    from .progressive import ProgressiveSwap, end_step
-    from .taper import taper_steps
+    from .progressive import ProgressiveSwap
 
     ConversionRecord.amend(student, hand_over=None)  # a start saved mid hand-over: this run records its own
-    if not (progressive.enabled or taper.fraction):
+    if hand_over is None:
         return None
-    converted = ConversionRecord.of(student).converted
-    roles = {name: entry.role for name, entry in converted.items()}
-    stages = hand_over_stages(progressive, taper, roles, taper_steps(taper.fraction, max(steps, 1)))
-    norms = {n: original.get_submodule(n) for n in converted}
+    roles = converted_roles(student)
+    stages = hand_over.stages(roles, steps)
+    norms = {n: original.get_submodule(n) for n in roles}
     if from_main:
         weights = broadcast_object_list([{n: m.state_dict() for n, m in norms.items()}
                                          if state.is_main_process else None])[0]
@@ -144,9 +142,9 @@ def progressive_swap(progressive, taper, steps: int, from_main: bool, student, o
             norms[name] = copy.deepcopy(module)
             norms[name].load_state_dict(weights[name], assign=True)
     swap = ProgressiveSwap(student, norms, stages)
-    if not taper.fraction:  # the taper's line comes with its length, when training starts
-        log(f"progressive: {len(stages)} stages by {progressive.order}, every {progressive.every} steps, all "
-            f"converted from step {end_step(stages)}")
+    started = hand_over.started(stages)
+    if started:
+        log(started)
     return swap
 
 
@@ -159,21 +157,6 @@ def recovery_loss(distill, head_chunk: int, student):
         return RecoveryLoss.of(distill, student, head_chunk)
     except ValueError as error:  # a term that cannot work here (the scale anchor without a converted final norm)
         fail(str(error))
-
-
-def hand_over_callback(progressive, taper, swap, log):
-    """The callback of the hand-over ``swap`` (None without one), which tells whether the run reached its end; the
-    taper's fixes the taper's length when training starts."""
-    from .hand_over import hand_over_stages
-    from .progressive import ProgressiveSwapCallback
-    from .taper import TaperCallback
-
-    if swap is None:
-        return None
-    if not taper.fraction:
-        return ProgressiveSwapCallback(swap)
-    roles = {name: entry.role for name, entry in ConversionRecord.of(swap.model).converted.items()}
-    return TaperCallback(swap, taper.fraction, lambda steps: hand_over_stages(progressive, taper, roles, steps), log)
 
 
 def choose_trainable(student, which: str, lora, freeze: bool, log):
