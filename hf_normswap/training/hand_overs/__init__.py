@@ -30,9 +30,9 @@ def chosen(kind: str, progressive, taper, options: dict, trainable: str) -> Hand
     if kind != NONE:
         asked.setdefault(kind, KINDS[kind](progressive, taper, options))
     if len(asked) > 1:
-        switches = " and ".join(h.switch for h in asked.values())
-        raise ValidationError(f"{switches} both hand the norms over: keep one (taper.schedule=progressive tapers in "
-                              "progressive.order)")
+        switches, offs = " and ".join(h.switch for h in asked.values()), " or ".join(h.off for h in asked.values())
+        raise ValidationError(f"{switches} both hand the norms over: keep one, set {offs} (taper.schedule="
+                              "progressive tapers in progressive.order)")
     if not asked:
         return None
     hand_over = next(iter(asked.values()))

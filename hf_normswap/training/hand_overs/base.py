@@ -39,6 +39,11 @@ class HandOver:
         """The setting that turns it on, for messages."""
         return f"hand_over.kind={self.key}"
 
+    @property
+    def off(self) -> str:
+        """The setting that turns it off, for messages."""
+        return f"hand_over.kind={NONE}"
+
     @classmethod
     def asked(cls, progressive, taper) -> bool:
         """Whether a key of the ``progressive`` or ``taper`` section turns it on (the built-in kinds' own keys)."""

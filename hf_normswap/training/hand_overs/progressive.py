@@ -13,6 +13,7 @@ class Progressive(HandOver):
     title = "progressive conversion"
     in_order = fits_before_training = True
     switch = "progressive.enabled"
+    off = "progressive.enabled=false"
     fix = ProgressiveSwapCallback.fix
 
     @classmethod

@@ -12,6 +12,7 @@ class Taper(HandOver):
     key = "taper"
     title = "the taper"
     switch = "taper.fraction"
+    off = "taper.fraction=0"
 
     @property
     def in_order(self) -> bool:
