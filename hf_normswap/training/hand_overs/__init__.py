@@ -26,9 +26,10 @@ def chosen(kind: str, progressive, taper, options: dict, trainable: str) -> Hand
     that cannot work."""
     if kind != NONE and kind not in KINDS:
         raise ValidationError(f"hand_over.kind {kind!r} is unknown: choose {', '.join((NONE, *KINDS))}")
-    asked = {key: cls(progressive, taper, options) for key, cls in KINDS.items() if cls.asked(progressive, taper)}
-    if kind != NONE:
-        asked.setdefault(kind, KINDS[kind](progressive, taper, options))
+    asked = {kind: KINDS[kind](progressive, taper, options)} if kind != NONE else {}
+    for key, cls in KINDS.items():
+        if cls.asked(progressive, taper):
+            asked.setdefault(key, cls(progressive, taper, options))
     if len(asked) > 1:
         switches, offs = " and ".join(h.switch for h in asked.values()), " or ".join(h.off for h in asked.values())
         raise ValidationError(f"{switches} both hand the norms over: keep one, set {offs} (taper.schedule="
