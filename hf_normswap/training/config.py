@@ -20,8 +20,11 @@ from ..modules import DEFAULT_METHOD, METHODS
 from ..precision import PRECISIONS
 from ..settings import read_overrides, read_settings, read_yaml_file, unknown_setting
 from ..validation import ValidationError, check_number, first_line, shown
+from ..evaluation.norm_sensitivity import load_order
 from . import hand_overs
 from .loss_terms import TERMS
+from .progressive import ORDERS
+from .taper import SCHEDULES
 
 # set by the recipe from its own settings: output_dir, seed, learning_rate (lr.base)
 OWNED_TRAINING_ARGUMENTS = ("output_dir", "seed", "learning_rate")
@@ -132,9 +135,6 @@ class ProgressiveSettings:
     def check_order(self) -> None:
         """The order, and its map file read, before any load: the schedule is built after the model loads (by
         ``progressive.enabled``, or the taper in stages, ``taper.schedule: progressive``)."""
-        from ..evaluation.norm_sensitivity import load_order
-        from .progressive import ORDERS
-
         if self.order.endswith(".json"):
             try:
                 load_order(self.order)
@@ -154,8 +154,6 @@ class TaperSettings:
     schedule: str = "cosine"  # cosine | linear | progressive (stages in progressive.order, one after another)
 
     def __post_init__(self):
-        from .taper import SCHEDULES
-
         check_number(self.fraction, "taper.fraction", minimum=0, maximum=1)
         if self.schedule not in SCHEDULES:
             raise ValidationError(f"taper.schedule {self.schedule!r} is unknown: choose {', '.join(SCHEDULES)}")

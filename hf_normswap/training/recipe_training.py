@@ -8,18 +8,32 @@ import dataclasses
 import time
 from pathlib import Path
 
+from accelerate.utils import broadcast_object_list
+from datasets import IterableDataset
+from transformers import TrainingArguments
+
 from ..checkpoint.record import ConversionRecord
+from ..model_inputs import ends_in_hidden_states
 from .compiled_blocks import compile_blocks
 from .first_scale import FirstScaleHandover
 from .hand_over import converted_roles
+from .progressive import HandOverError, ProgressiveSwap
 from .recipe_data import recipe_datasets, sentence_steps
+from .recipe_models import skeleton_to_gather
 from .recipe_settings import fail
+from .recovery_loss import RecoveryLoss
+from .run_dir import last_checkpoint, read_json
+from .saturation import SaturationLog
+from .step_precision import training_step_precision
+from .trainable import apply_lora, disable_dropout, freeze_embeddings, set_trainable
+from .trainer import NormSwapTrainer
+from .wall_clock import FirstStepClock, WallClockStop
+
 
 
 @dataclasses.dataclass
 class TrainingRun:
     """What step 3 leaves for step 4: the trainer after training and what the summary records of the launch."""
-
     trainer: object
     result: object
     precision: object
@@ -38,16 +52,6 @@ def train(run, student, original, tokenizer, state, log, launched: float) -> Tra
     """Step 3: the training rows, the trainable parameters (norms, all, LoRA; progressive conversion), the
     precision, then :class:`NormSwapTrainer` from the last checkpoint when resuming (``launched``: when the launch
     started, ``time.monotonic()``, for the seconds to its first step)."""
-    from transformers import TrainingArguments
-
-    from ..model_inputs import ends_in_hidden_states
-    from .trainer import NormSwapTrainer
-    from .wall_clock import FirstStepClock, WallClockStop
-    from .progressive import HandOverError
-    from .saturation import SaturationLog
-    from .recipe_models import skeleton_to_gather
-    from .run_dir import last_checkpoint, read_json
-
     config = run.settings
     encoder = ends_in_hidden_states(original)
     distill = config.distill
@@ -114,9 +118,7 @@ def own_share(train_set, hub_stream: bool) -> dict:
     """Every process reads a stream of ours whole and the Trainer gives each its slice of every global batch
     (accelerate's ``dispatch_batches`` off), so each draws its own share of the original's samples; a Hub stream
     is read by the main process and dispatched (accelerate's default for a stream)."""
-    import datasets
-
-    ours = isinstance(train_set, datasets.IterableDataset) and not hub_stream
+    ours = isinstance(train_set, IterableDataset) and not hub_stream
     return {"accelerator_config": {"dispatch_batches": False}} if ours else {}
 
 
@@ -125,10 +127,6 @@ def progressive_swap(hand_over, steps: int, from_main: bool, student, original, 
     converted norms blended with the original's (the main process's, ``from_main``, where the others hold the
     original on the meta device) along its stages (``steps`` the run's where known, -1 in an epoch-based run:
     the taper's callback fixes its length when training starts)."""
-    from accelerate.utils import broadcast_object_list
-
-    from .progressive import ProgressiveSwap
-
     ConversionRecord.amend(student, hand_over=None)  # a start saved mid hand-over: this run records its own
     if hand_over is None:
         return None
@@ -151,8 +149,6 @@ def progressive_swap(hand_over, steps: int, from_main: bool, student, original, 
 def recovery_loss(distill, head_chunk: int, student):
     """The loss of the ``distill`` settings (:class:`RecoveryLoss`), built before LoRA wraps the student: a term's
     hooks (the scale anchor's) sit on the modules themselves."""
-    from .recovery_loss import RecoveryLoss
-
     try:
         return RecoveryLoss.of(distill, student, head_chunk)
     except ValueError as error:  # a term that cannot work here (the scale anchor without a converted final norm)
@@ -162,8 +158,6 @@ def recovery_loss(distill, head_chunk: int, student):
 def choose_trainable(student, which: str, lora, freeze: bool, log):
     """Dropout off, then the parameters ``which`` names (norms, all, or ``lora``'s adapters), the embeddings frozen
     if ``freeze``; returns the student (LoRA wraps it) and how many parameters train."""
-    from .trainable import apply_lora, disable_dropout, freeze_embeddings, set_trainable
-
     dropout = disable_dropout(student)  # before LoRA, whose own dropout is the lora config's
     if dropout:
         log(f"dropout off in {dropout} places of the student: it is fitted to the original's exact outputs")
@@ -179,11 +173,6 @@ def training_precision(asked: str, loss, batch: int, student, original, train_se
     """fp32 or bf16 autocast (``asked``: the ``precision`` setting); ``auto`` times the recipe's own step (forward,
     the ``loss``, backward; ``batch`` training rows) in both on the main process, and every process takes its
     answer."""
-    from accelerate.utils import broadcast_object_list
-    from datasets import IterableDataset
-
-    from .step_precision import training_step_precision
-
     choice = [None]
     # a stream's first rows are read by every process: each draws its own batches of the original's samples, and
     # one process reading alone would wait for the others' while they wait for its answer

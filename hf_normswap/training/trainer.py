@@ -17,6 +17,7 @@ import math
 from pathlib import Path
 
 import torch
+from accelerate.utils import broadcast_object_list
 from torch import nn
 from transformers import Trainer
 
@@ -76,8 +77,6 @@ class NormSwapTrainer(Trainer):
         measured = distilled and (self.accelerator.is_main_process or not from_main_forward)
         chunk = [head_chunk_for(self.model, teacher, loss.head_chunk) if measured else 0]
         if from_main_forward:
-            from accelerate.utils import broadcast_object_list
-
             chunk = broadcast_object_list(chunk)
         self.head_chunk = chunk[0]
         self.logged = RecoveryLoss.logged()
