@@ -59,8 +59,7 @@ def head_steps(hidden, weight, teacher_hidden, teacher_weight, labels) -> dict:
         hidden.grad = weight.grad = None
 
     def chunked():
-        head_loss(hidden, weight, labels, teacher_hidden=teacher_hidden, teacher_weight=teacher_weight,
-                  ce_weight=0.5, kd_weight=0.5)[0].backward()
+        head_loss(hidden, weight, labels, teacher=(teacher_hidden, teacher_weight), weights=(0.5, 0.5))[0].backward()
         hidden.grad = weight.grad = None
 
     return {"full-logits": full, "chunked": chunked}

@@ -41,8 +41,8 @@ def test_chunked_loss_and_gradients_equal_the_full_logits_version(chunk, tempera
     mask[1, 7:] = 0
     full = _full(hidden, weight, labels, teacher_hidden @ teacher_weight.T, mask, w, temperature)
     expected = torch.autograd.grad(full[0], (hidden, weight))
-    chunked = head_loss(hidden, weight, labels, teacher_hidden=teacher_hidden, teacher_weight=teacher_weight,
-                        kd_mask=mask, ce_weight=1 - w, kd_weight=w, temperature=temperature, chunk=chunk)
+    chunked = head_loss(hidden, weight, labels, teacher=(teacher_hidden, teacher_weight), kd_mask=mask,
+                        weights=(1 - w, w), temperature=temperature, chunk=chunk)
     for got, want in zip(chunked[:1] + chunked[2:] if w == 1 else chunked, full[:1] + full[2:] if w == 1 else full):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     for got, want in zip(torch.autograd.grad(2.0 * chunked[0], (hidden, weight)), expected):

@@ -39,9 +39,9 @@ class LogitTerms(LossTerm):
                 loss, ce, kd = zero, zero, zero
             else:
                 loss, ce, kd = head_loss(step.outputs.logits, step.heads[0].weight, inputs["labels"],
-                                         teacher_hidden=step.reference.logits, teacher_weight=step.heads[1].weight,
-                                         kd_mask=step.mask, ce_weight=1.0 - w, kd_weight=kd_weight,
-                                         temperature=self.temperature, chunk=step.head_chunk)
+                                         teacher=(step.reference.logits, step.heads[1].weight), kd_mask=step.mask,
+                                         weights=(1.0 - w, kd_weight), temperature=self.temperature,
+                                         chunk=step.head_chunk)
             return loss, {"ce_loss": ce, "kd_loss": kd}
         ce = getattr(step.outputs, "loss", None)
         if ce is None and w < 1:
