@@ -170,3 +170,20 @@ def test_progressive_swap_training_ends_closer_to_the_original(tmp_path):
         optimizer.step()
     swap.remove()
     assert kl() < 0.5 * before  # measured: 0.0022 -> 0.00026
+
+
+def test_the_loss_sums_its_terms_in_the_order_it_always_had():
+    """``(1 - w) * CE + w * KD``, then ``w * (h * H + e * E)``, then ``(w * s) * S``: bit for bit, so that a run's
+    numbers do not move with the terms' classes; each term is logged."""
+    model, original = converted_pair()
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(3))
+    inputs = {"input_ids": ids, "labels": ids, "attention_mask": torch.ones_like(ids)}
+    w, h, e, s = 0.9, 7.7, 1.3, 0.33  # weights at which other orders of the sum round differently on this batch
+    loss = RecoveryLoss.of(DistillSettings(weight=w, temperature=2.0, hidden=h, embedding=e, scale=s), model,
+                           head_chunk=0)
+    total, logged = loss(model, original, inputs)
+    ce, kd, hidden, embedding, scale = (logged[k] for k in ("ce_loss", "kd_loss", "hidden_loss", "embedding_loss",
+                                                            "scale_loss"))
+    assert all(float(v) > 0 for v in logged.values())
+    assert torch.equal(total, ((1 - w) * ce + w * kd) + w * (h * hidden + e * embedding) + w * s * scale)
+    assert len(loss.describe()) == 4 and loss.hidden_states

@@ -26,7 +26,10 @@ def chosen(kind: str, progressive, taper, options: dict, trainable: str) -> Hand
     that cannot work."""
     if kind != NONE and kind not in KINDS:
         raise ValidationError(f"hand_over.kind {kind!r} is unknown: choose {', '.join((NONE, *KINDS))}")
-    asked = {kind: KINDS[kind](progressive, taper, options)} if kind != NONE else {}
+    asked = {}
+    if kind != NONE:
+        asked[kind] = KINDS[kind](progressive, taper, options)
+        asked[kind].named = True
     for key, cls in KINDS.items():
         if cls.asked(progressive, taper):
             asked.setdefault(key, cls(progressive, taper, options))

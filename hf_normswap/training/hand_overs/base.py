@@ -34,15 +34,18 @@ class HandOver:
     def __init__(self, progressive, taper, options: dict | None = None):
         self.progressive, self.taper, self.options = progressive, taper, dict(options or {})
 
+    own_switch = own_off = ""  # the built-in kinds' own keys that turn them on and off (progressive.enabled ...)
+    named = False  # hand_over.kind names it (else its own key turned it on)
+
     @property
     def switch(self) -> str:
-        """The setting that turns it on, for messages."""
-        return f"hand_over.kind={self.key}"
+        """The setting that turned it on, for messages."""
+        return self.own_switch if self.own_switch and not self.named else f"hand_over.kind={self.key}"
 
     @property
     def off(self) -> str:
         """The setting that turns it off, for messages."""
-        return f"hand_over.kind={NONE}"
+        return self.own_off if self.own_off and not self.named else f"hand_over.kind={NONE}"
 
     @classmethod
     def asked(cls, progressive, taper) -> bool:

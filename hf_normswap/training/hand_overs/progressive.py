@@ -12,8 +12,8 @@ class Progressive(HandOver):
     key = "progressive"
     title = "progressive conversion"
     in_order = fits_before_training = True
-    switch = "progressive.enabled"
-    off = "progressive.enabled=false"
+    own_switch = "progressive.enabled"
+    own_off = "progressive.enabled=false"
     fix = ProgressiveSwapCallback.fix
 
     @classmethod
@@ -24,7 +24,7 @@ class Progressive(HandOver):
         self.progressive.enabled = True
 
     def check(self) -> str | None:
-        return None  # progressive.check_order reads the order
+        return super().check()  # its settings are the progressive section's (its order: progressive.check_order)
 
     def stages(self, roles: dict[str, str], steps: int) -> list:
         p = self.progressive

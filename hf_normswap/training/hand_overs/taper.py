@@ -11,8 +11,8 @@ from .base import HandOver, register
 class Taper(HandOver):
     key = "taper"
     title = "the taper"
-    switch = "taper.fraction"
-    off = "taper.fraction=0"
+    own_switch = "taper.fraction"
+    own_off = "taper.fraction=0"
 
     @property
     def in_order(self) -> bool:
@@ -25,7 +25,7 @@ class Taper(HandOver):
     def check(self) -> str | None:
         if not self.taper.fraction:
             return "hand_over.kind=taper needs taper.fraction > 0: the share of the run over which it blends"
-        return None
+        return super().check()  # its settings are the taper section's
 
     def stages(self, roles: dict[str, str], steps: int) -> list:
         return self._stages(roles, taper_steps(self.taper.fraction, max(steps, 1)))
