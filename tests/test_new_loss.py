@@ -93,7 +93,8 @@ RECOVER = textwrap.dedent("""
         return savefig(figure, *args, **kwargs)
     matplotlib.figure.Figure.savefig = legend_and_save
     refused = []
-    for bad in ("hand_over.options.at=-1", "distill.terms.last_scale={weight: 1, depth: 2}", "taper.fraction=0.5"):
+    for bad in ("hand_over.options.at=-1", "distill.terms.last_scale={weight: 1, depth: 2}", "taper.fraction=0.5",
+                "distill.terms.last_scale=abc"):
         try:
             read_recipe_config(str(config_path), [bad])
         except ValidationError as error:
@@ -130,3 +131,4 @@ def test_a_loss_term_and_a_hand_over_added_as_one_file_each_train_show_and_are_p
     assert "hand_over.options.at must be a step, got -1" in seen["refused"][0]
     assert "distill.terms.last_scale takes no options, got depth" in seen["refused"][1]
     assert "hand_over.kind=at_once and taper.fraction both hand the norms over" in seen["refused"][2]
+    assert "distill.terms.last_scale must be a weight, or {weight: W, OPTION: VALUE}, got 'abc'" in seen["refused"][3]

@@ -79,8 +79,12 @@ class DistillSettings:
                 added = sorted(set(TERMS) - own)
                 raise ValidationError(f"distill.terms.{key} is not a loss term added to training/loss_terms ("
                                       f"{', '.join(added) or 'none is'}); the built-in ones are distill's own keys")
-            weight, options = TERMS[key].setting(self)
+            weight = given.get("weight", 0.0) if isinstance(given, dict) else given
+            if isinstance(weight, bool) or not isinstance(weight, (int, float)):
+                raise ValidationError(f"distill.terms.{key} must be a weight, or {{weight: W, OPTION: VALUE}}, got "
+                                      f"{shown(given)}")
             check_number(weight, f"distill.terms.{key}", minimum=0)
+            _, options = TERMS[key].setting(self)
             problem = TERMS[key].check(weight, options)
             if problem:
                 raise ValidationError(problem)

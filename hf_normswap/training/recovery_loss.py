@@ -27,7 +27,8 @@ class RecoveryLoss:
         self.terms, self.distill_weight, self.head_chunk = terms, float(distill_weight), int(head_chunk or 0)
         kd = any(isinstance(t, LogitTerms) and t.logits for t in terms)
         if not kd and not any(not isinstance(t, LogitTerms) for t in terms):
-            raise ValueError("distillation without logits needs hidden_weight or embedding_weight > 0")
+            raise ValueError("distill.logits=false leaves the distillation no term: set distill.hidden or "
+                             "distill.embedding > 0")
 
     @classmethod
     def of(cls, distill, model: nn.Module | None = None, head_chunk: int = DEFAULT_CHUNK) -> "RecoveryLoss":
