@@ -129,13 +129,15 @@ def test_recipe_rejects_an_unknown_precision_before_any_work(capsys):
 
 
 @pytest.mark.parametrize("model_type, settings", [
-    ("llama", dict(distill_weight=1.0)),
-    ("llama", dict(distill_weight=1.0, hidden_weight=1.0)),
-    ("bert", dict(distill_weight=1.0, logits=False, hidden_weight=1.0, sink_weight=1.0)),  # no logits, no labels
-    ("bert", dict(distill_weight=1.0, logits=False, embedding_weight=1.0)),
+    ("llama", dict(weight=1.0)),
+    ("llama", dict(weight=1.0, hidden=1.0)),
+    ("bert", dict(weight=1.0, logits=False, hidden=1.0, sink_weight=1.0)),  # no logits, no labels
+    ("bert", dict(weight=1.0, logits=False, embedding=1.0)),
 ])
 def test_auto_probes_the_training_step_of_decoders_and_encoders(model_type, settings, bf16_matmuls):
     from hf_normswap import convert
+    from hf_normswap.training.config import DistillSettings
+    from hf_normswap.training.recovery_loss import RecoveryLoss
     from hf_normswap.training.step_precision import training_step_precision
 
     student, teacher = tiny_model(model_type), tiny_model(model_type)
@@ -146,6 +148,6 @@ def test_auto_probes_the_training_step_of_decoders_and_encoders(model_type, sett
     mask = torch.ones_like(ids)
     mask[1, 10:] = 0
     choice = training_step_precision("auto", student, teacher, {"input_ids": ids, "attention_mask": mask},
-                                     **settings)
+                                     loss=RecoveryLoss.of(DistillSettings(**settings), student))
     assert choice.requested == "auto" and choice.fp32_seconds > 0 and choice.bf16_seconds > 0
     assert all(p.grad is None for p in student.parameters())

@@ -53,8 +53,9 @@ def _calibration_section(calibration) -> str:
     return "\n".join(rows)
 
 
-def _loss(distill: dict) -> str:
-    """The recipe's loss in words (``DistillSettings``): ``(1 - weight) * CE + weight * distillation``."""
+def _recorded_terms(distill: dict) -> list[str]:
+    """A record written before the loss's terms described themselves (``training.loss``): its terms in words from
+    the ``distill`` settings."""
     terms = []
     if distill.get("logits", True):
         terms.append(f"KL divergence to the original's logits (temperature {_number(distill.get('temperature', 1.0))})")
@@ -65,7 +66,13 @@ def _loss(distill: dict) -> str:
     if distill.get("scale"):
         where = "every converted norm's" if distill.get("scale_at") == "all" else "the final norm's"
         terms.append(f"the spread of {where} input scale across tokens (weight {_number(distill['scale'])})")
-    distillation = " plus ".join(terms)
+    return terms
+
+
+def _loss(distill: dict, terms: list[str] | None) -> str:
+    """The recipe's loss in words: ``(1 - weight) * CE + weight * distillation``, the distillation's ``terms`` as
+    they describe themselves (``training.recovery_loss``)."""
+    distillation = " plus ".join(_recorded_terms(distill) if terms is None else terms)
     weight = distill.get("weight") or 0
     if not weight or not distillation:
         return "causal-LM cross-entropy"
@@ -78,17 +85,19 @@ def _training_section(training) -> str | None:
     """Fine-tuning after calibration (recipes/finetune.py records this block), or None when there was none."""
     if not training:
         return None
-    loss = _loss(training.get("distill") or {})
+    loss = _loss(training.get("distill") or {}, training.get("loss"))
     data = training.get("train_data")
     data = " + ".join(map(str, data)) if isinstance(data, list) else data  # a mix of sources
     lines = [f"Fine-tuned after calibration with `recipes/finetune.py` (transformers `Trainer`): {loss}; trained "
              f"parameters: `{training.get('trainable')}`; {training.get('steps')} steps, "
              f"{training.get('tokens_seen')} tokens of `{data}` in "
              f"{training.get('wall_seconds')} s on {training.get('world_size', 1)} process(es)."]
-    if training.get("progressive"):
+    if training.get("hand_over"):  # its kind's own sentence (training.hand_overs)
+        lines.append(training["hand_over"])
+    elif training.get("progressive"):  # a record written before hand-overs described themselves
         lines.append("The norms were handed over from the original to the converted modules progressively "
                      f"({training['progressive'].get('order')} order).")
-    if training.get("taper"):
+    elif training.get("taper"):
         taper = training["taper"]
         length = (f"its first {taper['steps']} steps" if taper.get("steps") else
                   f"the first {taper.get('fraction'):g} of the steps")

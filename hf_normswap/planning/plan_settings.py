@@ -53,6 +53,8 @@ class PlanSettings:
     optimizer_offload: bool = False  # FSDP2's CPU offload (fsdp_offload_params): shards, gradients, AdamW on the host
     hidden_distill: bool = True  # the layer-wise term (distill.hidden > 0): the teacher returns every block's output
     head_chunk: int = 256  # (head_chunk): tokens whose logits the head loss holds at a time (0: all of them)
+    # the recipe's loss terms that are on (distill): each says what it holds in a step, memory(sizes, tokens, bytes)
+    loss_terms: tuple = ()
     calibrate: bool = True
     calibration_blocks: int = 64  # (calibration.num_blocks)
     calibration_len: int = 512  # (calibration.block_len)

@@ -9,7 +9,7 @@ the block pass computes one block at a time on the device (``recipes/finetune.py
 from __future__ import annotations
 
 from .phases import (COMPILER_BYTES, DEVICE_CONTEXT_BYTES, RUNTIME_BYTES, Phase, calibration_terms, evaluation_activations,
-                     others_models, trainable_parameters, training_activations)
+                     others_models, trainable_parameters, training_activations, value_bytes)
 from .plan_settings import PlanSettings
 from .sizes import ModelSizes
 
@@ -162,6 +162,16 @@ def _final_replicated(gpu: bool, weights: int, student: dict[str, int], state: d
     return final
 
 
+def _step_activations(sizes: ModelSizes, settings: PlanSettings) -> dict[str, int]:
+    """A training step's activations, with what each of the recipe's loss terms holds for itself (a term's own
+    ``memory``, the layer-wise term's the teacher's every block output)."""
+    activations = training_activations(sizes, settings)
+    tokens = settings.batch_size * settings.seq_len
+    for term in settings.loss_terms:
+        activations.update(term.memory(sizes, tokens, value_bytes(settings)))
+    return activations
+
+
 def recipe_phases(sizes: ModelSizes, settings: PlanSettings) -> list[Phase]:
     """The recipe's phases for N processes (``processes``), every byte a process holds at each one's peak."""
     n = settings.processes
@@ -187,7 +197,7 @@ def recipe_phases(sizes: ModelSizes, settings: PlanSettings) -> list[Phase]:
                                      settings.precision == "bf16")
     teacher, gathered = _teacher_and_gathered(sizes, weights, n, settings.sharded, settings.shard_teacher)
     phases.append(_training_step(gpu, settings.optimizer_offload, student, state, gathered, teacher,
-                                 training_activations(sizes, settings)))
+                                 _step_activations(sizes, settings)))
 
     # 4. final evaluation and save
     if settings.sharded:

@@ -19,7 +19,8 @@ def run_plan_settings(run, device_memory: int | None = None) -> PlanSettings:
         load_once=run.load_once,
         gradient_checkpointing=bool(training.get("gradient_checkpointing", False)),
         batch_size=run.batch_size, seq_len=config.block_len,
-        hidden_distill=bool(config.distill.hidden or config.distill.embedding), head_chunk=config.head_chunk,
+        hidden_distill=config.distill.hidden_states, loss_terms=config.distill.active_terms,
+        head_chunk=config.head_chunk,
         calibrate=run.calibrates, eval_len=config.final_eval.max_length or 512,
         **calibration_settings(run.calibration))
 

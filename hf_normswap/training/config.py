@@ -22,6 +22,11 @@ from ..modules import DEFAULT_METHOD, METHODS
 from ..precision import PRECISIONS
 from ..settings import read_overrides, read_settings, read_yaml_file, unknown_setting
 from ..validation import ValidationError, check_number, first_line, shown
+from ..evaluation.norm_sensitivity import load_order
+from . import hand_overs
+from .loss_terms import TERMS
+from .progressive import ORDERS
+from .taper import SCHEDULES
 
 # set by the recipe from its own settings: output_dir, seed, learning_rate (lr.base)
 OWNED_TRAINING_ARGUMENTS = ("output_dir", "seed", "learning_rate")
@@ -42,7 +47,8 @@ def _at_least(value, name: str, minimum: float, whole: bool = False) -> None:
 class DistillSettings:
     """loss = (1 - weight) * CE + weight * (logit KL + hidden * layer-wise + embedding * (1 - embedding cosine)
     + scale * scale error at ``scale_at``, the final norm's input or every converted norm's
-    (``hf_normswap.training.scale_anchor``))."""
+    (``hf_normswap.training.scale_anchor``) + the terms added as files of ``training/loss_terms``, each weighted
+    by ``terms.KEY``: a number, or ``{weight: W, OPTION: VALUE}``)."""
 
     weight: float = 0.5
     temperature: float = 1.0
@@ -52,6 +58,7 @@ class DistillSettings:
     embedding: float = 0.0
     scale: float = 0.0
     scale_at: str = "final"  # final | all
+    terms: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self):
         # above 1, (1 - weight) * CE turns negative and training pushes cross-entropy up
@@ -64,6 +71,39 @@ class DistillSettings:
         if self.scale and not self.weight:
             raise ValidationError("distill.scale is a term of the distillation loss, which distill.weight 0 turns "
                                   "off: set distill.weight > 0 or distill.scale=0")
+        self._check_terms()
+
+    def _check_terms(self) -> None:
+        """``terms``: every key a term added as a file, with a weight of at least 0 and the options it takes."""
+        own = {kind.key for kind in TERMS.values() if kind.own_setting}
+        for key, given in (self.terms or {}).items():
+            if key not in TERMS or key in own:
+                added = sorted(set(TERMS) - own)
+                raise ValidationError(f"distill.terms.{key} is not a loss term added to training/loss_terms ("
+                                      f"{', '.join(added) or 'none is'}); the built-in ones are distill's own keys")
+            weight = given.get("weight", 0.0) if isinstance(given, dict) else given
+            if isinstance(weight, bool) or not isinstance(weight, (int, float)):
+                raise ValidationError(f"distill.terms.{key} must be a weight, or {{weight: W, OPTION: VALUE}}, got "
+                                      f"{shown(given)}")
+            check_number(weight, f"distill.terms.{key}", minimum=0)
+            _, options = TERMS[key].setting(self)
+            problem = TERMS[key].check(weight, options)
+            if problem:
+                raise ValidationError(problem)
+            if weight and not self.weight:
+                raise ValidationError(f"distill.terms.{key} is a term of the distillation loss, which distill.weight "
+                                      f"0 turns off: set distill.weight > 0 or distill.terms.{key}=0")
+
+    @property
+    def active_terms(self) -> tuple[type, ...]:
+        """The kinds of loss term this run trains with (the logit terms always; a term weighted 0 is off), for the
+        memory plan: what each holds in a step (``LossTerm.memory``)."""
+        return tuple(kind for kind in TERMS.values() if kind.setting(self)[0] > 0)
+
+    @property
+    def hidden_states(self) -> bool:
+        """Whether a term that is on reads every block's output (the forwards then return the teacher's)."""
+        return any(kind.hidden_states for kind in self.active_terms)
 
 
 @dataclass
@@ -101,9 +141,6 @@ class ProgressiveSettings:
     def check_order(self) -> None:
         """The order, and its map file read, before any load: the schedule is built after the model loads (by
         ``progressive.enabled``, or the taper in stages, ``taper.schedule: progressive``)."""
-        from ..evaluation.norm_sensitivity import load_order
-        from .progressive import ORDERS
-
         if self.order.endswith(".json"):
             try:
                 load_order(self.order)
@@ -123,11 +160,27 @@ class TaperSettings:
     schedule: str = "cosine"  # cosine | linear | progressive (stages in progressive.order, one after another)
 
     def __post_init__(self):
-        from .taper import SCHEDULES
-
         check_number(self.fraction, "taper.fraction", minimum=0, maximum=1)
         if self.schedule not in SCHEDULES:
             raise ValidationError(f"taper.schedule {self.schedule!r} is unknown: choose {', '.join(SCHEDULES)}")
+
+
+@dataclass
+class HandOverSettings:
+    """How the norms pass from the original's to the converted modules during training (``training.hand_overs``):
+    ``kind`` none, progressive (a few at a time, the ``progressive`` section), taper (every norm blended, the
+    ``taper`` section) or a kind added as a file of ``training/hand_overs``, whose settings are ``options``.
+    ``progressive.enabled: true`` and ``taper.fraction > 0`` name theirs too; a run has one at most."""
+
+    kind: str = "none"
+    options: dict[str, Any] = field(default_factory=dict)
+
+    def chosen(self, progressive, taper, trainable: str):
+        """The run's hand-over (``hand_overs.HandOver``) or None; ValidationError, in one line, where it cannot
+        be (two at once, with LoRA, its settings)."""
+        hand_over = hand_overs.chosen(self.kind, progressive, taper, self.options, trainable)
+        self.kind = hand_over.key if hand_over else hand_overs.NONE
+        return hand_over
 
 
 @dataclass
@@ -257,6 +310,7 @@ class RecipeConfig:
     lr: LearningRates = field(default_factory=LearningRates)
     progressive: ProgressiveSettings = field(default_factory=ProgressiveSettings)
     taper: TaperSettings = field(default_factory=TaperSettings)
+    hand_over: HandOverSettings = field(default_factory=HandOverSettings)  # kind: none | progressive | taper | ...
     first_scale_handover: float = 0.25  # share of the run at its end over which a linear position 0 joins the rest
     max_minutes: float | None = None  # wall-clock budget of this launch; stops with a checkpoint
     resume: bool = True  # go on from the last checkpoint in output_dir (false: a new run)
@@ -307,15 +361,7 @@ class RecipeConfig:
             raise ValidationError("streaming reads one Hub dataset: name one train_data, or set streaming=false to mix")
         if self.streaming and self.max_train_tokens is not None:
             raise ValidationError("a stream is read up to train_tokens (or training.max_steps); drop max_train_tokens")
-        if self.progressive.enabled and self.trainable == "lora":
-            raise ValidationError("progressive conversion works with trainable: norms or all, not lora")
-        if self.taper.fraction and self.progressive.enabled:
-            raise ValidationError("taper and progressive.enabled both hand the norms over: set progressive.enabled="
-                                  "false (taper.schedule=progressive tapers in progressive.order)")
-        if self.taper.fraction and self.trainable == "lora":
-            raise ValidationError("the taper works with trainable: norms or all, not lora")
-        if self.progressive.enabled or self.taper.fraction and self.taper.schedule == "progressive":
-            self.progressive.check_order()
+        self.hand_over.chosen(self.progressive, self.taper, self.trainable)
         output = Path(self.output_dir).absolute()
         if self.save_path.absolute() in (output, *output.parents, output / "calibrated"):
             raise ValidationError(f"save_dir {self.save_dir} is output_dir, holds it or its calibrated/: the final "

@@ -39,21 +39,23 @@ def next_token_targets(labels: torch.Tensor) -> torch.Tensor:
 
 
 def head_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *,
-              teacher_hidden: torch.Tensor | None = None, teacher_weight: torch.Tensor | None = None,
-              kd_mask: torch.Tensor | None = None, ce_weight: float = 1.0, kd_weight: float = 0.0,
-              temperature: float = 1.0, chunk: int = DEFAULT_CHUNK):
-    """``(loss, ce, kd)``: ``loss = ce_weight * CE + kd_weight * KD`` from ``hidden`` (B, T, C) through the head
-    ``weight`` (V, C), about ``chunk`` tokens' logits at a time (Liger-Kernel's fused linear JSD at ``beta=0``).
+              teacher: tuple[torch.Tensor, torch.Tensor] | None = None, kd_mask: torch.Tensor | None = None,
+              weights: tuple[float, float] = (1.0, 0.0), temperature: float = 1.0, chunk: int = DEFAULT_CHUNK):
+    """``(loss, ce, kd)``: ``loss = ce_weight * CE + kd_weight * KD`` (``weights``) from ``hidden`` (B, T, C)
+    through the head ``weight`` (V, C), about ``chunk`` tokens' logits at a time (Liger-Kernel's fused linear JSD
+    at ``beta=0``).
 
     CE is the mean next-token cross-entropy over ``labels`` (B, T; ``-100`` ignored), as a causal LM's own loss.
     KD is ``T^2 * KL(softmax(teacher / T) || softmax(student / T))`` averaged over the positions ``kd_mask``
-    selects (all when None), the teacher's logits made from ``teacher_hidden`` and ``teacher_weight``; with CE
-    beside it, over those of them that have a next-token target (one mask serves both terms in Liger's loss).
+    selects (all when None), the teacher's logits made from ``teacher``, its ``(hidden states, head weight)``;
+    with CE beside it, over those of them that have a next-token target (one mask serves both terms in Liger's
+    loss).
     """
-    from liger_kernel.chunked_loss.jsd_loss import LigerFusedLinearJSDFunction
+    from liger_kernel.chunked_loss.jsd_loss import LigerFusedLinearJSDFunction  # optional: fused_head_available
 
-    if kd_weight and teacher_hidden is None:
-        raise ValueError("kd_weight > 0 needs teacher_hidden and teacher_weight")
+    ce_weight, kd_weight = weights
+    if kd_weight and teacher is None:
+        raise ValueError("kd_weight > 0 needs the teacher's hidden states and head weight")
     size = hidden.shape[-1]
     flat = hidden.reshape(-1, size)
     targets = next_token_targets(labels).reshape(-1)
@@ -62,8 +64,8 @@ def head_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, 
     if not kd_weight:  # CE alone: the student stands in for the teacher, at weight 0
         teacher_flat, teacher_w = flat.detach(), weight.detach()
     else:
-        teacher_flat = teacher_hidden.reshape(-1, teacher_hidden.shape[-1]).detach()
-        teacher_w = teacher_weight.detach()
+        teacher_flat = teacher[0].reshape(-1, teacher[0].shape[-1]).detach()
+        teacher_w = teacher[1].detach()
         # KD alone: every position of the mask is a target (any token: CE is not computed)
         targets = torch.where(mask, targets if ce_weight else 0, IGNORE)
     soft = float(kd_weight) * temperature ** 2

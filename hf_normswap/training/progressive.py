@@ -22,6 +22,7 @@ the model that was training.
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from torch import nn
@@ -178,10 +179,14 @@ class ProgressiveSwapCallback(TrainerCallback):
     fix = ("set training.max_steps (or train_tokens) to at least that, or a shorter schedule (progressive.every, "
            "progressive.ramp, progressive.start, progressive.group)")
 
-    def __init__(self, swap: ProgressiveSwap):
-        self.swap = swap
+    def __init__(self, swap: ProgressiveSwap, describe: Callable[["ProgressiveSwapCallback"], str] | None = None):
+        self.swap, self._describe = swap, describe
         self.finished = False
         self.stopped_at = None
+
+    def describe(self) -> str:
+        """The hand-over in a sentence, for the model card (its kind's words, ``hand_overs``)."""
+        return self._describe(self) if self._describe else f"The norms were handed over ({self.name})."
 
     @property
     def end(self) -> int:

@@ -200,10 +200,11 @@ class RecoveryRecipe:
         launches = summary.get("launches", []) + [launch_entry(trained)]
         training = {"steps": trainer.state.global_step, "tokens_seen": trainer.state.num_input_tokens_seen,
                     "trainable": config.trainable, "distill": dataclasses.asdict(config.distill),
-                    "lr": dataclasses.asdict(config.lr),
+                    "loss": trainer.recovery_loss.describe(), "lr": dataclasses.asdict(config.lr),
                     "progressive": dataclasses.asdict(config.progressive) if config.progressive.enabled else None,
                     "taper": {**dataclasses.asdict(config.taper), "steps": trained.hand_over.steps}
                     if config.taper.fraction else None,
+                    "hand_over": trained.hand_over.describe() if trained.hand_over is not None else None,
                     "train_data": config.train_data, "block_len": config.block_len,
                     "precision": vars(trained.precision), "freeze_embeddings": config.freeze_embeddings,
                     "wall_seconds": round(sum(s["wall_seconds"] for s in launches), 1),

@@ -78,7 +78,8 @@ def load_models(run: RecoveryRun, state):
                 else loading.load_model(run.original, with_tokenizer=False, empty=empty_original)[0])
     check_context_settings(run.context, {config.model: named, run.original: original}, lora_targets)
     # the norms the conversion replaces (or replaced), found on the model the settings name
-    check_hand_over(config.progressive, config.taper, run.steps, config.train_tokens, named)
+    check_hand_over(config.progressive, config.taper, run.steps, config.train_tokens, named,
+                    kind=config.hand_over.kind, options=config.hand_over.options)
     original = place_for_training(original, state.device, run.sharded)
     student = named
     if run.calibrates:

@@ -21,6 +21,7 @@ from ..model_inputs import ends_in_hidden_states, first_tensor
 from ..validation import first_line
 from .recipe_settings import stopped
 from .recipe_training import TrainingRun
+from .loss_terms import plot_labels
 
 
 def final_evaluation(model, original, tokenizer, texts: list[str], data: str, settings, name: str):
@@ -75,9 +76,7 @@ def plot_history(history: list[dict], path: Path, original_ppl: float | None, ti
     fig, (ax_loss, ax_lr, ax_ppl) = plt.subplots(1, 3, figsize=(15, 4))
     if train:
         ax_loss.plot(tokens(train), [h["loss"] for h in train], label="training loss")
-        for key, label in (("ce_loss", "cross-entropy"), ("kd_loss", "distillation KL"),
-                           ("hidden_loss", "layer-wise"), ("embedding_loss", "1 - embedding cosine"),
-                           ("scale_loss", "pre-logit scale spread")):
+        for key, label in plot_labels().items():  # every loss term's parts (training.loss_terms)
             rows = [h for h in train if h.get(key)]  # a term that is off logs 0
             if rows:
                 ax_loss.plot(tokens(rows), [h[key] for h in rows], lw=0.8, label=label)

@@ -8,17 +8,32 @@ import dataclasses
 import time
 from pathlib import Path
 
+from accelerate.utils import broadcast_object_list
+from datasets import IterableDataset
+from transformers import TrainingArguments
+
 from ..checkpoint.record import ConversionRecord
+from ..model_inputs import ends_in_hidden_states
 from .compiled_blocks import compile_blocks
 from .first_scale import FirstScaleHandover
+from .hand_over import converted_roles
+from .progressive import HandOverError, ProgressiveSwap
 from .recipe_data import recipe_datasets, sentence_steps
+from .recipe_models import skeleton_to_gather
 from .recipe_settings import fail
+from .recovery_loss import RecoveryLoss
+from .run_dir import last_checkpoint, read_json
+from .saturation import SaturationLog
+from .step_precision import training_step_precision
+from .trainable import apply_lora, disable_dropout, freeze_embeddings, set_trainable
+from .trainer import NormSwapTrainer
+from .wall_clock import FirstStepClock, WallClockStop
+
 
 
 @dataclasses.dataclass
 class TrainingRun:
     """What step 3 leaves for step 4: the trainer after training and what the summary records of the launch."""
-
     trainer: object
     result: object
     precision: object
@@ -37,16 +52,6 @@ def train(run, student, original, tokenizer, state, log, launched: float) -> Tra
     """Step 3: the training rows, the trainable parameters (norms, all, LoRA; progressive conversion), the
     precision, then :class:`NormSwapTrainer` from the last checkpoint when resuming (``launched``: when the launch
     started, ``time.monotonic()``, for the seconds to its first step)."""
-    from transformers import TrainingArguments
-
-    from ..model_inputs import ends_in_hidden_states
-    from .trainer import NormSwapTrainer
-    from .wall_clock import FirstStepClock, WallClockStop
-    from .progressive import HandOverError
-    from .saturation import SaturationLog
-    from .recipe_models import skeleton_to_gather
-    from .run_dir import last_checkpoint, read_json
-
     config = run.settings
     encoder = ends_in_hidden_states(original)
     distill = config.distill
@@ -59,18 +64,18 @@ def train(run, student, original, tokenizer, state, log, launched: float) -> Tra
     if steps <= 0 and not hasattr(train_set, "__len__"):
         fail(f"train_data {config.train_data} is read as a stream, which has no epochs: set train_tokens or "
              "training.max_steps")
-    swap = progressive_swap(config.progressive, config.taper, steps, run.original_read_once, student, original,
-                            state, log)
-    hand_over = hand_over_callback(config.progressive, config.taper, swap, log)
-    anchor = scale_anchor(distill.scale, student, distill.scale_at)
+    kind = config.hand_over.chosen(config.progressive, config.taper, config.trainable)
+    swap = progressive_swap(kind, steps, run.original_read_once, student, original, state, log)
+    hand_over = kind.callback(swap, converted_roles(student), log) if swap is not None else None
+    loss = recovery_loss(distill, config.head_chunk, student)
     student, trainable = choose_trainable(student, config.trainable, config.lora, config.freeze_embeddings, log)
     rows = f"sentences (at most {config.block_len} tokens)" if encoder else f"blocks of {config.block_len} tokens"
     mix = f", a mix of {' + '.join(run.text.sources)}" if len(run.text.sources) > 1 else ""
     log(f"training {trainable:,} parameters ({config.trainable}) on "
         + (f"{config.train_data} streamed in {rows}" if not hasattr(train_set, "__len__") else
            f"{len(train_set)} {rows}{mix}"))
-    precision = training_precision(config.precision, config.distill, config.head_chunk, run.batch_size, student,
-                                   original, train_set, tokenizer, state)
+    precision = training_precision(config.precision, loss, run.batch_size, student, original, train_set,
+                                   tokenizer, state)
     log(precision.describe())
     if config.compile if config.compile is not None else state.device.type == "cuda":
         log(f"compiled: {compile_blocks([student, original])} blocks of the student and the original")
@@ -93,12 +98,8 @@ def train(run, student, original, tokenizer, state, log, launched: float) -> Tra
     skeleton = skeleton_to_gather(student)  # after LoRA and the trainable choice: the model as it is sharded
     trainer = NormSwapTrainer(model=student, args=args, train_dataset=train_set, eval_dataset=eval_set,
                               processing_class=tokenizer, callbacks=callbacks,
-                              teacher=original if distill.weight > 0 else None, distill_weight=distill.weight,
-                              temperature=distill.temperature, logits=distill.logits,
-                              hidden_weight=distill.hidden, sink_weight=distill.sink_weight,
-                              embedding_weight=distill.embedding, scale_anchor=anchor, scale_weight=distill.scale,
-                              shape_lr=config.lr.shape, gamma_lr=config.lr.gamma,
-                              head_chunk=config.head_chunk, shard_teacher=config.shard_teacher)
+                              teacher=original if distill.weight > 0 else None, loss=loss,
+                              shape_lr=config.lr.shape, gamma_lr=config.lr.gamma, shard_teacher=config.shard_teacher)
     last = last_checkpoint(Path(config.output_dir)) if config.resume else None
     log(f"resuming from {last}" if last else "training from the calibrated model")
     resumed = read_json(last / "trainer_state.json") if last else {}
@@ -117,30 +118,21 @@ def own_share(train_set, hub_stream: bool) -> dict:
     """Every process reads a stream of ours whole and the Trainer gives each its slice of every global batch
     (accelerate's ``dispatch_batches`` off), so each draws its own share of the original's samples; a Hub stream
     is read by the main process and dispatched (accelerate's default for a stream)."""
-    import datasets
-
-    ours = isinstance(train_set, datasets.IterableDataset) and not hub_stream
+    ours = isinstance(train_set, IterableDataset) and not hub_stream
     return {"accelerator_config": {"dispatch_batches": False}} if ours else {}
 
 
-def progressive_swap(progressive, taper, steps: int, from_main: bool, student, original, state, log):
-    """The :class:`ProgressiveSwap` of the ``progressive`` settings or of the ``taper`` (None when both are off):
-    the converted norms blended with the original's (the main process's, ``from_main``, where the others hold the
-    original on the meta device), handed over a few at a time or all along the taper's gate (whose length the
-    taper's callback fixes when training starts; ``steps`` until then, -1 in an epoch-based run)."""
-    from accelerate.utils import broadcast_object_list
-
-    from .hand_over import hand_over_stages
-    from .progressive import ProgressiveSwap, end_step
-    from .taper import taper_steps
-
+def progressive_swap(hand_over, steps: int, from_main: bool, student, original, state, log):
+    """The :class:`ProgressiveSwap` of the run's ``hand_over`` (``hand_overs.HandOver``; None: none): the
+    converted norms blended with the original's (the main process's, ``from_main``, where the others hold the
+    original on the meta device) along its stages (``steps`` the run's where known, -1 in an epoch-based run:
+    the taper's callback fixes its length when training starts)."""
     ConversionRecord.amend(student, hand_over=None)  # a start saved mid hand-over: this run records its own
-    if not (progressive.enabled or taper.fraction):
+    if hand_over is None:
         return None
-    converted = ConversionRecord.of(student).converted
-    roles = {name: entry.role for name, entry in converted.items()}
-    stages = hand_over_stages(progressive, taper, roles, taper_steps(taper.fraction, max(steps, 1)))
-    norms = {n: original.get_submodule(n) for n in converted}
+    roles = converted_roles(student)
+    stages = hand_over.stages(roles, steps)
+    norms = {n: original.get_submodule(n) for n in roles}
     if from_main:
         weights = broadcast_object_list([{n: m.state_dict() for n, m in norms.items()}
                                          if state.is_main_process else None])[0]
@@ -148,46 +140,24 @@ def progressive_swap(progressive, taper, steps: int, from_main: bool, student, o
             norms[name] = copy.deepcopy(module)
             norms[name].load_state_dict(weights[name], assign=True)
     swap = ProgressiveSwap(student, norms, stages)
-    if not taper.fraction:  # the taper's line comes with its length, when training starts
-        log(f"progressive: {len(stages)} stages by {progressive.order}, every {progressive.every} steps, all "
-            f"converted from step {end_step(stages)}")
+    started = hand_over.started(stages)
+    if started:
+        log(started)
     return swap
 
 
-def scale_anchor(weight: float, student, at: str = "final"):
-    """The scale anchor on the converted final norm, or on every converted norm (``at``; None when ``weight`` is 0),
-    built before LoRA wraps the student: its hooks sit on the modules themselves."""
-    from .scale_anchor import ScaleAnchor, ScaleAnchorError
-
-    if not weight:
-        return None
-    roles = {name: entry.role for name, entry in ConversionRecord.of(student).converted.items()}
+def recovery_loss(distill, head_chunk: int, student):
+    """The loss of the ``distill`` settings (:class:`RecoveryLoss`), built before LoRA wraps the student: a term's
+    hooks (the scale anchor's) sit on the modules themselves."""
     try:
-        return ScaleAnchor.of(student, roles, at)
-    except ScaleAnchorError as error:
+        return RecoveryLoss.of(distill, student, head_chunk)
+    except ValueError as error:  # a term that cannot work here (the scale anchor without a converted final norm)
         fail(str(error))
-
-
-def hand_over_callback(progressive, taper, swap, log):
-    """The callback of the hand-over ``swap`` (None without one), which tells whether the run reached its end; the
-    taper's fixes the taper's length when training starts."""
-    from .hand_over import hand_over_stages
-    from .progressive import ProgressiveSwapCallback
-    from .taper import TaperCallback
-
-    if swap is None:
-        return None
-    if not taper.fraction:
-        return ProgressiveSwapCallback(swap)
-    roles = {name: entry.role for name, entry in ConversionRecord.of(swap.model).converted.items()}
-    return TaperCallback(swap, taper.fraction, lambda steps: hand_over_stages(progressive, taper, roles, steps), log)
 
 
 def choose_trainable(student, which: str, lora, freeze: bool, log):
     """Dropout off, then the parameters ``which`` names (norms, all, or ``lora``'s adapters), the embeddings frozen
     if ``freeze``; returns the student (LoRA wraps it) and how many parameters train."""
-    from .trainable import apply_lora, disable_dropout, freeze_embeddings, set_trainable
-
     dropout = disable_dropout(student)  # before LoRA, whose own dropout is the lora config's
     if dropout:
         log(f"dropout off in {dropout} places of the student: it is fitted to the original's exact outputs")
@@ -199,15 +169,10 @@ def choose_trainable(student, which: str, lora, freeze: bool, log):
     return student, freeze_embeddings(student) if freeze else trainable
 
 
-def training_precision(asked: str, distill, head_chunk, batch: int, student, original, train_set, tokenizer, state):
+def training_precision(asked: str, loss, batch: int, student, original, train_set, tokenizer, state):
     """fp32 or bf16 autocast (``asked``: the ``precision`` setting); ``auto`` times the recipe's own step (forward,
-    the ``distill`` loss, backward; ``batch`` training rows) in both on the main process, and every process takes its
+    the ``loss``, backward; ``batch`` training rows) in both on the main process, and every process takes its
     answer."""
-    from accelerate.utils import broadcast_object_list
-    from datasets import IterableDataset
-
-    from .step_precision import training_step_precision
-
     choice = [None]
     # a stream's first rows are read by every process: each draws its own batches of the original's samples, and
     # one process reading alone would wait for the others' while they wait for its answer
@@ -215,12 +180,7 @@ def training_precision(asked: str, distill, head_chunk, batch: int, student, ori
             else train_set[:batch]["input_ids"])
     if state.is_main_process or asked != "auto":
         inputs = tokenizer.pad({"input_ids": rows}, return_tensors="pt")  # sentences differ in length
-        choice = [training_step_precision(asked, student, original, dict(inputs), device=state.device,
-                                          head_chunk=head_chunk, distill_weight=distill.weight,
-                                          temperature=distill.temperature, logits=distill.logits,
-                                          hidden_weight=distill.hidden, sink_weight=distill.sink_weight,
-                                          embedding_weight=distill.embedding)]
+        choice = [training_step_precision(asked, student, original, dict(inputs), device=state.device, loss=loss)]
     if state.num_processes > 1 and asked == "auto":
         choice = broadcast_object_list(choice)
     return choice[0]
-

@@ -5,19 +5,18 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .head_loss import DEFAULT_CHUNK
-from .losses import head_chunk_for, training_loss
+from ..model_inputs import ends_in_hidden_states
+from ..precision import choose_precision
+from .losses import head_chunk_for
+from .recovery_loss import RecoveryLoss
 
 
 def training_step_precision(precision: str, student: nn.Module, teacher: nn.Module, inputs: dict, *,
-                            device: torch.device | str = "cpu", head_chunk: int = DEFAULT_CHUNK, **loss_settings):
+                            device: torch.device | str = "cpu", loss: RecoveryLoss | None = None):
     """``precision`` ('auto' | 'fp32' | 'bf16') for training ``student``; ``auto`` times the training step
-    (:func:`training_loss` with ``loss_settings``, or the model's own loss when ``distill_weight`` is 0, then
-    backward) on the batch ``inputs`` (``input_ids``, optionally ``attention_mask``) in fp32 and under bf16
-    autocast (:func:`precision.choose_precision`)."""
-    from ..model_inputs import ends_in_hidden_states
-    from ..precision import choose_precision
-
+    (``loss``, or the model's own loss without one or at distillation weight 0, then backward) on the batch
+    ``inputs`` (``input_ids``, optionally ``attention_mask``) in fp32 and under bf16 autocast
+    (:func:`precision.choose_precision`)."""
     if precision != "auto":
         return choose_precision(precision)
     student.to(device).train()
@@ -25,13 +24,12 @@ def training_step_precision(precision: str, student: nn.Module, teacher: nn.Modu
     inputs = {k: v.to(device) for k, v in inputs.items() if k in ("input_ids", "attention_mask")}
     if not ends_in_hidden_states(teacher):
         inputs["labels"] = inputs["input_ids"]
-    distilled = loss_settings.get("distill_weight", 0) > 0
-    chunk = head_chunk_for(student, teacher, head_chunk) if distilled else 0
+    distilled = loss is not None and loss.distill_weight > 0
+    chunk = head_chunk_for(student, teacher, loss.head_chunk) if distilled else 0
 
     def step():
-        loss = training_loss(student, teacher, inputs, head_chunk=chunk, **loss_settings)[0] if distilled \
-            else student(**inputs).loss
-        loss.backward()
+        value = loss(student, teacher, inputs, chunk)[0] if distilled else student(**inputs).loss
+        value.backward()
         student.zero_grad(set_to_none=True)
 
     return choose_precision("auto", step, device=device, repetitions=2)

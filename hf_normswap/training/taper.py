@@ -85,8 +85,9 @@ class TaperCallback(ProgressiveSwapCallback):
     fix = ("its length was fixed when the taper started; set training.max_steps (or train_tokens) to at least that, "
            "or resume=false to start over")
 
-    def __init__(self, swap, fraction: float, stages_of: Callable[[int], list], log: Callable = print):
-        super().__init__(swap)
+    def __init__(self, swap, fraction: float, stages_of: Callable[[int], list], log: Callable = print,
+                 describe: Callable | None = None):
+        super().__init__(swap, describe)
         self.fraction, self.stages_of, self.log = fraction, stages_of, log
         self.steps = None
 

@@ -3,7 +3,7 @@ source norm one at a time; what is left is the error the modules make together, 
 network's output removes. :class:`NormSwapTrainer` keeps the Trainer's machinery (DDP / FSDP2 through accelerate,
 checkpoints, resume, logging) and changes these:
 
-- ``compute_loss``: the recovery's loss (``losses.training_loss``, plus ``scale_anchor``'s where given);
+- ``compute_loss``: the recovery's loss (``recovery_loss.RecoveryLoss``, the sum of its terms);
 - ``create_optimizer``: the element-wise modules' parameters in their own groups (``trainable.parameter_groups``);
 - ``log``: ``eval_loss`` is also logged as ``eval_perplexity``;
 - ``training_step``: the first step whose loss is not finite is kept (``diverged_at``), for the finiteness gate
@@ -17,14 +17,15 @@ import math
 from pathlib import Path
 
 import torch
+from accelerate.utils import broadcast_object_list
 from torch import nn
 from transformers import Trainer
 
 from ..checkpoint.directory import CheckpointError
 from ..validation import first_line
 from . import sharding
-from .head_loss import DEFAULT_CHUNK
-from .losses import head_chunk_for, training_loss
+from .losses import head_chunk_for
+from .recovery_loss import RecoveryLoss
 from .trainable import group_learning_rates, parameter_groups
 
 
@@ -38,43 +39,30 @@ def without_autocast_wrapper(model: nn.Module) -> nn.Module:
 
 
 class NormSwapTrainer(Trainer):
-    """``Trainer`` with cross-entropy + distillation from a frozen ``teacher`` and element-wise norm parameter groups.
+    """``Trainer`` with distillation from a frozen ``teacher`` and element-wise norm parameter groups.
 
-    ``distill_weight`` w: loss = (1 - w) * CE + w * (KD + h * H + e * E) (w = 0: plain fine-tuning, no teacher
-    forward), with ``hidden_weight`` h and H the layer-wise loss (:func:`hf_normswap.layerwise.relative_hidden_error`,
-    the first position weighted by ``sink_weight``), ``embedding_weight`` e and E the pooled-embedding cosine error
-    (:func:`hf_normswap.layerwise.embedding_cosine_error`); ``logits=False`` drops KD (hidden states alone).
-    ``scale_anchor`` (:class:`~hf_normswap.training.scale_anchor.ScaleAnchor`) adds ``w * s * S``, ``s`` its
-    ``scale_weight`` and S the pre-logit scale error. The
-    teacher is moved to the training device and never wrapped for DDP, so every process holds its own copy; it runs
-    under the student's autocast (bf16 when the Trainer's ``bf16`` is set). ``head_chunk`` tokens at a time go
-    through the output head (:mod:`hf_normswap.head_loss`) when both heads are plain linear maps (a sentence
-    encoder has none); 0: full logits.
+    ``loss`` (:class:`~hf_normswap.training.recovery_loss.RecoveryLoss`): the configured terms, summed on each
+    training batch and each logged (``ce_loss``, ``kd_loss`` ...); None, or its distillation weight 0: plain
+    fine-tuning, no teacher forward. The teacher is moved to the training device and never wrapped for DDP, so
+    every process holds its own copy; it runs under the student's autocast (bf16 when the Trainer's ``bf16`` is
+    set). The loss's ``head_chunk`` tokens at a time go through the output head (:mod:`hf_normswap.head_loss`)
+    when both heads are plain linear maps (a sentence encoder has none); 0: full logits.
 
     Under FSDP2 (:mod:`hf_normswap.training.sharding`; on CPU too, where accelerate would fall back to DDP) the
     student is sharded by accelerate when training starts, and the teacher here at once when ``shard_teacher``
     (else every process holds it whole); the shard units are logged when training begins.
     """
 
-    def __init__(self, *args, teacher: nn.Module | None = None, distill_weight: float = 0.0,
-                 temperature: float = 1.0, logits: bool = True, hidden_weight: float = 0.0, sink_weight: float = 0.0,
-                 embedding_weight: float = 0.0, scale_anchor=None, scale_weight: float = 0.0,
-                 shape_lr: float | None = None, gamma_lr: float | None = None,
-                 head_chunk: int = DEFAULT_CHUNK, shard_teacher: bool = True, **kwargs):
+    def __init__(self, *args, teacher: nn.Module | None = None, loss: RecoveryLoss | None = None,
+                 shape_lr: float | None = None, gamma_lr: float | None = None, shard_teacher: bool = True, **kwargs):
         super().__init__(*args, **kwargs)
-        if distill_weight > 0 and teacher is None:
+        self.recovery_loss = loss
+        self.distill_weight = loss.distill_weight if loss is not None else 0.0
+        if self.distill_weight > 0 and teacher is None:
             raise ValueError("distill_weight > 0 needs the original model as teacher")
         self.teacher = teacher
-        self.distill_weight = float(distill_weight)
-        self.temperature = float(temperature)
-        self.logits, self.hidden_weight, self.sink_weight = bool(logits), float(hidden_weight), float(sink_weight)
-        self.embedding_weight = float(embedding_weight)
-        self.scale_anchor, self.scale_weight = scale_anchor, float(scale_weight)
-        if scale_anchor is not None:
-            self.add_callback(scale_anchor)  # its hook goes when training ends
-        hidden_terms = self.hidden_weight > 0 or self.embedding_weight > 0
-        if not self.logits and not hidden_terms:
-            raise ValueError("distillation without logits needs hidden_weight or embedding_weight > 0")
+        for callback in loss.callbacks() if loss is not None else ():
+            self.add_callback(callback)
         self.shape_lr, self.gamma_lr = shape_lr, gamma_lr
         distilled = teacher is not None and self.distill_weight > 0
         self.teacher_sharded = self.fsdp2 and distilled and shard_teacher
@@ -87,13 +75,12 @@ class NormSwapTrainer(Trainer):
         # the main process's forward where the others hold models on the meta device
         from_main_forward = distilled and sharding.loads_once() and self.accelerator.num_processes > 1
         measured = distilled and (self.accelerator.is_main_process or not from_main_forward)
-        chunk = [head_chunk_for(self.model, teacher, int(head_chunk or 0)) if measured else 0]
+        chunk = [head_chunk_for(self.model, teacher, loss.head_chunk) if measured else 0]
         if from_main_forward:
-            from accelerate.utils import broadcast_object_list
-
             chunk = broadcast_object_list(chunk)
         self.head_chunk = chunk[0]
-        self._component_sums = dict.fromkeys(self.COMPONENTS, 0.0) | {"count": 0}
+        self.logged = RecoveryLoss.logged()
+        self._component_sums = dict.fromkeys(self.logged, 0.0) | {"count": 0}
         self.diverged_at: int | None = None  # the first step whose loss was not finite
         if self.fsdp2:
             sharding.vectors_for_scalars(self.model)  # before the optimizer is made on its parameters
@@ -113,8 +100,6 @@ class NormSwapTrainer(Trainer):
         if sharding.adopt_fsdp2_on_cpu(self.accelerator):  # accelerate would run DDP here (module doc)
             self.is_fsdp_enabled = True
 
-    COMPONENTS = ("ce_loss", "kd_loss", "hidden_loss", "embedding_loss", "scale_loss")
-
     def create_optimizer(self, model=None):
         opt_model = self.model if model is None else model
         if self.optimizer is None:
@@ -130,16 +115,10 @@ class NormSwapTrainer(Trainer):
         if self.distill_weight == 0 or not model.training:  # evaluation: plain cross-entropy, for perplexity
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
         with self.accelerator.autocast():  # the teacher and the head loss as the student's forward (bf16 or not)
-            loss, *components = training_loss(model, self.teacher, inputs, distill_weight=self.distill_weight,
-                                              temperature=self.temperature, logits=self.logits,
-                                              hidden_weight=self.hidden_weight, sink_weight=self.sink_weight,
-                                              embedding_weight=self.embedding_weight, head_chunk=self.head_chunk)
-            scale = (self.scale_anchor.loss(inputs.get("attention_mask")) if self.scale_anchor is not None
-                     else torch.zeros(()))
-            loss = loss + self.distill_weight * self.scale_weight * scale
+            loss, logged = self.recovery_loss(model, self.teacher, inputs, self.head_chunk)
         if self.teacher_sharded:  # its root kept its gathered weights for the head loss until here (its blocks
             self.teacher.reshard()  # free theirs after their forward)
-        for key, value in zip(self.COMPONENTS, (*components, scale)):
+        for key, value in logged.items():
             self._component_sums[key] += float(value.detach())
         self._component_sums["count"] += 1
         return (loss, None) if return_outputs else loss
@@ -166,9 +145,9 @@ class NormSwapTrainer(Trainer):
             logs["eval_perplexity"] = math.exp(min(logs["eval_loss"], 700.0))
         if "loss" in logs and self._component_sums["count"]:
             count = self._component_sums.pop("count")
-            for key in self.COMPONENTS:
+            for key in self.logged:
                 logs[key] = round(self._component_sums[key] / count, 6)
-            self._component_sums = dict.fromkeys(self.COMPONENTS, 0.0) | {"count": 0}
+            self._component_sums = dict.fromkeys(self.logged, 0.0) | {"count": 0}
         if "loss" in logs and self.optimizer is not None:
             logs.update(group_learning_rates(self.optimizer))
         super().log(logs, start_time)

@@ -64,8 +64,7 @@ def head_steps(hidden, weight, teacher_hidden, teacher_weight, labels) -> dict:
         hidden.grad = weight.grad = None
 
     def chunked():
-        head_loss(hidden, weight, labels, teacher_hidden=teacher_hidden, teacher_weight=teacher_weight,
-                  ce_weight=0.5, kd_weight=0.5)[0].backward()
+        head_loss(hidden, weight, labels, teacher=(teacher_hidden, teacher_weight), weights=(0.5, 0.5))[0].backward()
         hidden.grad = weight.grad = None
 
     return {"full-logits": full, "chunked": chunked}
@@ -127,7 +126,9 @@ def train_steps(variants, student, teacher, inputs, directory: str, precision: s
     from transformers import Trainer, TrainingArguments
 
     # internal: the recipe's loss, trainable choice, Trainer and precision, timed against a plain Trainer
-    from hf_normswap.training.losses import head_chunk_for, training_loss
+    from hf_normswap.training.config import DistillSettings
+    from hf_normswap.training.losses import head_chunk_for
+    from hf_normswap.training.recovery_loss import RecoveryLoss
     from hf_normswap.training.trainable import freeze_embeddings
     from hf_normswap.training.trainer import NormSwapTrainer
     from hf_normswap.precision import choose_precision
@@ -150,8 +151,8 @@ def train_steps(variants, student, teacher, inputs, directory: str, precision: s
 
             def probe_step(trainable=trainable, chunk_used=chunk_used, hidden=hidden):
                 trainable()
-                training_loss(student, teacher, one, distill_weight=0.5, hidden_weight=hidden,
-                              head_chunk=chunk_used)[0].backward()
+                RecoveryLoss.of(DistillSettings(weight=0.5, hidden=hidden), student)(
+                    student, teacher, one, chunk_used)[0].backward()
                 student.zero_grad(set_to_none=True)
             student.train()
             choices[name] = choose_precision("auto", probe_step, repetitions=2)
@@ -160,8 +161,9 @@ def train_steps(variants, student, teacher, inputs, directory: str, precision: s
         training = TrainingArguments(output_dir=directory, use_cpu=student.device.type == "cpu", report_to="none",
                                      bf16=choices[name].bf16,
                                      per_device_train_batch_size=inputs["input_ids"].shape[0])
-        trainer = (NormSwapTrainer(model=student, args=training, teacher=teacher, distill_weight=0.5, head_chunk=chunk,
-                                   hidden_weight=hidden) if distill else Trainer(model=student, args=training))
+        loss = RecoveryLoss.of(DistillSettings(weight=0.5, hidden=hidden), student, chunk)
+        trainer = (NormSwapTrainer(model=student, args=training, teacher=teacher, loss=loss) if distill
+                   else Trainer(model=student, args=training))
         trainer.current_gradient_accumulation_steps = 1  # set by Trainer.train(), which this bypasses
 
         def step(trainer=trainer, trainable=trainable):

@@ -26,6 +26,14 @@ CONFIGS = sorted((Path(__file__).resolve().parents[2] / "recipes" / "configs").g
     (["method=rms"], "method 'rms' is unknown: choose from"),
     (["calibration.strategy=xx"], "calibration: unknown calibration strategy 'xx'"),
     (["trainable=lora", "progressive.enabled=true"], "progressive conversion works with trainable: norms or all"),
+    (["trainable=lora", "hand_over.kind=taper", "taper.fraction=0.5"], "the taper works with trainable: norms or all"),
+    (["taper.fraction=0.5", "hand_over.kind=progressive"],
+     "hand_over.kind=progressive and taper.fraction both hand the norms over: keep one, set hand_over.kind=none or "
+     "taper.fraction=0"),
+    (["hand_over.kind=slowly"], "hand_over.kind 'slowly' is unknown: choose none, progressive, taper"),
+    (["hand_over.kind=taper"], "hand_over.kind=taper needs taper.fraction > 0"),
+    (["hand_over.kind=progressive", "hand_over.options={every: 2}"], "hand_over.options: progressive takes none"),
+    (["distill.terms.hidden=1"], "distill.terms.hidden is not a loss term added to training/loss_terms"),
     (["training.output_dir=x"], "unknown setting training.output_dir"),  # the recipe's own output_dir sets it
     (["block_len"], "override 'block_len' is not KEY=VALUE"),
     (["train_data=[builtin:calibration]"], "train_data must be a text source, or a list of two or more to mix"),
@@ -69,3 +77,14 @@ def test_an_exponent_in_a_config_file_is_a_float(tmp_path):
     path.write_text("lr: {base: 2e-4}\ndistill: {temperature: 1e0}\n")
     config = read_recipe_config(str(path), [])
     assert (config.lr.base, config.distill.temperature) == (2e-4, 1.0)
+
+
+def test_the_hand_over_kind_and_the_old_keys_name_the_same_hand_over():
+    """``hand_over.kind`` and the keys of the ``progressive`` and ``taper`` sections are one setting: either way the
+    run has one kind, and every reader of the sections sees it."""
+    cases = [(["progressive.enabled=true"], "progressive"), (["hand_over.kind=progressive"], "progressive"),
+             (["taper.fraction=0.5"], "taper"), (["hand_over.kind=taper", "taper.fraction=0.5"], "taper"), ([], "none")]
+    for overrides, kind in cases:
+        config = read_recipe_config(None, overrides)
+        assert config.hand_over.kind == kind, overrides
+        assert config.progressive.enabled == (kind == "progressive") and bool(config.taper.fraction) == (kind == "taper")

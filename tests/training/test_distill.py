@@ -15,7 +15,9 @@ from transformers import TrainingArguments
 
 import hf_normswap
 from hf_normswap.calibration.calibrate import CalibrationConfig
+from hf_normswap.training.config import DistillSettings
 from hf_normswap.training.losses import distillation_loss
+from hf_normswap.training.recovery_loss import RecoveryLoss
 from hf_normswap.training.trainable import disable_dropout, set_trainable
 from hf_normswap.training.trainer import NormSwapTrainer
 from hf_normswap.training.layerwise import embedding_cosine_error, relative_hidden_error
@@ -35,13 +37,14 @@ def converted_pair(arch: str = "llama"):
     return model, original
 
 
-def trainer_for(arch: str, tmp_path, **loss_settings):
-    """(converted model with every weight trainable, its original, a distilling NormSwapTrainer, its optimizer)."""
+def trainer_for(arch: str, tmp_path, **distill):
+    """(converted model with every weight trainable, its original, a NormSwapTrainer distilling with the
+    ``distill`` settings at weight 1, its optimizer)."""
     model, original = converted_pair(arch)
     set_trainable(model, "all")
     args = TrainingArguments(output_dir=str(tmp_path), learning_rate=1e-2, use_cpu=True, report_to="none")
-    trainer = NormSwapTrainer(model=model, args=args, teacher=original, distill_weight=1.0, shape_lr=3e-2,
-                              **loss_settings)
+    loss = RecoveryLoss.of(DistillSettings(weight=1.0, **distill), model)
+    trainer = NormSwapTrainer(model=model, args=args, teacher=original, loss=loss, shape_lr=3e-2)
     return model, original, trainer, trainer.create_optimizer()
 
 
@@ -60,7 +63,7 @@ def test_relative_hidden_error_is_scale_free_and_masks_the_sink():
 @pytest.mark.parametrize("arch,logits", [("llama", False), ("llama", True), ("bert", False)],
                          ids=["layerwise", "layerwise+logits", "encoder"])
 def test_layerwise_distillation_moves_the_converted_model_toward_the_original(tmp_path, arch, logits):
-    model, original, trainer, optimizer = trainer_for(arch, tmp_path, logits=logits, hidden_weight=1.0)
+    model, original, trainer, optimizer = trainer_for(arch, tmp_path, logits=logits, hidden=1.0)
     # a random tiny model does not generalize across random tokens in a few steps: train and measure on one batch
     ids = torch.randint(0, 128, (4, 32), generator=torch.Generator().manual_seed(1))
 
@@ -101,7 +104,7 @@ def test_disable_dropout_makes_training_forwards_deterministic_and_keeps_the_con
 
 
 def test_embedding_loss_moves_an_encoder_s_pooled_embeddings_toward_the_original(tmp_path):
-    model, original, trainer, optimizer = trainer_for("bert", tmp_path, logits=False, embedding_weight=1.0)
+    model, original, trainer, optimizer = trainer_for("bert", tmp_path, logits=False, embedding=1.0)
     ids = torch.randint(0, 128, (4, 32), generator=torch.Generator().manual_seed(1))
     mask = torch.ones_like(ids)
     mask[2:, 20:] = 0  # padded rows: pooling weighs the real tokens only
@@ -147,7 +150,8 @@ def test_progressive_swap_training_ends_closer_to_the_original(tmp_path):
     stages = schedule({name: "norm" for name in names}, every=4, ramp=4, group=1)  # fully converted at step 12
     swap = ProgressiveSwap(model, {name: original.get_submodule(name) for name in names}, stages)
     args = TrainingArguments(output_dir=str(tmp_path), learning_rate=1e-2, use_cpu=True, report_to="none")
-    trainer = NormSwapTrainer(model=model, args=args, teacher=original, distill_weight=1.0, shape_lr=3e-2)
+    trainer = NormSwapTrainer(model=model, args=args, teacher=original,
+                              loss=RecoveryLoss.of(DistillSettings(weight=1.0), model), shape_lr=3e-2)
     optimizer = trainer.create_optimizer()
     ids = torch.randint(0, 128, (4, 32), generator=torch.Generator().manual_seed(1))
 
@@ -166,3 +170,20 @@ def test_progressive_swap_training_ends_closer_to_the_original(tmp_path):
         optimizer.step()
     swap.remove()
     assert kl() < 0.5 * before  # measured: 0.0022 -> 0.00026
+
+
+def test_the_loss_sums_its_terms_in_the_order_it_always_had():
+    """``(1 - w) * CE + w * KD``, then ``w * (h * H + e * E)``, then ``(w * s) * S``: bit for bit, so that a run's
+    numbers do not move with the terms' classes; each term is logged."""
+    model, original = converted_pair()
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(3))
+    inputs = {"input_ids": ids, "labels": ids, "attention_mask": torch.ones_like(ids)}
+    w, h, e, s = 0.9, 7.7, 1.3, 0.33  # weights at which other orders of the sum round differently on this batch
+    loss = RecoveryLoss.of(DistillSettings(weight=w, temperature=2.0, hidden=h, embedding=e, scale=s), model,
+                           head_chunk=0)
+    total, logged = loss(model, original, inputs)
+    ce, kd, hidden, embedding, scale = (logged[k] for k in ("ce_loss", "kd_loss", "hidden_loss", "embedding_loss",
+                                                            "scale_loss"))
+    assert all(float(v) > 0 for v in logged.values())
+    assert torch.equal(total, ((1 - w) * ce + w * kd) + w * (h * hidden + e * embedding) + w * s * scale)
+    assert len(loss.describe()) == 4 and loss.hidden_states

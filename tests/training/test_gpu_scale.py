@@ -10,7 +10,8 @@ import torch
 
 from hf_normswap import convert
 from hf_normswap.planning import PlanSettings, plan
-from hf_normswap.training.losses import layerwise_step
+from hf_normswap.training.config import DistillSettings
+from hf_normswap.training.recovery_loss import RecoveryLoss
 from hf_normswap.training.recovery_run import step_batches
 from hf_normswap.training.compiled_blocks import compile_blocks, repeated_blocks
 from tiny_models import tiny_model
@@ -48,7 +49,7 @@ def test_the_compiled_blocks_give_the_eager_step_s_loss_and_gradients():
             assert compile_blocks([model, original]) == 2 * len(repeated_blocks(student)) > 0
         for _ in range(2):  # the second step runs the compiled code as it stays
             model.zero_grad(set_to_none=True)
-            loss = layerwise_step(model, original, inputs, distill_weight=1.0, hidden_weight=10.0, head_chunk=8)[0]
+            loss = RecoveryLoss.of(DistillSettings(weight=1.0, hidden=10.0), model)(model, original, inputs, 8)[0]
             loss.backward()
         results.append((loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}))
     (eager_loss, eager_grads), (compiled_loss, compiled_grads) = results

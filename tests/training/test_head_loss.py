@@ -8,7 +8,9 @@ import torch.nn.functional as F
 
 from hf_normswap.training.head_loss import (fused_head_available, head_bypassed, head_is_plain, head_loss,
                                            next_token_targets)
-from hf_normswap.training.losses import distillation_loss, distillation_step, layerwise_step
+from hf_normswap.training.config import DistillSettings
+from hf_normswap.training.losses import distillation_loss
+from hf_normswap.training.recovery_loss import RecoveryLoss
 from hf_normswap.training.trainable import freeze_embeddings
 from tiny_models import tiny_model
 
@@ -39,8 +41,8 @@ def test_chunked_loss_and_gradients_equal_the_full_logits_version(chunk, tempera
     mask[1, 7:] = 0
     full = _full(hidden, weight, labels, teacher_hidden @ teacher_weight.T, mask, w, temperature)
     expected = torch.autograd.grad(full[0], (hidden, weight))
-    chunked = head_loss(hidden, weight, labels, teacher_hidden=teacher_hidden, teacher_weight=teacher_weight,
-                        kd_mask=mask, ce_weight=1 - w, kd_weight=w, temperature=temperature, chunk=chunk)
+    chunked = head_loss(hidden, weight, labels, teacher=(teacher_hidden, teacher_weight), kd_mask=mask,
+                        weights=(1 - w, w), temperature=temperature, chunk=chunk)
     for got, want in zip(chunked[:1] + chunked[2:] if w == 1 else chunked, full[:1] + full[2:] if w == 1 else full):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     for got, want in zip(torch.autograd.grad(2.0 * chunked[0], (hidden, weight)), expected):
@@ -52,6 +54,13 @@ def _tiny_pair_and_batch():
     student.train()
     ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(0))
     return student, teacher, dict(input_ids=ids, labels=ids, attention_mask=torch.ones_like(ids))
+
+
+def _flat(loss_and_logged):
+    """``(loss, ce, kd, hidden, embedding, scale)`` of a :class:`RecoveryLoss` call."""
+    loss, logged = loss_and_logged
+    zero = torch.zeros(())
+    return (loss, *(logged.get(k, zero) for k in ("ce_loss", "kd_loss", "hidden_loss", "embedding_loss", "scale_loss")))
 
 
 def _outputs_and_grads_per_chunk(student, step):
@@ -69,8 +78,8 @@ def _outputs_and_grads_per_chunk(student, step):
 def test_distillation_step_through_the_bypassed_head_matches_full_logits_on_a_tiny_llama(distill_weight):
     student, teacher, inputs = _tiny_pair_and_batch()
     assert head_is_plain(student) and head_is_plain(teacher)
-    results = _outputs_and_grads_per_chunk(student, lambda chunk: distillation_step(
-        student, teacher, inputs, distill_weight=distill_weight, head_chunk=chunk))
+    loss = RecoveryLoss.of(DistillSettings(weight=distill_weight), student)
+    results = _outputs_and_grads_per_chunk(student, lambda chunk: _flat(loss(student, teacher, inputs, chunk)))
     counted = [True, distill_weight < 1, distill_weight > 0]  # the loss, and CE and KD where they count
     for a, b, count in zip(results[0][0], results[5][0], counted):
         if count:
@@ -85,12 +94,11 @@ def test_layerwise_step_through_the_bypassed_head_matches_full_logits_on_a_tiny_
     """The layer-wise term beside the logit KL (or alone) gives the same loss, parts and gradients when CE and KD go
     through the chunked head: the hidden states are the same forward's."""
     student, teacher, inputs = _tiny_pair_and_batch()
-    results = _outputs_and_grads_per_chunk(
-        student, lambda chunk: layerwise_step(student, teacher, inputs, distill_weight=distill_weight, logits=logits,
-                                              hidden_weight=3.0, head_chunk=chunk))
+    loss = RecoveryLoss.of(DistillSettings(weight=distill_weight, logits=logits, hidden=3.0), student)
+    results = _outputs_and_grads_per_chunk(student, lambda chunk: _flat(loss(student, teacher, inputs, chunk)))
 
     def compared(outputs):  # loss, KD, layer-wise term, and CE where it counts
-        loss, ce, kd, hidden, _ = outputs
+        loss, ce, kd, hidden, _, _ = outputs
         return (loss, kd if distill_weight > 0 else loss, hidden) + ((ce,) if distill_weight < 1 else ())
 
     _, kd, hidden = (float(t.detach()) for t in results[5][0][:1] + results[5][0][2:4])
@@ -134,7 +142,7 @@ def test_the_trainer_keeps_the_chunked_head_loss_under_bf16_autocast(tmp_path, m
     from transformers import TrainingArguments
 
     from hf_normswap import convert
-    from hf_normswap.training import losses
+    from hf_normswap.training.loss_terms import logits
     from hf_normswap.training.trainer import NormSwapTrainer
 
     student, teacher = tiny_model("llama"), tiny_model("llama")
@@ -142,10 +150,11 @@ def test_the_trainer_keeps_the_chunked_head_loss_under_bf16_autocast(tmp_path, m
     ids = torch.randint(0, 100, (4, 16), generator=torch.Generator().manual_seed(0)).tolist()
     args = TrainingArguments(output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=2, bf16=True,
                              use_cpu=True, save_strategy="no", report_to="none", disable_tqdm=True)
-    trainer = NormSwapTrainer(model=student, args=args, teacher=teacher, distill_weight=1.0, head_chunk=8,
-                              hidden_weight=hidden_weight, train_dataset=datasets.Dataset.from_dict({"input_ids": ids, "labels": ids}))
+    loss = RecoveryLoss.of(DistillSettings(weight=1.0, hidden=hidden_weight), student, head_chunk=8)
+    trainer = NormSwapTrainer(model=student, args=args, teacher=teacher, loss=loss,
+                              train_dataset=datasets.Dataset.from_dict({"input_ids": ids, "labels": ids}))
     chunks = []
-    monkeypatch.setattr(losses, "head_loss", lambda *a, **k: chunks.append(k["chunk"]) or head_loss(*a, **k))
+    monkeypatch.setattr(logits, "head_loss", lambda *a, **k: chunks.append(k["chunk"]) or head_loss(*a, **k))
     assert trainer.train().training_loss > 0
     assert chunks == [8, 8]  # both steps went through the chunked loss, with the layer-wise term or without
 
