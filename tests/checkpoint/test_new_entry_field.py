@@ -1,5 +1,5 @@
 """A field of the per-norm entry is two files: a copy of the package whose ``checkpoint/record.py`` gains a field in
-``NormEntry`` and whose ``convert.py`` fills it converts, saves it in ``config.json``, reads it back typed, keeps it
+``NormEntry`` and whose ``surgery.py`` fills it converts, saves it in ``config.json``, reads it back typed, keeps it
 through a reload and a second save, and loads through the package and through the remote code."""
 
 from __future__ import annotations
@@ -49,11 +49,11 @@ def test_a_field_added_to_the_entry_is_two_files(tmp_path):
     copy, env = copy_package(tmp_path)
     _edit(copy / "checkpoint" / "record.py", "    method: str | None = None\n",
           "    method: str | None = None\n    provenance: str | None = None\n")
-    _edit(copy / "convert.py", "amplitude=c.amplitude, bias=b)", "amplitude=c.amplitude, bias=b,\n"
+    _edit(copy / "surgery.py", "amplitude=c.amplitude, bias=b)", "amplitude=c.amplitude, bias=b,\n"
           "                                   provenance=f\"{c.source_class} at {c.role}\")")
     changed = sorted(str(p.relative_to(copy)) for p in copy.rglob("*.py")
                      if p.read_bytes() != (PACKAGE / p.relative_to(copy)).read_bytes())
-    assert changed == ["checkpoint/record.py", "convert.py"]
+    assert changed == ["checkpoint/record.py", "surgery.py"]
     seen = json.loads(run_python(["-c", CONVERT, str(copy), str(tmp_path)], tmp_path, env).strip().splitlines()[-1])
     assert seen == {"memory": "LlamaRMSNorm at attention_input", "read": "LlamaRMSNorm at attention_input",
                     "reloaded": True}
