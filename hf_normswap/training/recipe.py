@@ -39,6 +39,7 @@ from transformers import set_seed
 
 from ..checkpoint import hub
 from ..checkpoint.directory import CheckpointError
+from ..checkpoint.publish import probe_logits, reloads_identically
 from ..checkpoint.record import ConversionRecord
 from ..data import DataError
 from ..evaluation.documents import evaluation_texts
@@ -51,7 +52,7 @@ from .divergence import check_finite
 from .recipe_data import check_data, packs_blocks
 from .recipe_models import load_models, whole_student
 from .recipe_results import (block_perplexity, closing_line, final_evaluation, fit_for_use, launch_entry,
-                             plot_history, probe_logits, reloads_identically, save_final)
+                             plot_history, save_final)
 from .recipe_settings import COMMAND, check_calibration_cache, fail, load_config, stopped
 from .recipe_training import TrainingRun, train
 from .run_dir import claim_run_dir, finished_run, launch_history, read_json, record_save, write_json

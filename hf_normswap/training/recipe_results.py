@@ -12,13 +12,12 @@ import torch
 
 import hf_normswap  # its load and save_pretrained looked up at the call, as a user's code calls them
 from ..checkpoint.directory import CheckpointError
-from ..checkpoint.kept import keep
+from ..checkpoint.publish import save_or_keep
 from ..evaluation.embeddings import evaluate_embeddings
 from ..evaluation.perplexity import evaluate
 from ..evaluation.report import FitSettings, fit_report
 from ..evaluation.tasks import check_tasks
-from ..model_inputs import ends_in_hidden_states, first_tensor
-from ..validation import first_line
+from ..model_inputs import ends_in_hidden_states
 from .recipe_settings import stopped
 from .recipe_training import TrainingRun
 from .loss_terms import plot_labels
@@ -104,35 +103,14 @@ def plot_history(history: list[dict], path: Path, original_ppl: float | None, ti
     return path
 
 
-def probe_logits(model, tokenizer) -> torch.Tensor:
-    """The model's output on a fixed input, for the reload check."""
-    ids = tokenizer("Normalization layers can be replaced by element-wise functions.", return_tensors="pt")
-    model.eval()
-    with torch.no_grad():
-        return first_tensor(model(input_ids=ids["input_ids"].to(next(model.parameters()).device)))
-
-
-def reloads_identically(expected: torch.Tensor, directory: Path, tokenizer) -> bool:
-    """Load the saved checkpoint back (hf_normswap.load) and compare its logits with the saved model's
-    (``probe_logits`` before the save) bit for bit."""
-    reloaded = hf_normswap.load(directory).to(expected.device)
-    return torch.equal(expected, probe_logits(reloaded, tokenizer))
-
-
-
 def save_final(model, save_dir: Path, tokenizer, evaluation: dict | None) -> None:
-    """The final checkpoint; a save that fails (a full disk) keeps the trained model in a temporary directory that
-    the one-line error names, as a convert's save does."""
+    """The final checkpoint, saved as a convert's is (``checkpoint.publish``): a save that fails (a full disk) keeps
+    the trained model in a temporary directory that the one-line error names."""
     save = functools.partial(hf_normswap.save_pretrained, model, tokenizer=tokenizer, evaluation=evaluation)
     try:
-        save(save_dir, overwrite=True)
-    except (OSError, CheckpointError) as error:
-        try:
-            kept = keep(save, save_dir.name)
-        except CheckpointError as lost:
-            raise stopped(f"cannot save to {save_dir} ({first_line(error)}); {lost}") from None
-        raise stopped(f"cannot save to {save_dir} ({first_line(error)}); the trained model is kept in {kept}: move "
-                      "it into place") from None
+        save_or_keep(save, save_dir, overwrite=True, what="trained model")
+    except CheckpointError as error:
+        raise stopped(str(error)) from None
 
 
 def launch_entry(trained: TrainingRun) -> dict:
