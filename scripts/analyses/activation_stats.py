@@ -21,15 +21,13 @@ from hf_normswap.data import load_texts, token_blocks  # internal: --data read a
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/, for the shared harness (run by path)
 
-from harness.flags import script_parser
+from harness.flags import add_text_blocks, script_parser
 
 
 def main() -> None:
     parser = script_parser(__doc__)
     parser.add_argument("model")
-    parser.add_argument("--data", default="builtin")
-    parser.add_argument("--blocks", type=int, default=4)
-    parser.add_argument("--block-len", type=int, default=512)
+    add_text_blocks(parser, "text to run (default: %(default)s)", data="builtin")
     args = parser.parse_args()
     model, tokenizer = load_model(args.model)
     ids = token_blocks(tokenizer, load_texts(args.data), args.blocks, args.block_len)

@@ -27,7 +27,7 @@ from hf_normswap.linearise import LineStatistics, fitted_line
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/, for the shared harness (run by path)
 
-from harness.flags import add_output, add_threads, script_parser, use_threads
+from harness.flags import add_output, add_text_blocks, add_threads, script_parser, use_threads
 from harness.record import commit, machine
 
 
@@ -76,9 +76,7 @@ def line_errors(model, ids: torch.Tensor) -> dict[str, dict]:
 def main(argv=None) -> int:
     parser = script_parser(__doc__)
     parser.add_argument("checkpoints", nargs="+", help="converted checkpoints (hf_normswap.save_pretrained)")
-    parser.add_argument("--data", required=True, help="text to run (e.g. WikiText-2 validation)")
-    parser.add_argument("--blocks", type=int, default=2)
-    parser.add_argument("--block-len", type=int, default=512)
+    add_text_blocks(parser, "text to run (e.g. WikiText-2 validation)", blocks=2)
     add_threads(parser)
     add_output(parser, None, "JSON lines, one a checkpoint, appended")
     args = parser.parse_args(argv)

@@ -37,7 +37,7 @@ from paper_draw import C, SIGMA, outlier_points, simulate
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/, for the shared harness (run by path)
 
-from harness.flags import add_model, add_output, add_threads, script_parser, use_threads
+from harness.flags import add_model, add_output, add_text_blocks, add_threads, script_parser, use_threads
 from harness.record import commit, machine
 
 STARTS = ("fitted", "saturating")
@@ -95,9 +95,7 @@ def paper(methods: list[str], seeds: int) -> dict:
 def main(argv=None) -> int:
     parser = script_parser(__doc__)
     add_model(parser)
-    parser.add_argument("--data", required=True, help="text whose activations the methods are fitted to")
-    parser.add_argument("--blocks", type=int, default=4)
-    parser.add_argument("--block-len", type=int, default=512)
+    add_text_blocks(parser, "text whose activations the methods are fitted to")
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
     parser.add_argument("--max-iter", type=int, default=100, help="L-BFGS iterations a fit (calibration's default)")
     parser.add_argument("--paper", type=int, default=50, metavar="DRAWS", help="the paper's simulation (0: skip)")

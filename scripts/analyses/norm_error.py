@@ -28,7 +28,7 @@ from hf_normswap.data import load_texts, token_blocks
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/, for the shared harness (run by path)
 
-from harness.flags import add_output, add_threads, script_parser, use_threads
+from harness.flags import add_output, add_text_blocks, add_threads, script_parser, use_threads
 from harness.record import commit, machine
 
 
@@ -74,9 +74,7 @@ def main(argv=None) -> int:
     parser = script_parser(__doc__)
     parser.add_argument("checkpoints", nargs="+", help="converted checkpoints (hf_normswap.save_pretrained)")
     parser.add_argument("--against", required=True, help="the original model")
-    parser.add_argument("--data", required=True, help="text to run (e.g. WikiText-2 test)")
-    parser.add_argument("--blocks", type=int, default=4)
-    parser.add_argument("--block-len", type=int, default=512)
+    add_text_blocks(parser, "text to run (e.g. WikiText-2 test)")
     add_threads(parser)
     add_output(parser, None, "JSON lines, one a checkpoint, appended")
     args = parser.parse_args(argv)

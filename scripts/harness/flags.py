@@ -50,3 +50,12 @@ def add_models(parser: argparse.ArgumentParser, choices, default, what: str = "c
 def add_device(parser: argparse.ArgumentParser, what: str = "cpu, cuda, cuda:1 (default: cpu)") -> None:
     """``--device``: where the benchmark runs."""
     parser.add_argument("--device", default="cpu", help=what)
+
+
+def add_text_blocks(parser: argparse.ArgumentParser, what: str, blocks: int = 4, block_len: int = 512,
+                    data: str | None = None) -> None:
+    """``--data`` (required unless a default is given), ``--blocks`` and ``--block-len``: the token blocks an
+    analysis runs (``hf_normswap.data.token_blocks``)."""
+    parser.add_argument("--data", required=data is None, default=data, help=what)
+    parser.add_argument("--blocks", type=int, default=blocks, help="blocks of text (default: %(default)s)")
+    parser.add_argument("--block-len", type=int, default=block_len, help="tokens a block (default: %(default)s)")
