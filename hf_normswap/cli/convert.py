@@ -6,6 +6,7 @@ from __future__ import annotations
 from ..conversion.job import ConversionJob, read_job
 from ..conversion.run import run_job
 from ..modules import METHODS
+from ..settings import check_values
 from .calibration_flags import calibration_args
 from .common import MODEL_HELP, evaluation_args, placement_args, selection_args
 
@@ -84,7 +85,18 @@ def job_settings(args) -> dict:
             for key, value in settings.items() if value is not None}
 
 
+FLAG_OF = {"model": "MODEL", "eval_data": "--eval"}  # where a flag's name is not its destination's
+
+
+def check_flag_values(args) -> None:
+    """A ``${...}`` in a flag refused by the flag's own name, before the job's reader sees the value."""
+    for dest, value in vars(args).items():
+        if isinstance(value, str):
+            check_values(value, FLAG_OF.get(dest, "--" + dest.replace("_", "-")))
+
+
 def run(args) -> None:
+    check_flag_values(args)
     settings = job_settings(args)
     job = read_job(settings, config_file=args.config)
     run_job(job)
