@@ -36,14 +36,15 @@ from .fold import fold
 from .linearise import linearise
 from .checkpoint.stock_export import export_stock
 from .conversion import ConversionJob, run_job
-from .evaluation.perplexity import EvaluationError, evaluate
+from .evaluation.perplexity import EvaluationError, PerplexitySettings, evaluate
 from .modules import ELN, METHODS, Derf, DyISRU, DyT, ElementwiseNorm, Linear
 from .validation import ValidationError
 
 __all__ = [
     "__version__",
     "convert", "inspect", "plan", "fold", "linearise", "export_stock", "load", "load_model", "save_pretrained", "evaluate", "find_norms",
-    "run_job", "ConversionJob", "ConvertConfig", "CalibrationConfig", "ConversionReport", "NormInfo",
+    "run_job", "ConversionJob", "ConvertConfig", "CalibrationConfig", "PerplexitySettings", "ConversionReport",
+    "NormInfo",
     "METHODS", "DyT", "ELN", "DyISRU", "Derf", "Linear", "ElementwiseNorm",
     "ConversionError", "CheckpointError", "EvaluationError", "ValidationError",
 ]

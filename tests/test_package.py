@@ -212,16 +212,27 @@ def test_scripts_import_the_public_names_or_say_why():
     assert not found, found
 
 
-def test_scripts_keep_to_80_lines_and_8_parameters_a_function():
-    """The house's limits in the scripts: no function above 80 lines, no parameter list above 8."""
-    over = []
-    for path in sorted(SCRIPTS.rglob("*.py")):
+# Triton kernels take every pointer, stride and block size as a parameter of their own: a kernel cannot take a
+# struct, so their parameter lists are as long as the tensors they read.
+LONG_SIGNATURES = {("hf_normswap/triton_kernels.py", "_forward_kernel"), ("hf_normswap/triton_kernels.py",
+                                                                        "_backward_kernel")}
+
+
+def test_functions_keep_to_80_lines_and_8_parameters():
+    """The house's limits in the package and the scripts: no function above 80 lines, no parameter list above 8.
+    Every parameter counts, ``self`` and ``cls`` too (a method has 7 besides its object), ``*args`` and ``**kwargs``
+    one each; the only exemptions are the Triton kernels of ``LONG_SIGNATURES``, with the reason there."""
+    over, exempt = [], set()
+    for path in sorted([*PACKAGE.rglob("*.py"), *SCRIPTS.rglob("*.py")]):
+        where = path.relative_to(PACKAGE.parent).as_posix()
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 args = node.args
                 count = len([*args.posonlyargs, *args.args, *args.kwonlyargs, *filter(None, (args.vararg, args.kwarg))])
                 lines = node.end_lineno - node.lineno + 1
-                if lines > 80 or count > 8:
-                    over.append(f"{path.relative_to(SCRIPTS.parent)}:{node.lineno} {node.name}: {lines} lines, "
-                                f"{count} parameters")
+                if (where, node.name) in LONG_SIGNATURES and lines <= 80:
+                    exempt.add((where, node.name))
+                elif lines > 80 or count > 8:
+                    over.append(f"{where}:{node.lineno} {node.name}: {lines} lines, {count} parameters")
     assert not over, over
+    assert exempt == LONG_SIGNATURES  # an exemption whose function is gone or renamed goes too

@@ -233,26 +233,29 @@ def sequential(model, plan: BlockPlan, batches, fit, replace, config) -> tuple[l
         for info in plan.post:  # final norm: its input is the last block's output when nothing sits in between
             if _post_input_is_stack_output(model, model.get_submodule(info.name), batches[0], hidden[0]):
                 with _on_device(model, info.name, device):
-                    _convert_post_norm(model, info, hidden, reference, masks, convert_one, tuning, config, cache)
+                    record = _convert_post_norm(model, info, hidden, reference, masks, convert_one, config, cache)
+                if record is not None:
+                    tuning.append(record)
             else:
                 convert_one(info, lambda k: forward_without_cache(model, batches[k]))
         return tuning, cache.summary()
 
 
-def _convert_post_norm(model, info, hidden, reference, masks, convert_one, tuning, config, cache) -> None:
+def _convert_post_norm(model, info, hidden, reference, masks, convert_one, config, cache) -> dict | None:
     """A final norm fed straight by the last block, converted on that block's outputs and, with block tuning, tuned
-    like one more block: it too inherits the error of everything before it."""
+    like one more block: it too inherits the error of everything before it. Returns its tuning record (``None``
+    without block tuning)."""
     source = model.get_submodule(info.name)
     # what the original norm makes of the original trajectory
     target = None if reference is None else cache.store(source(r) for r in reference)
     convert_one(info, lambda k: source(hidden[k]))
-    if target is not None:
-        module = model.get_submodule(info.name)
-        record, outputs = tune_block(module, [module], lambda x, k, rows: module(x), hidden, target, masks, config,
-                                     cache)
-        tuning.append(dict(block=info.name, **record))
-        outputs.release()
-        target.release()
+    if target is None:
+        return None
+    module = model.get_submodule(info.name)
+    record, outputs = tune_block(module, [module], lambda x, k, rows: module(x), hidden, target, masks, config, cache)
+    outputs.release()
+    target.release()
+    return dict(block=info.name, **record)
 
 
 def _replaced(old: CachedTensors, new: CachedTensors) -> CachedTensors:

@@ -171,10 +171,12 @@ def fit_module(
         else:
             for name, value in work.items():
                 originals[name].data.copy_(value.to(originals[name].device, originals[name].dtype))
-    return _stats(module, x, target, fitted, weight, is_first, loss_before, loss, iterations)
+    return FitStats(loss_before=loss_before, loss=loss, iterations=iterations,
+                    **_residual_stats(module, x, target, fitted, weight, is_first))
 
 
-def _stats(module, x, target, fitted, weight, is_first, loss_before, loss, iterations) -> FitStats:
+def _residual_stats(module, x, target, fitted, weight, is_first) -> dict:
+    """The fields of :class:`FitStats` that measure what the fit left: its residual and the module's saturation."""
     with torch.no_grad():
         diff = fitted - target
         used = torch.ones_like(diff, dtype=torch.bool) if weight is None else (weight > 0).expand_as(diff)
@@ -187,12 +189,8 @@ def _stats(module, x, target, fitted, weight, is_first, loss_before, loss, itera
             return float(diff[rows].norm() / target[rows].norm().clamp_min(1e-30))
 
         rel_ordinary = rel(~first)
-        return FitStats(
-            loss_before=loss_before, loss=loss, mean_abs_residual=mean_abs,
-            rel_error=rel_ordinary if rel_ordinary is not None else float("nan"),
-            rel_error_first=rel(first), saturation=saturated_share(module, x),
-            iterations=iterations,
-        )
+        return dict(mean_abs_residual=mean_abs, rel_error=rel_ordinary if rel_ordinary is not None else float("nan"),
+                    rel_error_first=rel(first), saturation=saturated_share(module, x))
 
 
 def fit_curve(

@@ -56,10 +56,13 @@ def fit_table(report) -> str:
     return "\n".join(lines)
 
 
-def plot_fit(directory: Path, name: str, module, reference, x, target, is_first, stats: FitStats,
-             max_points: int = 20000) -> Path:
+PLOT_POINTS = 20000  # points drawn of each kind of token: a sample of them keeps the scatter plot light
+
+
+def plot_fit(directory: Path, name: str, module, reference, x, target, is_first, stats: FitStats) -> Path:
     """The source norm's outputs over its inputs (grey: ordinary tokens, red: first positions) with the fitted
-    module's outputs on the same inputs, all divided by the source's per-channel scale (paper's Figure 3)."""
+    module's outputs on the same inputs, all divided by the source's per-channel scale (paper's Figure 3); at most
+    :data:`PLOT_POINTS` of each kind."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -78,7 +81,7 @@ def plot_fit(directory: Path, name: str, module, reference, x, target, is_first,
         flat = xs.numel()
         if flat == 0:
             continue
-        pick = torch.randperm(flat, generator=generator)[:max_points]
+        pick = torch.randperm(flat, generator=generator)[:PLOT_POINTS]
         ax.scatter(xs.flatten()[pick], ys.flatten()[pick], s=2, c=color, alpha=0.4, label=label)
         ax.scatter(xs.flatten()[pick], fs.flatten()[pick], s=1, c="tab:blue", alpha=0.3,
                    label="fitted" if color == "0.6" else None)

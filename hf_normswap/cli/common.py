@@ -87,9 +87,10 @@ def check_evaluation_args(args) -> None:
 
 
 def run_evaluation(args, models, tokenizer, against, data: str, texts):
-    from ..evaluation.perplexity import evaluate
+    from ..evaluation.perplexity import PerplexitySettings, evaluate
 
     if tokenizer is None:
         raise EvaluationError(f"{args.model} has no tokenizer: perplexity needs one")
-    return evaluate(models, tokenizer, texts, against=against, data=data, max_length=args.max_length,
-                    stride=args.stride, max_tokens=args.max_tokens, batch_size=args.batch_size)
+    scoring = PerplexitySettings(max_length=args.max_length, stride=args.stride, max_tokens=args.max_tokens,
+                                 batch_size=args.batch_size)
+    return evaluate(models, tokenizer, texts, against=against, data=data, settings=scoring)

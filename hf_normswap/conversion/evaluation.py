@@ -10,7 +10,7 @@ from ..checkpoint.record import ConversionRecord
 from ..data import load_texts, sample_length, same_sample
 from ..data.sources import source
 from ..evaluation.documents import evaluation_texts
-from ..evaluation.perplexity import EvaluationError, evaluate, overlap_warning
+from ..evaluation.perplexity import EvaluationError, PerplexitySettings, evaluate, overlap_warning
 from ..model_inputs import check_context
 from ..validation import ValidationError
 
@@ -57,8 +57,8 @@ def evaluate_conversion(settings, name: str, model, original, tokenizer) -> dict
     warn(calibration_overlap(None, record.calibration if record is not None else None, settings.data, texts))
     if tokenizer is None:
         raise EvaluationError(f"{name} has no tokenizer: perplexity needs one")
-    evaluation = evaluate(model, tokenizer, texts, against=original, data=settings.data,
-                          max_length=settings.max_length, stride=settings.stride, max_tokens=settings.max_tokens,
-                          batch_size=settings.batch_size)
+    scoring = PerplexitySettings(max_length=settings.max_length, stride=settings.stride,
+                                 max_tokens=settings.max_tokens, batch_size=settings.batch_size)
+    evaluation = evaluate(model, tokenizer, texts, against=original, data=settings.data, settings=scoring)
     print(f"\nevaluation on {evaluation.describe()}\n{evaluation.table()}")
     return evaluation.card("converted")

@@ -349,25 +349,39 @@ def _lengths(out: torch.Tensor, prompt_len: int, eos: int | None) -> torch.Tenso
     return lengths
 
 
+@dataclass(frozen=True)
+class DrawShare:
+    """This process's part of a draw that the processes of one launch share: it draws the batches ``i`` with
+    ``i % world_size == rank`` and waits for the others' up to ``wait_seconds`` (default: 0 alone, 6 hours with
+    other processes)."""
+
+    rank: int = 0
+    world_size: int = 1
+    wait_seconds: float | None = None
+
+    def wait(self) -> float:
+        if self.wait_seconds is not None:
+            return self.wait_seconds
+        return 0.0 if self.world_size == 1 else 6 * 3600.0
+
+
 def sample_texts(model: nn.Module, tokenizer, settings: SamplingSettings, max_tokens: int, *,
-                 prompt_texts: list[str] | None = None, rank: int = 0, world_size: int = 1, progress: bool = True,
-                 cache_dir: Path | None = None, wait_seconds: float | None = None) -> list[str]:
+                 prompt_texts: list[str] | None = None, share: DrawShare = DrawShare(), progress: bool = True,
+                 cache_dir: Path | None = None) -> list[str]:
     """Texts of at least ``max_tokens`` sampled tokens, one a sequence (``prompt_texts``: the text of
     ``settings.prompt``). Sequences that end early (EOS) are made up for by further batches. This process draws its
-    share of the missing batches and waits for the others' (up to ``wait_seconds``; default: 0 alone, 6 hours with
-    other processes)."""
+    ``share`` of the missing batches and waits for the others'."""
     settings.check_model(model)
     cache = SampleCache(model, settings, cache_dir, prompt_texts)
     prompts = None if settings.prompt == "bos" else Prompts(settings, tokenizer, prompt_texts or [])
-    wait = wait_seconds if wait_seconds is not None else (0.0 if world_size == 1 else 6 * 3600.0)
     rows, have, read, count = [], 0, 0, batches_for(max_tokens, settings)
     start, missing = time.time(), set()
     while have < max_tokens:
         needed = range(read, count)
-        mine = [i for i in needed if i % world_size == rank and not cache.has(i)]
+        mine = [i for i in needed if i % share.world_size == share.rank and not cache.has(i)]
         missing.update(mine)
         draw(model, tokenizer, cache, mine, prompts=prompts, progress=progress)
-        wait_for(cache, needed, wait)
+        wait_for(cache, needed, share.wait())
         for index in needed:
             batch = read_or_redraw(model, tokenizer, cache, index, prompts)
             rows.extend(batch)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from . import texts
 from .file_scan import FileText, scan
-from .generated import DEFAULT_TOKENS, SamplingSettings, is_generated, sample_texts
+from .generated import DEFAULT_TOKENS, DrawShare, SamplingSettings, is_generated, sample_texts
 
 SOURCES: list[type["Source"]] = []
 
@@ -91,7 +91,7 @@ class Generated(Source):
               world_size=1):
         try:  # a bad setting, a model that cannot sample: one DataError line
             return sample_texts(model, tokenizer, self.settings, max_tokens or DEFAULT_TOKENS,
-                                prompt_texts=self.prompt_texts(), rank=rank, world_size=world_size,
+                                prompt_texts=self.prompt_texts(), share=DrawShare(rank, world_size),
                                 progress=rank == 0)
         except ValueError as error:
             raise texts.DataError(str(error)) from None

@@ -296,6 +296,18 @@ def _score_windows(models: dict[str, nn.Module], docs: list[Document], max_lengt
     return scorer, total
 
 
+@dataclass(frozen=True)
+class PerplexitySettings:
+    """How :func:`evaluate` cuts the text into windows and scores them (the conventions are the module's)."""
+
+    max_length: int | None = None  # window length; default: the model's context, as lm-eval resolves it
+    stride: int | None = None  # score only the last ``stride`` tokens of each later window; default: non-overlapping
+    max_tokens: int | None = None  # cap on the tokens of ``texts`` scored (for CPU use)
+    batch_size: int = 1  # windows a forward pass
+    prefix_token: int | None = None  # the token each document follows; default: the tokenizer's BOS, else EOS
+    progress: bool = True  # a progress bar over the scored tokens
+
+
 @torch.no_grad()
 def evaluate(
     model: nn.Module | Mapping[str, nn.Module],
@@ -304,22 +316,19 @@ def evaluate(
     *,
     against: nn.Module | None = None,
     docs: list[Document] | None = None,
-    max_length: int | None = None,
-    stride: int | None = None,
-    max_tokens: int | None = None,
-    batch_size: int = 1,
-    prefix_token: int | None = None,
+    settings: PerplexitySettings = PerplexitySettings(),
     data: str | None = None,
-    progress: bool = True,
 ) -> Evaluation:
-    """Perplexity of ``model`` (or of each model in a ``{name: model}`` mapping) over ``texts`` or ``docs``.
+    """Perplexity of ``model`` (or of each model in a ``{name: model}`` mapping) over ``texts`` or ``docs``, cut and
+    scored as ``settings`` say.
 
     ``against``: the original model; the result then holds it under ``"original"`` with KL and top-1 agreement of
-    every other model to it, all computed on the same windows in one pass. ``max_tokens`` caps the tokens scored
-    (for CPU use); ``data`` is the spec recorded with the result.
+    every other model to it, all computed on the same windows in one pass. ``data`` is the spec recorded with the
+    result.
     """
     from ..data import fingerprint as content_fingerprint
 
+    max_length, stride, max_tokens = settings.max_length, settings.stride, settings.max_tokens
     models = _models_to_score(model, against, max_length)
     first = next(iter(models.values()))
     fingerprint = None
@@ -336,9 +345,9 @@ def evaluate(
     max_length = max_length or min(default_max_length(m, tokenizer) for m in models.values())
     if max_length < 1:
         raise EvaluationError(f"window length must be positive, got {max_length}")
-    prefix = _prefix_token(first, tokenizer) if prefix_token is None else prefix_token
-    scorer, total = _score_windows(models, docs, max_length, stride, batch_size, prefix,
-                                   REFERENCE if against is not None else None, progress)
+    prefix = _prefix_token(first, tokenizer) if settings.prefix_token is None else settings.prefix_token
+    scorer, total = _score_windows(models, docs, max_length, stride, settings.batch_size, prefix,
+                                   REFERENCE if against is not None else None, settings.progress)
 
     tokens = sum(len(d.tokens) for d in docs)
     words, nbytes = sum(d.words for d in docs), sum(d.bytes for d in docs)

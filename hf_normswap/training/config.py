@@ -225,7 +225,7 @@ class FinalEvaluation:
         return ",".join(self.tasks) if isinstance(self.tasks, list) else self.tasks or None
 
     def arguments(self) -> dict:
-        """The perplexity's settings (``evaluation.perplexity.evaluate``)."""
+        """The settings given, as ``evaluation.perplexity.PerplexitySettings`` and ``evaluate_embeddings`` take them."""
         return {k: getattr(self, k) for k in ("max_tokens", "max_length", "batch_size") if getattr(self, k) is not None}
 
 

@@ -4,10 +4,13 @@ blocks, a sentence encoder's sentences, or a Hub stream), a mix of sources in eq
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from pathlib import Path
 
 import datasets
+from accelerate import PartialState
 from accelerate.utils import broadcast_object_list
+from torch import nn
 
 from ..checkpoint.loading import resolve
 from ..data import DataError, hub_stream, load_texts, token_blocks
@@ -67,15 +70,25 @@ def check_data(config, calibrates: bool, packs: bool = True) -> None:
              "seed, e.g. generated:seed=1)")
 
 
+@dataclass(frozen=True)
+class SampleDraw:
+    """Who draws the original's samples (a ``generated`` source): ``original``, each process of ``state`` its share,
+    or the main process all of them when the others hold the original on the meta device (``from_main``,
+    ``RecoveryRun.original_read_once``), which then receive its texts."""
+
+    original: nn.Module | None = None
+    state: PartialState | None = None
+    from_main: bool = False
+
+
 def block_dataset(tokenizer, spec: str, split: str, block_len: int, max_tokens: int | None = None,
-                  max_blocks: int | None = None, *, original=None, state=None, from_main: bool = False):
-    """Packed causal-LM blocks (``input_ids`` = ``labels``) of a text spec, as a ``datasets.Dataset``. The original's
-    samples (``generated``) are drawn up to the budget, each process its share (``state``), or the main process all
-    of them when the others hold the original on the meta device (``from_main``, ``RecoveryRun.original_read_once``),
-    which then receive its texts."""
+                  max_blocks: int | None = None, *, draw: SampleDraw = SampleDraw()):
+    """Packed causal-LM blocks (``input_ids`` = ``labels``) of a text spec, as a ``datasets.Dataset``; the original's
+    samples (``generated``) are drawn up to the budget as ``draw`` says."""
     limits = [n for n in (max_blocks, None if max_tokens is None else max_tokens // block_len) if n is not None]
+    original, state = draw.original, draw.state
     share = {"rank": state.process_index, "world_size": state.num_processes} if state is not None else {}
-    from_main = from_main and source(spec).samples_original
+    from_main = draw.from_main and source(spec).samples_original
     try:
         texts = None
         if not from_main or state.is_main_process:
@@ -101,8 +114,8 @@ def training_blocks(text: TrainingText, tokenizer, original, state):
     original is sharded as the teacher under FSDP2 it cannot sample between steps, and its samples are drawn before
     training, each source up to its share."""
     if text.drawn_first and any(source(s).samples_original for s in text.sources):
-        return mixed([block_dataset(tokenizer, spec, "calibration", text.block_len, share, original=original,
-                                    state=state, from_main=text.from_main)
+        draw = SampleDraw(original, state, text.from_main)
+        return mixed([block_dataset(tokenizer, spec, "calibration", text.block_len, share, draw=draw)
                       for spec, share in zip(text.sources, text.shares)])
     parts = [training_stream(spec, share if text.capped else None, text.block_len, text.seed, tokenizer, original,
                              state) for spec, share in zip(text.sources, text.shares)]
@@ -121,7 +134,7 @@ def training_stream(spec: str, cap: int | None, block_len: int, seed: int, token
     except DataError as error:
         raise stopped(f"{spec}: {error}") from None
     if stream is None:
-        return block_dataset(tokenizer, spec, "calibration", block_len, cap, state=state)
+        return block_dataset(tokenizer, spec, "calibration", block_len, cap, draw=SampleDraw(state=state))
     return stream if cap is None else stream.take(max(1, cap // block_len))
 
 
@@ -160,8 +173,7 @@ def recipe_datasets(text: TrainingText, tokenizer, original, state, encoder: boo
     else:
         train_set = training_blocks(text, tokenizer, original, state)
     return train_set, block_dataset(tokenizer, text.eval_data, "evaluation", text.block_len,
-                                    max_blocks=text.eval_blocks, original=original, state=state,
-                                    from_main=text.from_main)
+                                    max_blocks=text.eval_blocks, draw=SampleDraw(original, state, text.from_main))
 
 
 def sentence_steps(train_tokens: int, rows_per_step: int, train_set) -> int:

@@ -14,7 +14,7 @@ import hf_normswap  # its load and save_pretrained looked up at the call, as a u
 from ..checkpoint.directory import CheckpointError
 from ..checkpoint.publish import save_or_keep
 from ..evaluation.embeddings import evaluate_embeddings
-from ..evaluation.perplexity import evaluate
+from ..evaluation.perplexity import PerplexitySettings, evaluate
 from ..evaluation.report import FitSettings, fit_report
 from ..evaluation.tasks import check_tasks
 from ..model_inputs import ends_in_hidden_states
@@ -29,8 +29,8 @@ def final_evaluation(model, original, tokenizer, texts: list[str], data: str, se
     them)."""
     if ends_in_hidden_states(original):  # the embedding its users consume: cosine, neighbours and rank correlation
         return evaluate_embeddings(model, original, tokenizer, texts, data=data, **settings.arguments())
-    return evaluate({name: model}, tokenizer, texts, against=original, data=data, progress=False,
-                    **settings.arguments())
+    return evaluate({name: model}, tokenizer, texts, against=original, data=data,
+                    settings=PerplexitySettings(progress=False, **settings.arguments()))
 
 
 def fit_for_use(after, model, original, tokenizer, texts: list[str], settings, log):

@@ -95,10 +95,10 @@ def score(models: dict, original, tokenizer, texts: list[str], args) -> dict[str
     if "minilm" in args.model:
         sims = sentence_similarity(original, models, tokenizer, texts, args.sentences)
         return {name: {"mean_cosine_similarity": sim, "sentences": args.sentences} for name, sim in sims.items()}
-    from hf_normswap import evaluate
+    from hf_normswap import PerplexitySettings, evaluate
 
-    result = evaluate(models, tokenizer, texts, against=original, max_length=args.eval_len,
-                      max_tokens=args.max_eval_tokens, batch_size=4, progress=False)
+    result = evaluate(models, tokenizer, texts, against=original, settings=PerplexitySettings(
+        max_length=args.eval_len, max_tokens=args.max_eval_tokens, batch_size=4, progress=False))
     return {name: {"ppl_original": result.results["original"].token_perplexity,
                    "ppl_converted": result.results[name].token_perplexity,
                    "kl": result.kl[name], "top1": result.top1[name],

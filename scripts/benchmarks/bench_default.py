@@ -72,7 +72,7 @@ def sweep(variants: list[dict], method: str, tokens: int, out: Path, results: di
     # imported here, as only --sweep runs in this process
     import hf_normswap
     from hf_normswap.calibration.defaults import default_calibration
-    from hf_normswap import evaluate, load_model
+    from hf_normswap import PerplexitySettings, evaluate, load_model
     from hf_normswap.evaluation.documents import evaluation_texts
 
     original, tokenizer = load_model(MODELS["smollm2"])
@@ -87,7 +87,8 @@ def sweep(variants: list[dict], method: str, tokens: int, out: Path, results: di
         start = time.process_time()
         hf_normswap.convert(model, method, calibration=config)
         cpu = time.process_time() - start
-        scored = evaluate(model, tokenizer, texts, against=original, max_length=512, max_tokens=tokens, progress=False)
+        scored = evaluate(model, tokenizer, texts, against=original,
+                          settings=PerplexitySettings(max_length=512, max_tokens=tokens, progress=False))
         row = dict(method=method, variant=variant, ratio=round(scored.ratio("converted"), 2),
                    kl=round(scored.kl["converted"], 3), calibration_cpu_s=round(cpu))
         results["rows"].append(row)

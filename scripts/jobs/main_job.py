@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from hf_normswap import convert, load, load_model
-from hf_normswap import CalibrationConfig, evaluate
+from hf_normswap import CalibrationConfig, PerplexitySettings, evaluate
 # internal: the job does what normswap convert and eval do, step by step: the CLI's default strategy, its reading of
 # the texts, its overlap warning and the record it writes into the checkpoint
 from hf_normswap.calibration.calibrate import DEFAULT_STRATEGY
@@ -139,8 +139,8 @@ def main(argv=None) -> int:
               f"[main job] calibration ({args.calib}) and evaluation ({args.data}) texts are disjoint", flush=True)
     print(f"[main job] evaluating the original and {', '.join(scored)} on {args.data} ({args.eval_tokens} tokens "
           "each)", flush=True)
-    result = evaluate(scored, tokenizer, texts, against=original, data=args.data, max_tokens=args.eval_tokens,
-                      max_length=args.eval_len)
+    result = evaluate(scored, tokenizer, texts, against=original, data=args.data,
+                      settings=PerplexitySettings(max_tokens=args.eval_tokens, max_length=args.eval_len))
     for method, model in converted.items():
         ConversionRecord.amend(model, evaluation=result.card(method))
         save_pretrained(model, saved[method], tokenizer=tokenizer, overwrite=True)

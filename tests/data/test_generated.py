@@ -8,7 +8,7 @@ from tiny_models import full_length_tokenizer, tiny_model, tiny_tokenizer
 
 from hf_normswap.data import packed_linear
 from hf_normswap.data import DataError, load_texts
-from hf_normswap.data.generated import SampleCache, SamplingSettings, draw, sample_texts
+from hf_normswap.data.generated import DrawShare, SampleCache, SamplingSettings, draw, sample_texts
 
 SETTINGS = SamplingSettings(length=12, batch_size=3, seed=1, precision="fp32")  # auto is timed: it may vary
 BUDGET = 12 * 3 * 3  # three batches
@@ -80,10 +80,10 @@ def test_two_processes_draw_different_shares_of_one_text(tmp_path):
     tokenizer = full_length_tokenizer()
     first, second = [], []
     with pytest.raises(ValueError, match="1 of 3 batches .* were not drawn by the other processes"):
-        sample_texts(_counting(tiny_model("llama"), first), tokenizer, SETTINGS, BUDGET, rank=0, world_size=2,
-                     cache_dir=tmp_path, progress=False, wait_seconds=0)
-    texts = sample_texts(_counting(tiny_model("llama"), second), tokenizer, SETTINGS, BUDGET, rank=1, world_size=2,
-                         cache_dir=tmp_path, progress=False)
+        sample_texts(_counting(tiny_model("llama"), first), tokenizer, SETTINGS, BUDGET,
+                     share=DrawShare(rank=0, world_size=2, wait_seconds=0), cache_dir=tmp_path, progress=False)
+    texts = sample_texts(_counting(tiny_model("llama"), second), tokenizer, SETTINGS, BUDGET,
+                         share=DrawShare(rank=1, world_size=2), cache_dir=tmp_path, progress=False)
     assert (len(first), len(second)) == (2, 1)
     alone = sample_texts(tiny_model("llama"), tokenizer, SETTINGS, BUDGET, cache_dir=tmp_path / "one", progress=False)
     assert texts == alone and len(set(texts)) == 9

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from cli_runs import recipe_refusal, run_cli
 from hf_normswap.checkpoint.model_card import _evaluation_section
 from hf_normswap.cli import main
-from hf_normswap.evaluation.perplexity import evaluate
+from hf_normswap.evaluation.perplexity import PerplexitySettings, evaluate
 from hf_normswap.evaluation.positions import positions
 from hf_normswap.evaluation.report import context_report
 from hf_normswap.evaluation.token_losses import TokenLosses
@@ -208,7 +208,8 @@ def test_the_recipes_final_evaluation_carries_the_tails_and_tasks_to_the_card(sa
     tokenizer = tiny_tokenizer()
     original = tiny_model("llama", max_position_embeddings=CONTEXT)
     model = tiny_model("llama", seed=1, max_position_embeddings=CONTEXT)
-    after = evaluate({"finetuned": model}, tokenizer, [TEXT], against=original, max_length=200, progress=False)
+    after = evaluate({"finetuned": model}, tokenizer, [TEXT], against=original,
+                     settings=PerplexitySettings(max_length=200, progress=False))
     settings = FinalEvaluation(max_length=200, tails=True, limit=3, tasks=[str(tasks / "choice.yaml")])
     logged = []
     fit = fit_for_use(after, model, original, tokenizer, [TEXT], settings, logged.append)

@@ -14,7 +14,8 @@ from hf_normswap.cli import main
 from hf_normswap.data import fingerprint, load_texts
 from hf_normswap.evaluation.embeddings import evaluate_embeddings
 from hf_normswap.evaluation.metrics.similarity_rank_correlation import spearman
-from hf_normswap.evaluation.perplexity import EvaluationError, evaluate, overlap_warning, rolling_windows
+from hf_normswap.evaluation.perplexity import (EvaluationError, PerplexitySettings, evaluate, overlap_warning,
+                                              rolling_windows)
 from hf_normswap.evaluation.documents import Document, count_bytes, count_words, documents, evaluation_texts
 from tiny_models import tiny_model
 
@@ -23,6 +24,7 @@ TEXTS = [
     "a café is a small place  where people drink coffee and the cat sleeps on the mat",
     "the " * 50 + "end",
 ]
+WINDOW_32 = PerplexitySettings(max_length=32, progress=False)  # the longest text takes two windows
 
 
 def word_tokenizer():
@@ -85,21 +87,22 @@ def test_windows_score_each_token_once_and_match_lm_eval(n, length, stride):
 def test_perplexity_matches_direct_computation_from_logits():
     model = tiny_model("gpt2")
     docs = random_docs([5, 16, 37])
-    result = evaluate(model, docs=docs, max_length=16, prefix_token=1, progress=False, batch_size=3)
+    windows = dict(max_length=16, prefix_token=1, progress=False)
+    result = evaluate(model, docs=docs, settings=PerplexitySettings(**windows, batch_size=3))
     nll = sum(direct_nll(model, d.tokens, 1, 16) for d in docs)
     r = result.results["model"]
     assert r.tokens == 58 and result.documents == 3
     assert r.nll == pytest.approx(nll, rel=1e-5)
     assert r.token_perplexity == pytest.approx(math.exp(nll / 58), rel=1e-5)
     # strided windows see more context: a different, still finite total over the same tokens
-    strided = evaluate(model, docs=docs, max_length=16, stride=4, prefix_token=1, progress=False)
+    strided = evaluate(model, docs=docs, settings=PerplexitySettings(**windows, stride=4))
     assert strided.results["model"].tokens == 58 and math.isfinite(strided.results["model"].nll)
 
 
 def test_word_and_byte_perplexity_follow_definitions():
     tokenizer = word_tokenizer()
     model = tiny_model("llama")
-    result = evaluate(model, tokenizer, TEXTS, max_length=32, progress=False, data="test")
+    result = evaluate(model, tokenizer, TEXTS, settings=WINDOW_32, data="test")
     r = result.results["model"]
     words = sum(len(__import__("re").split(r"\s+", t)) for t in TEXTS)
     nbytes = sum(len(t.encode("utf-8")) for t in TEXTS)
@@ -127,17 +130,17 @@ def test_token_budget_counts_only_the_covered_text():
 def test_kl_is_zero_against_itself_and_positive_after_conversion():
     tokenizer = word_tokenizer()
     original = tiny_model("llama")
-    same = evaluate(copy.deepcopy(original), tokenizer, TEXTS, against=original, max_length=32, progress=False)
+    same = evaluate(copy.deepcopy(original), tokenizer, TEXTS, against=original, settings=WINDOW_32)
     assert same.kl["converted"] == pytest.approx(0.0, abs=1e-6)
     assert same.top1["converted"] == 1.0
     assert same.ratio("converted") == pytest.approx(1.0)
     converted = copy.deepcopy(original)
     convert(converted, to="eln")
-    result = evaluate(converted, tokenizer, TEXTS, against=original, max_length=32, progress=False)
+    result = evaluate(converted, tokenizer, TEXTS, against=original, settings=WINDOW_32)
     assert result.kl["converted"] > 1e-4
     assert 0.0 <= result.top1["converted"] <= 1.0
     # KL on the first document, directly from the logits
-    one = evaluate(converted, tokenizer, TEXTS[:1], against=original, max_length=32, progress=False)
+    one = evaluate(converted, tokenizer, TEXTS[:1], against=original, settings=WINDOW_32)
     ids = torch.tensor([[tokenizer.bos_token_id] + tokenizer(TEXTS[0], add_special_tokens=False)["input_ids"]])
     with torch.no_grad():
         p = torch.log_softmax(original(ids[:, :-1]).logits[0].double(), -1)
@@ -153,7 +156,7 @@ def test_kl_is_zero_against_itself_and_positive_after_conversion():
 
 def test_not_a_causal_lm_is_a_user_error():
     with pytest.raises(EvaluationError, match="causal"):
-        evaluate(tiny_model("t5"), docs=random_docs([4]), prefix_token=1, progress=False)
+        evaluate(tiny_model("t5"), docs=random_docs([4]), settings=PerplexitySettings(prefix_token=1, progress=False))
 
 
 def test_the_evaluation_texts_are_the_held_out_half_unless_the_spec_names_a_split():
@@ -262,7 +265,7 @@ metric_list:
                                   batch_size=1, device="cpu")
     theirs = out["results"]["normswap_local_ppl"]
     reloaded = hf_normswap.load(directory)
-    ours = evaluate(reloaded, tokenizer, texts, progress=False).results["model"]  # default window: 64, as lm-eval
+    ours = evaluate(reloaded, tokenizer, texts, settings=PerplexitySettings(progress=False)).results["model"]  # default window: 64, as lm-eval
     assert theirs["word_perplexity,none"] == pytest.approx(ours.word_perplexity, rel=1e-4)
     assert theirs["byte_perplexity,none"] == pytest.approx(ours.byte_perplexity, rel=1e-4)
     assert theirs["bits_per_byte,none"] == pytest.approx(ours.bits_per_byte, rel=1e-4)

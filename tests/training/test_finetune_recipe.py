@@ -265,8 +265,8 @@ def test_a_mix_trains_on_equal_shares_of_its_sources_in_turn(tiny_setup, tmp_pat
     corpus, spec = str(root / "train.txt"), "generated:length=32,batch_size=2,temperature=1.0"
 
     def blocks(source, max_tokens=None, original=None):
-        return recipe_data.block_dataset(tokenizer, source, "calibration", 32, max_tokens, original=original,
-                                         state=state)["input_ids"]
+        return recipe_data.block_dataset(tokenizer, source, "calibration", 32, max_tokens,
+                                         draw=recipe_data.SampleDraw(original, state))["input_ids"]
 
     def first(rows, count):
         return [row["input_ids"] for row in itertools.islice(iter(rows), count)]
