@@ -63,12 +63,12 @@ def line_errors(model, ids: torch.Tensor) -> dict[str, dict]:
         stats.add(module, kinds[name], x, y)
         line = fitted_line(module, kinds[name], stats).double()
         fit, touch = line(x), tangent(module, x)
-        slope_part = fit[:, 0] - (line.bias if line.bias is not None else 0)
-        rest = y[:, 0] - (line.bias if line.bias is not None else 0)
+        bias = line.bias if line.bias is not None else 0
+        slope_part, rest = fit[:, 0] - bias, y[:, 0] - bias  # position 0's scale: the factor on the slope part
         own = float((slope_part * rest).sum() / (slope_part * slope_part).sum().clamp_min(1e-30))
         errors[name] = {"line": relative(fit[:, 1:], y[:, 1:]), "tangent": relative(touch[:, 1:], y[:, 1:]),
                         "line_first": relative(fit[:, 0], y[:, 0]), "tangent_first": relative(touch[:, 0], y[:, 0]),
-                        "line_first_own": relative(own * slope_part + (y[:, 0] - rest), y[:, 0]),
+                        "line_first_own": relative(own * slope_part + bias, y[:, 0]),
                         "rms": float(x[:, 1:].pow(2).mean().sqrt()), "rms_first": float(x[:, 0].pow(2).mean().sqrt())}
     return errors
 

@@ -23,6 +23,7 @@ def test_each_module_is_measured_against_its_line_and_its_tangent(tmp_path):
     assert len(modules) == 5
     for e in modules.values():
         assert e["line"] <= e["tangent"] + 1e-9  # the least-squares line is never the farther one
+        assert e["line_first_own"] <= e["line_first"] + 1e-9  # position 0's best factor is at least as close as 1
     # by hand for one module: a DyT far out on its curve is off its tangent by tanh(a x) - a x
     module = model.get_submodule("model.norm")
     x = torch.linspace(-30, 30, 32, dtype=torch.float64).expand(1, 8, 32).clone()
