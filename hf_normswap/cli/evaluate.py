@@ -34,7 +34,7 @@ def add_parser(commands) -> None:
     evaluation_args(ev)
     ev.add_argument("--no-tails", action="store_true",
                     help="with --against, the perplexity table alone: no loss tails, ratio by position or repetition "
-                         "check (half the passes)")
+                         "check (half the passes); an encoder: no per-sentence tails")
     tasks = ev.add_argument_group("downstream tasks (with --against; needs the extra: pip install "
                                   "'hf-normswap[eval]')")
     tasks.add_argument("--tasks", metavar="NAMES",
@@ -149,6 +149,7 @@ def run(args) -> None:
         if request is not None:
             raise EvaluationError(f"--tasks needs language models; {args.model} is an encoder: drop --tasks")
         evaluation = _embedding_evaluation(args, model, tokenizer, against, texts)
+        evaluation.tails = None if args.no_tails else evaluation.tails
     else:
         evaluation = run_evaluation(args, model, tokenizer, against, args.data, texts)
         if against is not None:

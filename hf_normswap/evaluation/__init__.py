@@ -2,7 +2,8 @@
 
 - ``documents.py``: the evaluation texts, and those texts as scored documents (tokens, words, bytes).
 - ``perplexity.py``: every model scored on the same windows; the side-by-side table, its JSON and the model card's.
-- ``embeddings.py``: a sentence encoder's embeddings against the original's.
+- ``embeddings.py``: a sentence encoder's embeddings against the original's; ``embedding_tails.py``: the
+  per-sentence cosine's low tail, worst sentences and cosine by sentence length.
 - ``metrics/``: the figures of those tables, one file each (token / word / byte perplexity, bits per byte, KL and
   top-1 agreement against the original; the encoder's embedding cosine, nearest-neighbour agreement and similarity
   rank correlation): a new metric is a new file there.

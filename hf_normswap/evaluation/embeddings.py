@@ -18,6 +18,7 @@ from torch import nn
 
 from ..model_inputs import context_length, mean_pool
 from ..placement import model_device
+from .embedding_tails import EmbeddingTails, embedding_tails
 from .metrics import EmbeddingMetric, Similarities, registered
 from .perplexity import REFERENCE, EvaluationError, check_window
 
@@ -70,13 +71,14 @@ def _similarities(embeddings: torch.Tensor) -> Similarities:
 @dataclass
 class EmbeddingEvaluation:
     """Embedding agreement of each model with the reference, on the same sentences: the registered embedding
-    metrics (``metrics/``) as rows."""
+    metrics (``metrics/``) as rows, and the tails of the per-sentence cosine."""
 
     results: dict[str, dict[str, float]]  # model -> metric key -> figure
     data: str | None = None
     fingerprint: str | None = None
     sentences: int = 0
     tokens: int = 0
+    tails: EmbeddingTails | None = None
 
     def describe(self) -> str:
         data = f"{self.data} " if self.data else ""
@@ -90,12 +92,13 @@ class EmbeddingEvaluation:
         for metric in registered(EmbeddingMetric):
             cells = [metric.format(metric.perfect), *(metric.format(self.results[n][metric.key]) for n in names)]
             lines.append("| " + " | ".join([metric.label, *cells]) + " |")
-        return "\n".join(lines)
+        return "\n\n".join(["\n".join(lines), *([self.tails.table()] if self.tails else [])])
 
     def to_dict(self) -> dict:
         return {"data": self.data, "fingerprint": self.fingerprint, "sentences": self.sentences,
                 "tokens": self.tokens, "reference": REFERENCE,
-                "results": {name: dict(figures) for name, figures in self.results.items()}}
+                "results": {name: dict(figures) for name, figures in self.results.items()},
+                "tails": self.tails.to_dict() if self.tails else None}
 
 
 def evaluate_embeddings(model: nn.Module, against: nn.Module, tokenizer, texts: list[str], *,
@@ -120,5 +123,6 @@ def evaluate_embeddings(model: nn.Module, against: nn.Module, tokenizer, texts: 
     reference = _similarities(_embed(against.eval(), batches))
     converted = _similarities(_embed(model.eval(), batches))
     result = {metric.key: metric.value(reference, converted) for metric in registered(EmbeddingMetric)}
-    tokens = sum(int(b["attention_mask"].sum()) for b in batches)
-    return EmbeddingEvaluation({"converted": result}, data, fingerprint(texts), len(found), tokens)
+    lengths = torch.cat([b["attention_mask"].sum(-1) for b in batches])
+    tails = embedding_tails(reference.embeddings, converted.embeddings, found, lengths)
+    return EmbeddingEvaluation({"converted": result}, data, fingerprint(texts), len(found), int(lengths.sum()), tails)
