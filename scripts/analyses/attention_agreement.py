@@ -34,11 +34,11 @@ TOP_HEADS = 10  # the original's strongest induction heads listed
 
 def attention_rows(model, ids: torch.Tensor, query_stride: int) -> list[torch.Tensor]:
     """Every layer's attention weights (heads, sampled queries, keys) on one sequence, each ``query_stride``-th
-    query kept (eager attention: the weights exist only there)."""
+    query kept (eager attention: the weights exist only there; a copy, so that the whole matrix is not held)."""
     model.set_attn_implementation("eager")
     found = []
     layers = [m for n, m in model.named_modules() if n.endswith("self_attn")]
-    handles = [m.register_forward_hook(lambda m, a, o: found.append(o[1][0, :, ::query_stride].float()))
+    handles = [m.register_forward_hook(lambda m, a, o: found.append(o[1][0, :, ::query_stride].float().clone()))
                for m in layers]
     try:
         with torch.no_grad():
