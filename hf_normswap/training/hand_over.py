@@ -7,9 +7,8 @@ from __future__ import annotations
 
 from ..checkpoint.record import ConversionRecord
 from ..surgery import ConversionError, plan
-from ..model_inputs import ends_in_hidden_states
 from ..validation import first_line
-from .hand_overs import NONE, chosen
+from .hand_overs import HandOver
 from .progressive import HandOverError, check_fits, end_step
 from .recipe_settings import fail
 
@@ -30,14 +29,12 @@ def converted_roles(model) -> dict[str, str] | None:
     return {norm.name: norm.role for norm in selected}
 
 
-def check_hand_over(progressive, taper, steps: int, train_tokens: int | None, model, kind: str = NONE,
-                    options: dict | None = None) -> None:
-    """Build the run's hand-over (``kind`` and ``options``, or the one the ``progressive`` and ``taper`` settings
-    turn on) for ``model``'s norms (the original, or the converted checkpoint) and refuse, in one line, an order
-    that does not fit them or a schedule fixed by its settings that ends after the run's ``steps``
-    (``RecoveryRun.steps``: where known before training, ``training.max_steps`` or ``train_tokens`` over a step's
-    tokens; the Trainer's own count is checked again when training starts, :class:`ProgressiveSwapCallback`)."""
-    hand_over = chosen(kind, progressive, taper, options or {}, "norms")
+def check_hand_over(hand_over: HandOver | None, model, steps: int, sentences: bool) -> None:
+    """Refuse, in one line, a run's ``hand_over`` (``hand_overs.chosen``; None: none) whose order does not fit
+    ``model``'s norms (the original, or the converted checkpoint), or whose schedule, fixed by its settings, ends
+    after the run's ``steps`` (``RecoveryRun.steps``: where known before training, ``training.max_steps`` or
+    ``train_tokens`` over a step's tokens; ``sentences``: ``train_tokens`` counts an encoder's sentences, known
+    once read; the Trainer's own count is checked again when training starts, :class:`ProgressiveSwapCallback`)."""
     if hand_over is None or not (hand_over.in_order or hand_over.fits_before_training):
         return  # the taper's single stage fits any norms and any run
     roles = converted_roles(model)
@@ -47,8 +44,7 @@ def check_hand_over(progressive, taper, steps: int, train_tokens: int | None, mo
         stages = hand_over.stages(roles, steps)
     except ValueError as error:
         fail(f"progressive.order: {first_line(error)}")
-    counted = steps > 0 and not (train_tokens is not None and ends_in_hidden_states(model))
-    if hand_over.fits_before_training and counted:  # an encoder's train_tokens counts sentences, known once read
+    if hand_over.fits_before_training and steps > 0 and not sentences:
         try:
             check_fits(hand_over.key, end_step(stages), steps, hand_over.fix)
         except HandOverError as error:

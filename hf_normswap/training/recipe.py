@@ -44,7 +44,7 @@ from ..checkpoint.record import ConversionRecord
 from ..data import DataError
 from ..evaluation.documents import evaluation_texts
 from ..planning import PlanError, plan, run_plan_settings
-from .recovery_run import RecoveryRunError, resolve_run
+from .recovery_run import RecoveryRunError, check_calibration_cache, resolve_run
 from ..validation import ValidationError, first_line
 from .compiled_blocks import keep_compile_cache
 from .config import RecipeConfig
@@ -52,10 +52,10 @@ from .divergence import check_finite
 from .recipe_data import check_data, packs_blocks
 from .recipe_models import load_models, whole_student
 from .recipe_results import (block_perplexity, closing_line, final_evaluation, fit_for_use, launch_entry,
-                             plot_history, save_final)
-from .recipe_settings import COMMAND, check_calibration_cache, fail, load_config, stopped
+                             launch_history, plot_history, save_final)
+from .recipe_settings import COMMAND, fail, load_config, stopped
 from .recipe_training import TrainingRun, train
-from .run_dir import claim_run_dir, finished_run, launch_history, read_json, record_save, write_json
+from .run_dir import claim_run_dir, finished_run, read_json, record_save, write_json
 from .run_lock import lock_run_dir
 from .sharding import fsdp2_requested, is_sharded, loads_once
 from .trainable import merge_lora

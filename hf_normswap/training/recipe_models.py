@@ -15,9 +15,10 @@ import hf_normswap  # its convert, load and save_pretrained looked up at the cal
 from ..checkpoint import loading
 from ..checkpoint.record import converted_config
 from ..data import DataError
-from ..model_inputs import check_context
+from ..model_inputs import check_context, ends_in_hidden_states
 from .recovery_run import RecoveryRun
 from .hand_over import check_hand_over
+from .hand_overs import chosen
 from .recipe_settings import COMMAND, fail, stopped
 from .sharding import empty_copy, fsdp2_requested, gathered, is_sharded, loads_once, release, storage_for_optimizer
 
@@ -33,17 +34,17 @@ def place_for_training(model, device, sharded: bool):
 
 
 def check_context_settings(lengths: dict, models: dict, lora_targets=None) -> None:
-    """Every setting's tokens (``lengths``: ``RecoveryRun.context``) within the context of each model, once it is
-    loaded and before calibration, and ``lora_targets`` (None: no LoRA) among the first model's modules: a longer
-    setting failed (an IndexError, a DataError) or was cut silently, and peft refused the targets, only after the
-    calibration and the first evaluation."""
+    """``lora_targets`` (None: no LoRA) among the first model's modules, and every setting's tokens (``lengths``:
+    ``RecoveryRun.context``) within the context of each model, once they are loaded and before calibration: peft
+    refused the targets, and a longer setting failed (an IndexError, a DataError) or was cut silently, only after
+    the calibration and the first evaluation."""
+    if lora_targets is not None:
+        check_lora_targets(lora_targets, *next(iter(models.items())))
     for name, model in models.items():
         try:
             check_context(lengths, model, name)
         except ValueError as error:
             fail(str(error))
-    if lora_targets is not None:
-        check_lora_targets(lora_targets, *next(iter(models.items())))
 
 
 def check_lora_targets(targets, name: str, model) -> None:
@@ -70,6 +71,7 @@ def load_models(run: RecoveryRun, state):
     (``run.loaded_by_main``), build it on the meta device and receive their shards when it is sharded."""
     config, cache = run.settings, run.calibrated_cache
     lora_targets = config.lora.target_modules if config.trainable == "lora" else None
+    hand_over = chosen(config.hand_over.kind, config.progressive, config.taper, config.hand_over.options, "norms")
     empty = run.loaded_by_main
     empty_original = empty and run.teacher_sharded  # else every process holds the original whole
     named, tokenizer = loading.load_model(config.model, empty=empty_original if run.calibrates else empty)
@@ -77,9 +79,10 @@ def load_models(run: RecoveryRun, state):
     original = (named if run.calibrates
                 else loading.load_model(run.original, with_tokenizer=False, empty=empty_original)[0])
     check_context_settings(run.context, {config.model: named, run.original: original}, lora_targets)
-    # the norms the conversion replaces (or replaced), found on the model the settings name
-    check_hand_over(config.progressive, config.taper, run.steps, config.train_tokens, named,
-                    kind=config.hand_over.kind, options=config.hand_over.options)
+    # the norms the conversion replaces (or replaced), found on the model the settings name; an encoder's
+    # train_tokens count sentences, known once read
+    sentences = config.train_tokens is not None and ends_in_hidden_states(named)
+    check_hand_over(hand_over, named, run.steps, sentences)
     original = place_for_training(original, state.device, run.sharded)
     student = named
     if run.calibrates:

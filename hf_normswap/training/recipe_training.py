@@ -24,7 +24,7 @@ from .recipe_settings import fail
 from .recovery_loss import RecoveryLoss
 from .run_dir import last_checkpoint, read_json
 from .saturation import SaturationLog
-from .step_precision import training_step_precision
+from .step_precision import training_precision
 from .trainable import apply_lora, disable_dropout, freeze_embeddings, set_trainable
 from .trainer import NormSwapTrainer
 from .wall_clock import FirstStepClock, WallClockStop
@@ -167,20 +167,3 @@ def choose_trainable(student, which: str, lora, freeze: bool, log):
     else:
         trainable = set_trainable(student, which)
     return student, freeze_embeddings(student) if freeze else trainable
-
-
-def training_precision(asked: str, loss, batch: int, student, original, train_set, tokenizer, state):
-    """fp32 or bf16 autocast (``asked``: the ``precision`` setting); ``auto`` times the recipe's own step (forward,
-    the ``loss``, backward; ``batch`` training rows) in both on the main process, and every process takes its
-    answer."""
-    choice = [None]
-    # a stream's first rows are read by every process: each draws its own batches of the original's samples, and
-    # one process reading alone would wait for the others' while they wait for its answer
-    rows = ([row["input_ids"] for row in train_set.take(batch)] if isinstance(train_set, IterableDataset)
-            else train_set[:batch]["input_ids"])
-    if state.is_main_process or asked != "auto":
-        inputs = tokenizer.pad({"input_ids": rows}, return_tensors="pt")  # sentences differ in length
-        choice = [training_step_precision(asked, student, original, dict(inputs), device=state.device, loss=loss)]
-    if state.num_processes > 1 and asked == "auto":
-        choice = broadcast_object_list(choice)
-    return choice[0]
