@@ -108,9 +108,10 @@ def load_models(run: RecoveryRun, state):
                     hf_normswap.save_pretrained(student, cache, tokenizer=tokenizer, overwrite=True)
     student = fp32_master_weights(trainable_dense(student))
     match_main({"student": student, "original": original}, state)
-    if empty:
+    student = place_for_training(student, state.device, run.sharded)
+    if empty:  # sharded, so left in place: its meta tensors get storage
         storage_for_optimizer(student)
-    return place_for_training(student, state.device, run.sharded), original, tokenizer
+    return student, original, tokenizer
 
 
 def fp32_master_weights(student):

@@ -11,6 +11,7 @@ import hashlib
 import json
 import os
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -129,6 +130,23 @@ def last_checkpoint(output_dir: Path) -> Path | None:
         if read_json(path / "trainer_state.json") is not None:
             return path
     return None
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    """Where a launch goes on from: the newest complete Trainer checkpoint (None: it trains from the calibrated
+    model) and the Trainer's state saved with it (``trainer_state.json``; empty without one)."""
+
+    checkpoint: str | None
+    state: dict
+
+
+def resume_point(output_dir: Path, resume: bool) -> ResumePoint:
+    """The :class:`ResumePoint` of ``output_dir``: its last checkpoint when the run resumes, else none."""
+    last = last_checkpoint(output_dir) if resume else None
+    if last is None:
+        return ResumePoint(None, {})
+    return ResumePoint(str(last), read_json(last / "trainer_state.json"))
 
 
 def finished_run(output_dir: Path, save_path: Path, resume: bool, train_tokens: int | None,
