@@ -17,8 +17,8 @@ from ..checkpoint.record import converted_config
 from ..data import DataError
 from ..model_inputs import check_context, ends_in_hidden_states
 from .recovery_run import RecoveryRun
-from .hand_over import check_hand_over
-from .hand_overs import chosen
+from .hand_overs import check_hand_over, chosen
+from .progressive import HandOverError
 from .recipe_settings import COMMAND, fail, stopped
 from .sharding import empty_copy, fsdp2_requested, gathered, is_sharded, loads_once, release, storage_for_optimizer
 
@@ -71,7 +71,6 @@ def load_models(run: RecoveryRun, state):
     (``run.loaded_by_main``), build it on the meta device and receive their shards when it is sharded."""
     config, cache = run.settings, run.calibrated_cache
     lora_targets = config.lora.target_modules if config.trainable == "lora" else None
-    hand_over = chosen(config.hand_over.kind, config.progressive, config.taper, config.hand_over.options, "norms")
     empty = run.loaded_by_main
     empty_original = empty and run.teacher_sharded  # else every process holds the original whole
     named, tokenizer = loading.load_model(config.model, empty=empty_original if run.calibrates else empty)
@@ -82,7 +81,11 @@ def load_models(run: RecoveryRun, state):
     # the norms the conversion replaces (or replaced), found on the model the settings name; an encoder's
     # train_tokens count sentences, known once read
     sentences = config.train_tokens is not None and ends_in_hidden_states(named)
-    check_hand_over(hand_over, named, run.steps, sentences)
+    hand_over = chosen(config.hand_over.kind, config.progressive, config.taper, config.hand_over.options, "norms")
+    try:
+        check_hand_over(hand_over, named, run.steps, sentences)
+    except HandOverError as error:
+        fail(str(error))
     original = place_for_training(original, state.device, run.sharded)
     student = named
     if run.calibrates:
