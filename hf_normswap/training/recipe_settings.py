@@ -1,5 +1,6 @@
 """The recipe's settings: the YAML config and ``key=value`` overrides, every key, type and range checked, then what
-they name on disk (run directory, save directory, calibration cache, Hub repository), before anything is loaded."""
+they name on disk (run directory, save directory, Hub repository), before anything is loaded; the calibration cache
+once the run is resolved (``recovery_run.check_calibration_cache``)."""
 
 from __future__ import annotations
 
@@ -37,7 +38,8 @@ def stopped(message: str) -> SystemExit:
 
 def load_config(argv: list[str] | None = None) -> RecipeConfig:
     """The settings of the YAML file and the overrides, every key, type and range checked, then what they name on
-    disk, before anything is loaded (the calibration cache once the run is resolved: ``check_calibration_cache``)."""
+    disk, before anything is loaded (the calibration cache once the run is resolved:
+    ``recovery_run.check_calibration_cache``)."""
     parser = argparse.ArgumentParser(prog=COMMAND.get(), description=DESCRIPTION)
     parser.add_argument("--config", help="YAML file (recipes/configs/*.yaml)")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="e.g. training.max_steps=20 method=dyt")

@@ -4,7 +4,8 @@ The recipe's settings (``hf_normswap.training.config.RecipeConfig``) say what th
 whether it calibrates or loads a converted checkpoint, which original it trains toward, where it runs, how the
 weights are placed, and where it writes. :func:`resolve_run` decides them once, without changing the settings, so
 that the recipe, its memory plan (``planning.recipe_plan``, which reads it by attribute) and the benchmarks read one
-frozen :class:`RecoveryRun` and cannot disagree.
+frozen :class:`RecoveryRun` and cannot disagree. A resumed run's calibration cache is checked against the settings
+here too (:func:`check_calibration_cache`), before anything loads.
 """
 
 from __future__ import annotations
@@ -104,8 +105,8 @@ def converted_checkpoint(model: str) -> dict | None:
 def check_calibration_cache(cache: Path, method: str, calibration: CalibrationConfig) -> None:
     """A resumed run that calibrates reuses its ``cache`` only if it was converted as the config asks (``method``,
     ``calibration``): another method or other calibration settings in the same output_dir would otherwise train a
-    start the config does not describe. The cached model's own record (its ``ConvertConfig``) is
-    compared with the config."""
+    start the config does not describe. The cached model's own record (its ``ConvertConfig``) is compared with the
+    config."""
     cached = converted_config(cache)
     if not cached:
         return
