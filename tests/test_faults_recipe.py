@@ -17,7 +17,7 @@ import torch
 
 from cli_runs import file_tree, recipe_refusal
 from hf_normswap.training.recovery_run import resolve_run
-from hf_normswap.training import recipe_models, recipe_settings, run_dir
+from hf_normswap.training import recipe_models, recipe_results, recipe_settings, run_dir
 from tiny_models import tiny_model
 
 
@@ -305,9 +305,9 @@ def test_a_resume_keeps_the_earlier_launches_history(tmp_path):
     (tmp_path / "checkpoint-2" / "trainer_state.json").write_text(json.dumps({"global_step": 2, "log_history": rows}))
     resumed = run_dir.read_json(run_dir.last_checkpoint(tmp_path) / "trainer_state.json")
     second = [{"step": 3, "loss": 2.6}, {"step": 4, "train_runtime": 2.0, "train_loss": 2.6}]
-    history = run_dir.launch_history(run_dir.read_json(tmp_path / "summary.json"), resumed, rows + second)
+    history = recipe_results.launch_history(run_dir.read_json(tmp_path / "summary.json"), resumed, rows + second)
     assert history == first + second
-    assert run_dir.launch_history({"history": first}, {}, second) == second  # nothing resumed: a new training
+    assert recipe_results.launch_history({"history": first}, {}, second) == second  # nothing resumed: a new training
 
 
 @pytest.mark.parametrize("targets, message", [("[c_attn, c_proj]", "names no module of"),

@@ -17,7 +17,7 @@
 - ``layerwise.py``: every block's output pulled toward the original's.
 - ``progressive.py``: converting norms a few at a time during training.
 - ``taper.py``: every norm blended with its original, the original's share falling to 0 over the run.
-- ``hand_overs/``: the hand-overs (one file a kind: progressive, taper), ``hand_over.kind``; ``hand_over.py``: the
-  run's checked against the norms and the run before calibration.
+- ``hand_overs/``: the hand-overs (one file a kind: progressive, taper), ``hand_over.kind``, the run's chosen and
+  checked against the norms and the run before calibration.
 - ``saturation.py``: the share of each converted module's elements in the flat part of its function, along the run.
 """

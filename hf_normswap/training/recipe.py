@@ -44,7 +44,7 @@ from ..checkpoint.record import ConversionRecord
 from ..data import DataError
 from ..evaluation.documents import evaluation_texts
 from ..planning import PlanError, plan, run_plan_settings
-from .recovery_run import RecoveryRunError, resolve_run
+from .recovery_run import RecoveryRunError, check_calibration_cache, resolve_run
 from ..validation import ValidationError, first_line
 from .compiled_blocks import keep_compile_cache
 from .config import RecipeConfig
@@ -52,10 +52,10 @@ from .divergence import check_finite
 from .recipe_data import check_data, packs_blocks
 from .recipe_models import load_models, whole_student
 from .recipe_results import (block_perplexity, closing_line, final_evaluation, fit_for_use, launch_entry,
-                             plot_history, save_final)
-from .recipe_settings import COMMAND, check_calibration_cache, fail, load_config, stopped
+                             launch_history, plot_history, save_final)
+from .recipe_settings import COMMAND, fail, load_config, stopped
 from .recipe_training import TrainingRun, train
-from .run_dir import claim_run_dir, finished_run, launch_history, read_json, record_save, write_json
+from .run_dir import ResumePoint, claim_run_dir, finished_run, read_json, record_save, resume_point, write_json
 from .run_lock import lock_run_dir
 from .sharding import fsdp2_requested, is_sharded, loads_once
 from .trainable import merge_lora
@@ -82,6 +82,7 @@ class RecoveryRecipe:
     def __init__(self, config: RecipeConfig, launched: float):
         """``launched``: when the launch started (``time.monotonic()``), for the seconds to its first step."""
         self.config, self.launched, self.summary = config, launched, {}
+        self.resume_from: ResumePoint | None = None  # read when the run folder is claimed
         if config.threads:
             torch.set_num_threads(int(config.threads))
         # On a machine without GPU, `accelerate launch --multi_gpu --num_processes N` starts N CPU processes; they
@@ -112,7 +113,7 @@ class RecoveryRecipe:
                 return 0
             student, original, tokenizer = self.load()
             eval_texts = self.evaluate_start(student, original, tokenizer)
-            trained = train(self.run, student, original, tokenizer, state, self.log, self.launched)
+            trained = train(self.run, student, original, tokenizer, state, self.log, self.launched, self.resume_from)
             stopped_half_way = half_handed_over(trained.hand_over)
             if stopped_half_way:
                 self.log(stopped_half_way)
@@ -122,11 +123,13 @@ class RecoveryRecipe:
         return 0
 
     def claim(self) -> bool:
-        """Claim the run folder (the main process, under its lock: a launch that ended meanwhile may have changed
-        it) and begin this launch's summary (a resumed run's so far), logging the step and the memory plan; False,
-        said in one line, when the run finished already with nothing left to train."""
+        """Read where the run folder's last checkpoint leaves this launch, claim the folder (the main process, under
+        its lock: a launch that ended meanwhile may have changed it) and begin this launch's summary (a resumed run's
+        so far), logging the step and the memory plan; False, said in one line, when the run finished already with
+        nothing left to train."""
         config, run = self.config, self.run
         try:
+            self.resume_from = resume_point(run.output_dir, config.resume)
             done = finished_run(run.output_dir, run.save_path, config.resume, config.train_tokens, run.steps)
             if self.state.is_main_process and not done:
                 claim_run_dir(config)
@@ -227,8 +230,9 @@ class RecoveryRecipe:
         summary.update(finetuned=after.to_dict(), training=training, launches=launches, history=history,
                        reload_identical=identical, curve=str(curve), checkpoint=str(save_dir),
                        original_eval_block_perplexity=original_block_ppl, fit_for_use=fit and fit.parts_dict())
+        closing = closing_line(summary, encoder, trained.wall)
         write_json(out / "summary.json", summary)
-        self.log(closing_line(summary, encoder, trained.wall))
+        self.log(closing)
         if config.push_to_hub:
             self.log(f"pushed to {hub.push(save_dir, config.push_to_hub)}")
 

@@ -15,9 +15,10 @@ import hf_normswap  # its convert, load and save_pretrained looked up at the cal
 from ..checkpoint import loading
 from ..checkpoint.record import converted_config
 from ..data import DataError
-from ..model_inputs import check_context
+from ..model_inputs import check_context, ends_in_hidden_states
 from .recovery_run import RecoveryRun
-from .hand_over import check_hand_over
+from .hand_overs import check_hand_over, chosen
+from .progressive import HandOverError
 from .recipe_settings import COMMAND, fail, stopped
 from .sharding import empty_copy, fsdp2_requested, gathered, is_sharded, loads_once, release, storage_for_optimizer
 
@@ -33,17 +34,17 @@ def place_for_training(model, device, sharded: bool):
 
 
 def check_context_settings(lengths: dict, models: dict, lora_targets=None) -> None:
-    """Every setting's tokens (``lengths``: ``RecoveryRun.context``) within the context of each model, once it is
-    loaded and before calibration, and ``lora_targets`` (None: no LoRA) among the first model's modules: a longer
-    setting failed (an IndexError, a DataError) or was cut silently, and peft refused the targets, only after the
-    calibration and the first evaluation."""
+    """``lora_targets`` (None: no LoRA) among the first model's modules, and every setting's tokens (``lengths``:
+    ``RecoveryRun.context``) within the context of each model, once they are loaded and before calibration: peft
+    refused the targets, and a longer setting failed (an IndexError, a DataError) or was cut silently, only after
+    the calibration and the first evaluation."""
+    if lora_targets is not None:
+        check_lora_targets(lora_targets, *next(iter(models.items())))
     for name, model in models.items():
         try:
             check_context(lengths, model, name)
         except ValueError as error:
             fail(str(error))
-    if lora_targets is not None:
-        check_lora_targets(lora_targets, *next(iter(models.items())))
 
 
 def check_lora_targets(targets, name: str, model) -> None:
@@ -77,9 +78,14 @@ def load_models(run: RecoveryRun, state):
     original = (named if run.calibrates
                 else loading.load_model(run.original, with_tokenizer=False, empty=empty_original)[0])
     check_context_settings(run.context, {config.model: named, run.original: original}, lora_targets)
-    # the norms the conversion replaces (or replaced), found on the model the settings name
-    check_hand_over(config.progressive, config.taper, run.steps, config.train_tokens, named,
-                    kind=config.hand_over.kind, options=config.hand_over.options)
+    # the norms the conversion replaces (or replaced), found on the model the settings name; an encoder's
+    # train_tokens count sentences, known once read
+    sentences = config.train_tokens is not None and ends_in_hidden_states(named)
+    hand_over = chosen(config.hand_over.kind, config.progressive, config.taper, config.hand_over.options, "norms")
+    try:
+        check_hand_over(hand_over, named, run.steps, sentences)
+    except HandOverError as error:
+        fail(str(error))
     original = place_for_training(original, state.device, run.sharded)
     student = named
     if run.calibrates:
@@ -105,9 +111,10 @@ def load_models(run: RecoveryRun, state):
                     hf_normswap.save_pretrained(student, cache, tokenizer=tokenizer, overwrite=True)
     student = fp32_master_weights(trainable_dense(student))
     match_main({"student": student, "original": original}, state)
-    if empty:
+    student = place_for_training(student, state.device, run.sharded)
+    if empty:  # sharded, so left in place: its meta tensors get storage
         storage_for_optimizer(student)
-    return place_for_training(student, state.device, run.sharded), original, tokenizer
+    return student, original, tokenizer
 
 
 def fp32_master_weights(student):

@@ -124,6 +124,17 @@ def launch_entry(trained: TrainingRun) -> dict:
             "first_step_seconds": trained.first_step and round(trained.first_step, 1)}
 
 
+def launch_history(summary: dict, resumed_state: dict, log_history: list[dict]) -> list[dict]:
+    """The logged rows of every launch: the earlier launches' as ``summary.json`` holds them, then the rows this one
+    logged. The Trainer's own history, restored from the checkpoint it resumed (``resumed_state``), ends at that
+    checkpoint's step: an earlier launch's rows after it (its final summary row, steps after the last save) were
+    lost from ``summary.json`` at each resume. A launch that resumed nothing started over: its rows alone."""
+    if not resumed_state:
+        return log_history
+    restored = resumed_state.get("log_history") or []
+    return (summary.get("history") or restored) + log_history[len(restored):]
+
+
 def closing_line(summary: dict, encoder: bool, wall: float) -> str:
     """The run's last line, from its ``summary``: the converted model to the original after calibration and after
     training (an encoder's embedding cosine, else the perplexity ratio), this launch's ``wall`` seconds, and where

@@ -1,22 +1,18 @@
 """The recipe's settings: the YAML config and ``key=value`` overrides, every key, type and range checked, then what
-they name on disk (run directory, save directory, calibration cache, Hub repository), before anything is loaded."""
+they name on disk (run directory, save directory, Hub repository), before anything is loaded; the calibration cache
+once the run is resolved (``recovery_run.check_calibration_cache``)."""
 
 from __future__ import annotations
 
 import argparse
 import contextvars
-import dataclasses
 import os
 import sys
-from pathlib import Path
 
-from ..calibration.calibrate import CalibrationConfig
 from ..checkpoint import hub
 from ..checkpoint.directory import CheckpointError
 from ..checkpoint.loading import ModelLoadError
 from ..checkpoint.packaged import PackagedModelMissing
-from ..checkpoint.record import ConversionRecord, converted_config
-from ..surgery import ConvertConfig
 from ..validation import ValidationError
 from .config import RecipeConfig, read_recipe_config
 from .run_dir import check_run_dir, check_save_dir
@@ -42,7 +38,8 @@ def stopped(message: str) -> SystemExit:
 
 def load_config(argv: list[str] | None = None) -> RecipeConfig:
     """The settings of the YAML file and the overrides, every key, type and range checked, then what they name on
-    disk, before anything is loaded (the calibration cache once the run is resolved: ``check_calibration_cache``)."""
+    disk, before anything is loaded (the calibration cache once the run is resolved:
+    ``recovery_run.check_calibration_cache``)."""
     parser = argparse.ArgumentParser(prog=COMMAND.get(), description=DESCRIPTION)
     parser.add_argument("--config", help="YAML file (recipes/configs/*.yaml)")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="e.g. training.max_steps=20 method=dyt")
@@ -68,23 +65,3 @@ def check_sharding() -> None:
     if os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE") == "3":
         raise ValidationError("DeepSpeed ZeRO-3 is not supported: shard with FSDP2 "
                               "(recipes/accelerate_configs/fsdp2.yaml)")
-
-
-def check_calibration_cache(cache: Path, method: str, calibration: CalibrationConfig) -> None:
-    """A resumed run that calibrates reuses its ``cache`` only if it was converted as the config asks (``method``,
-    ``calibration``): another method or other calibration settings in the same output_dir would otherwise train a
-    start the config does not describe. The cached model's own record (its ``ConvertConfig``) is
-    compared with the config."""
-    record = converted_config(cache)
-    if not record:
-        return
-    made = ConvertConfig.from_record(ConversionRecord.in_config(record))
-    names = [f.name for f in dataclasses.fields(calibration) if f.name not in CalibrationConfig.run_time()]
-    asked = {"method": method, **{name: getattr(calibration, name) for name in names}}
-    recorded = {"method": made.method, **{name: getattr(made.calibration, name) for name in names}}
-    filled_in = (None, "auto")  # left to the strategy: recorded as the strategy resolved them
-    differ = [f"{key} {recorded[key]!r} (the config: {value!r})" for key, value in asked.items()
-              if value not in filled_in and recorded[key] != value]
-    if differ:
-        raise ValidationError(f"{cache} was calibrated with {', '.join(differ)}: name another output_dir, or set "
-                              "resume=false to calibrate again")

@@ -16,15 +16,15 @@ from ..checkpoint.record import ConversionRecord
 from ..model_inputs import ends_in_hidden_states
 from .compiled_blocks import compile_blocks
 from .first_scale import FirstScaleHandover
-from .hand_over import converted_roles
+from .hand_overs import converted_roles
 from .progressive import HandOverError, ProgressiveSwap
 from .recipe_data import recipe_datasets, sentence_steps
 from .recipe_models import skeleton_to_gather
 from .recipe_settings import fail
 from .recovery_loss import RecoveryLoss
-from .run_dir import last_checkpoint, read_json
+from .run_dir import ResumePoint
 from .saturation import SaturationLog
-from .step_precision import training_step_precision
+from .step_precision import training_precision
 from .trainable import apply_lora, disable_dropout, freeze_embeddings, set_trainable
 from .trainer import NormSwapTrainer
 from .wall_clock import FirstStepClock, WallClockStop
@@ -48,10 +48,10 @@ class TrainingRun:
     hand_over: object = None  # the taper's or the progressive swap's callback
 
 
-def train(run, student, original, tokenizer, state, log, launched: float) -> TrainingRun:
+def train(run, student, original, tokenizer, state, log, launched: float, resume_from: ResumePoint) -> TrainingRun:
     """Step 3: the training rows, the trainable parameters (norms, all, LoRA; progressive conversion), the
-    precision, then :class:`NormSwapTrainer` from the last checkpoint when resuming (``launched``: when the launch
-    started, ``time.monotonic()``, for the seconds to its first step)."""
+    precision, then :class:`NormSwapTrainer` from ``resume_from`` (the run folder's last checkpoint when resuming;
+    ``launched``: when the launch started, ``time.monotonic()``, for the seconds to its first step)."""
     config = run.settings
     encoder = ends_in_hidden_states(original)
     distill = config.distill
@@ -64,6 +64,7 @@ def train(run, student, original, tokenizer, state, log, launched: float) -> Tra
     if steps <= 0 and not hasattr(train_set, "__len__"):
         fail(f"train_data {config.train_data} is read as a stream, which has no epochs: set train_tokens or "
              "training.max_steps")
+    dispatch = own_share(train_set, config.streaming)  # how each process reads its rows
     kind = config.hand_over.chosen(config.progressive, config.taper, config.trainable)
     swap = progressive_swap(kind, steps, run.original_read_once, student, original, state, log)
     hand_over = kind.callback(swap, converted_roles(student), log) if swap is not None else None
@@ -84,7 +85,7 @@ def train(run, student, original, tokenizer, state, log, launched: float) -> Tra
                              **{"include_num_input_tokens_seen": "non_padding" if encoder else "all",
                                 # a loss that is not finite is logged as it is, not as the average of the rest
                                 "logging_nan_inf_filter": False,
-                                **own_share(train_set, config.streaming),
+                                **dispatch,
                                 **config.training, "per_device_train_batch_size": run.batch_size,
                                 "gradient_accumulation_steps": run.accumulation, "use_cpu": run.cpu,
                                 "max_steps": steps, "bf16": precision.bf16})
@@ -100,17 +101,15 @@ def train(run, student, original, tokenizer, state, log, launched: float) -> Tra
                               processing_class=tokenizer, callbacks=callbacks,
                               teacher=original if distill.weight > 0 else None, loss=loss,
                               shape_lr=config.lr.shape, gamma_lr=config.lr.gamma, shard_teacher=config.shard_teacher)
-    last = last_checkpoint(Path(config.output_dir)) if config.resume else None
+    last = resume_from.checkpoint
     log(f"resuming from {last}" if last else "training from the calibrated model")
-    resumed = read_json(last / "trainer_state.json") if last else {}
-    last = str(last) if last else None
     start = time.time()
     try:
         result = trainer.train(resume_from_checkpoint=last)
     except HandOverError as error:  # checked with the Trainer's count of steps: an epoch-based run's, a resume's
         fail(str(error))
     return TrainingRun(trainer=trainer, result=result, precision=precision, swap=swap, skeleton=skeleton,
-                       eval_set=eval_set, encoder=encoder, wall=time.time() - start, last=last, resumed=resumed,
+                       eval_set=eval_set, encoder=encoder, wall=time.time() - start, last=last, resumed=resume_from.state,
                        first_step=first_step.seconds, hand_over=hand_over)
 
 
@@ -167,20 +166,3 @@ def choose_trainable(student, which: str, lora, freeze: bool, log):
     else:
         trainable = set_trainable(student, which)
     return student, freeze_embeddings(student) if freeze else trainable
-
-
-def training_precision(asked: str, loss, batch: int, student, original, train_set, tokenizer, state):
-    """fp32 or bf16 autocast (``asked``: the ``precision`` setting); ``auto`` times the recipe's own step (forward,
-    the ``loss``, backward; ``batch`` training rows) in both on the main process, and every process takes its
-    answer."""
-    choice = [None]
-    # a stream's first rows are read by every process: each draws its own batches of the original's samples, and
-    # one process reading alone would wait for the others' while they wait for its answer
-    rows = ([row["input_ids"] for row in train_set.take(batch)] if isinstance(train_set, IterableDataset)
-            else train_set[:batch]["input_ids"])
-    if state.is_main_process or asked != "auto":
-        inputs = tokenizer.pad({"input_ids": rows}, return_tensors="pt")  # sentences differ in length
-        choice = [training_step_precision(asked, student, original, dict(inputs), device=state.device, loss=loss)]
-    if state.num_processes > 1 and asked == "auto":
-        choice = broadcast_object_list(choice)
-    return choice[0]

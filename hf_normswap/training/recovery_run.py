@@ -4,7 +4,8 @@ The recipe's settings (``hf_normswap.training.config.RecipeConfig``) say what th
 whether it calibrates or loads a converted checkpoint, which original it trains toward, where it runs, how the
 weights are placed, and where it writes. :func:`resolve_run` decides them once, without changing the settings, so
 that the recipe, its memory plan (``planning.recipe_plan``, which reads it by attribute) and the benchmarks read one
-frozen :class:`RecoveryRun` and cannot disagree.
+frozen :class:`RecoveryRun` and cannot disagree. A resumed run's calibration cache is checked against the settings
+here too (:func:`check_calibration_cache`), before anything loads.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from ..data import DataError, sample_length
 from ..data.sources import source
 from ..planning import PlanError, plan, run_plan_settings
 from ..planning.memory_plan import MemoryPlan, replan
+from ..surgery import ConvertConfig
 from ..validation import ValidationError
 from .config import RecipeConfig
 
@@ -100,6 +102,27 @@ def converted_checkpoint(model: str) -> dict | None:
     return converted_config(model) if Path(model).is_dir() else None
 
 
+def check_calibration_cache(cache: Path, method: str, calibration: CalibrationConfig) -> None:
+    """A resumed run that calibrates reuses its ``cache`` only if it was converted as the config asks (``method``,
+    ``calibration``): another method or other calibration settings in the same output_dir would otherwise train a
+    start the config does not describe. The cached model's own record (its ``ConvertConfig``) is compared with the
+    config."""
+    cached = converted_config(cache)
+    if not cached:
+        return
+    record = ConversionRecord.in_config(cached)
+    made = ConvertConfig.from_record(record)
+    names = [f.name for f in dataclasses.fields(calibration) if f.name not in CalibrationConfig.run_time()]
+    asked = {"method": method, **{name: getattr(calibration, name) for name in names}}
+    recorded = {"method": made.method, **{name: getattr(made.calibration, name) for name in names}}
+    filled_in = (None, "auto")  # left to the strategy: recorded as the strategy resolved them
+    differ = [f"{key} {recorded[key]!r} (the config: {value!r})" for key, value in asked.items()
+              if value not in filled_in and recorded[key] != value]
+    if differ:
+        raise ValidationError(f"{cache} was calibrated with {', '.join(differ)}: name another output_dir, or set "
+                              "resume=false to calibrate again")
+
+
 def resolve_run(config: RecipeConfig, *, processes: int = 1, is_main: bool = True, device: str = "cpu",
                 cpu: bool = True, sharded: bool = False, load_once: bool = False,
                 device_memory: int | None = None) -> RecoveryRun:
@@ -113,7 +136,8 @@ def resolve_run(config: RecipeConfig, *, processes: int = 1, is_main: bool = Tru
     original = config.model
     if converted is not None:
         try:  # the record's every entry, before a model loads (a malformed one failed at the first save)
-            record = check_block(ConversionRecord.in_config(converted))
+            record = ConversionRecord.in_config(converted)
+            check_block(record)
         except ValidationError as error:
             raise RecoveryRunError(f"{config.model}: {error}") from None
         original = config.original or record.base_model

@@ -11,6 +11,7 @@ import hashlib
 import json
 import os
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -120,17 +121,6 @@ def check_optimizer_settings(out: Path, record: dict, asked: dict, last: Path) -
                               "name a new output_dir, or set resume=false to start over")
 
 
-def launch_history(summary: dict, resumed_state: dict, log_history: list[dict]) -> list[dict]:
-    """The logged rows of every launch: the earlier launches' as ``summary.json`` holds them, then the rows this one
-    logged. The Trainer's own history, restored from the checkpoint it resumed (``resumed_state``), ends at that
-    checkpoint's step: an earlier launch's rows after it (its final summary row, steps after the last save) were
-    lost from ``summary.json`` at each resume. A launch that resumed nothing started over: its rows alone."""
-    if not resumed_state:
-        return log_history
-    restored = resumed_state.get("log_history") or []
-    return (summary.get("history") or restored) + log_history[len(restored):]
-
-
 def last_checkpoint(output_dir: Path) -> Path | None:
     """The newest complete Trainer checkpoint: the Trainer writes ``trainer_state.json`` last, so a checkpoint a
     kill interrupted has none (or a part of one) and is skipped."""
@@ -140,6 +130,23 @@ def last_checkpoint(output_dir: Path) -> Path | None:
         if read_json(path / "trainer_state.json") is not None:
             return path
     return None
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    """Where a launch goes on from: the newest complete Trainer checkpoint (None: it trains from the calibrated
+    model) and the Trainer's state saved with it (``trainer_state.json``; empty without one)."""
+
+    checkpoint: str | None
+    state: dict
+
+
+def resume_point(output_dir: Path, resume: bool) -> ResumePoint:
+    """The :class:`ResumePoint` of ``output_dir``: its last checkpoint when the run resumes, else none."""
+    last = last_checkpoint(output_dir) if resume else None
+    if last is None:
+        return ResumePoint(None, {})
+    return ResumePoint(str(last), read_json(last / "trainer_state.json"))
 
 
 def finished_run(output_dir: Path, save_path: Path, resume: bool, train_tokens: int | None,
@@ -306,6 +313,7 @@ def claim_run_dir(config) -> None:
     if record is not None and record.get("model", {}).get("weights") is not None:
         identity = record["model"]  # a Hub id recorded once downloaded; check_run_dir compared the two
     kept = {key: record[key] for key in ("saved", "finished") if key in record} if record is not None else {}
-    write_json(out / RECORD, {"written_by": WRITTEN_BY, "model": identity,
-                              "parameters": trained_parameters(config.trainable, config.freeze_embeddings, config.lora),
-                              "optimizer": optimizer_settings(config.lr, config.training), **kept})
+    claimed = {"written_by": WRITTEN_BY, "model": identity,
+               "parameters": trained_parameters(config.trainable, config.freeze_embeddings, config.lora),
+               "optimizer": optimizer_settings(config.lr, config.training), **kept}
+    write_json(out / RECORD, claimed)

@@ -21,7 +21,7 @@ from hf_normswap.checkpoint.record import ConversionRecord
 from hf_normswap.training.recovery_run import resolve_run
 from hf_normswap.training import recipe_models, recipe_settings
 from hf_normswap.training.config import read_recipe_config
-from hf_normswap.training.hand_over import converted_roles
+from hf_normswap.training.hand_overs import converted_roles
 from hf_normswap.training.progressive import HandOverError, ProgressiveSwap, ProgressiveSwapCallback, schedule
 from hf_normswap.training.taper import LENGTH, TaperCallback, TaperStage, taper_stages, taper_steps
 from hf_normswap.validation import ValidationError
