@@ -1,12 +1,26 @@
-"""Model inputs and outputs: small random inputs any supported model accepts (for probing roles and smoke tests),
-the main tensor of an output, and a forward pass without a KV cache."""
+"""Model inputs and outputs: the device a loaded model's inputs go to, small random inputs any supported model accepts
+(for probing roles and smoke tests), the main tensor of an output, and a forward pass without a KV cache."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from .placement import model_device
+from .offload import first_weight_device
+
+
+def model_device(model: nn.Module) -> torch.device:
+    """Where the model's inputs go: the device of its input embeddings, else of its first parameter (every part of
+    a model loaded by ``normswap`` sits on one device; a model placed by hand may not); for weights left on disk
+    (``offload.py``), where they are brought to compute."""
+    try:
+        embeddings = model.get_input_embeddings()
+        device = embeddings.weight.device
+    except (AttributeError, NotImplementedError):
+        embeddings, device = model, next(model.parameters()).device
+    if device.type == "meta":
+        return first_weight_device(embeddings) or first_weight_device(model) or device
+    return device
 
 
 def text_config(model: nn.Module):

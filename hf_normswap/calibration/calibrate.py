@@ -31,7 +31,7 @@ from torch import nn
 from .. import offload, placement
 from ..data import model_batches
 from ..discovery.norms import NormInfo
-from ..model_inputs import ends_in_hidden_states, forward_without_cache
+from ..model_inputs import ends_in_hidden_states, forward_without_cache, model_device
 from ..precision import autocast, check_precision, choose_precision, forward_backward
 from ..validation import ValidationError, check_number
 from . import block_pass, end_to_end
@@ -295,7 +295,7 @@ def calibrate_and_replace(model: nn.Module, selected: list[NormInfo], config: Ca
     batch_size = max(config.batch_size, config.block_rows if config.block_steps else 1)
     batches, fingerprint = model_batches(model, config.data, config.tokenizer, num_blocks=config.num_blocks,
                                          block_len=config.block_len, batch_size=batch_size)
-    device, probe_start = placement.model_device(model), time.perf_counter()
+    device, probe_start = model_device(model), time.perf_counter()
     probe_params = [] if on_disk else [p for info in selected for p in model.get_submodule(info.name).parameters()
                                        if p.requires_grad]  # on disk: a forward probe, in one layer's memory
     row = {k: v[:1] for k, v in batches[0].items()}  # one sequence: a probe, not a pass

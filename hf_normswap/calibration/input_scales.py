@@ -15,8 +15,7 @@ import torch
 from torch import nn
 
 from ..discovery.norms import NormInfo
-from ..model_inputs import dummy_inputs, forward_without_cache, text_config
-from ..placement import model_device
+from ..model_inputs import dummy_inputs, forward_without_cache, model_device, text_config
 from .fitting import analytic_input_scale, saturating_init
 
 PROBE_SEQUENCES, PROBE_LENGTH = 4, 64

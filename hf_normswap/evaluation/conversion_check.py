@@ -22,8 +22,7 @@ from torch import nn
 from ..calibration.input_scales import probe_ids
 from ..checkpoint.record import ConversionRecord
 from ..data import DataError, load_texts, token_blocks
-from ..model_inputs import dummy_inputs, first_tensor, forward_without_cache, is_causal_lm, mean_pool, text_config
-from ..placement import model_device
+from ..model_inputs import dummy_inputs, first_tensor, forward_without_cache, is_causal_lm, mean_pool, model_device, text_config
 from .embeddings import sentences
 
 MAX_RATIO = 50.0  # perplexity ratio above which a conversion has failed

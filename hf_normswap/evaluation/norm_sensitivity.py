@@ -33,8 +33,7 @@ from torch import nn
 
 from ..surgery import ConversionError, convert
 from ..discovery.roles import LAYER, layer_of
-from ..model_inputs import ends_in_hidden_states, first_tensor
-from ..placement import model_device
+from ..model_inputs import ends_in_hidden_states, first_tensor, model_device
 from .conversion_check import not_comparable, perplexity
 from .embeddings import mean_pooled
 
