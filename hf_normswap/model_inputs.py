@@ -8,6 +8,8 @@ from torch import nn
 
 from .offload import first_weight_device
 
+PROBE_SEQUENCES, PROBE_LENGTH = 4, 64
+
 
 def model_device(model: nn.Module) -> torch.device:
     """Where the model's inputs go: the device of its input embeddings, else of its first parameter (every part of
@@ -81,6 +83,30 @@ def dummy_inputs(model: nn.Module, batch: int = 2, seq_len: int = 8, seed: int =
             0, text_config(model).vocab_size, (batch, seq_len - 1), generator=generator
         )
     return {k: v.to(device=device, dtype=float_dtype if v.is_floating_point() else v.dtype) for k, v in inputs.items()}
+
+
+def probe_ids(model: nn.Module, sequences: int = PROBE_SEQUENCES, length: int = PROBE_LENGTH,
+              seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random token ids from the model's vocabulary, BOS first where it has one, on the model's device (a model
+    of images or audio: random pixels or features, :func:`dummy_inputs`)."""
+    if getattr(model, "main_input_name", "input_ids") != "input_ids":
+        return dummy_inputs(model, batch=sequences, seed=seed)
+    config = text_config(model)
+    embeddings = model.get_input_embeddings()
+    vocab = getattr(embeddings, "num_embeddings", None) or config.vocab_size
+    length = min(length, (getattr(config, "max_position_embeddings", None) or 2 * length) // 2)  # RoBERTa offsets
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (sequences, length), generator=generator)
+    pad = getattr(config, "pad_token_id", None)
+    if isinstance(pad, int):  # a padding id would be an input the model never sees unmasked
+        ids[ids == pad] = (pad + 1) % vocab
+    bos = getattr(config, "bos_token_id", None)
+    if isinstance(bos, int) and 0 <= bos < vocab:
+        ids[:, 0] = bos
+    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    if getattr(model.config, "is_encoder_decoder", False):
+        inputs["decoder_input_ids"] = ids
+    return {key: value.to(model_device(model)) for key, value in inputs.items()}
 
 
 def is_causal_lm(model: nn.Module) -> bool:

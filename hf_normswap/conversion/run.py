@@ -9,8 +9,7 @@ import functools
 
 from ..checkpoint.loading import load_model
 from ..checkpoint.model_card import hub_id
-from ..checkpoint.publish import publish, save_or_keep, write_whole
-from ..checkpoint.kept import keep
+from ..checkpoint.publish import keep, publish, save_or_keep, write_whole
 from ..checkpoint.record import ConversionRecord
 from ..checkpoint.saving import save_pretrained
 from ..evaluation.conversion_check import ConversionCheck

@@ -19,10 +19,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..calibration.input_scales import probe_ids
 from ..checkpoint.record import ConversionRecord
 from ..data import DataError, load_texts, token_blocks
-from ..model_inputs import dummy_inputs, first_tensor, forward_without_cache, is_causal_lm, mean_pool, model_device, text_config
+from ..model_inputs import (
+    dummy_inputs, first_tensor, forward_without_cache, is_causal_lm, mean_pool, model_device, probe_ids, text_config,
+)
 from .embeddings import sentences
 
 MAX_RATIO = 50.0  # perplexity ratio above which a conversion has failed
