@@ -1,12 +1,15 @@
 """Model inputs and outputs: the device a loaded model's inputs go to, small random inputs any supported model accepts
-(for probing roles and smoke tests), the main tensor of an output, and a forward pass without a KV cache."""
+(for probing roles and smoke tests), what kind of model it is (:class:`ModelFacts`), the main tensor of an output,
+and a forward pass without a KV cache."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from .offload import first_weight_device
+from .offload import first_weight_device, is_offloaded
 
 PROBE_SEQUENCES, PROBE_LENGTH = 4, 64
 
@@ -129,6 +132,22 @@ def ends_in_hidden_states(model: nn.Module) -> bool:
     calibration, the sensitivity map and the recipe compare embeddings instead of logits."""
     head = getattr(model, "get_output_embeddings", None)
     return head is not None and head() is None
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What a stage asks of a loaded model before it runs it, read in one place: where its inputs go, whether it
+    predicts the next token, whether it ends in hidden states (no output head), whether weights stay on disk."""
+
+    device: torch.device
+    causal_lm: bool
+    hidden_states: bool
+    on_disk: bool
+
+    @classmethod
+    def of(cls, model: nn.Module) -> ModelFacts:
+        return cls(device=model_device(model), causal_lm=is_causal_lm(model),
+                   hidden_states=ends_in_hidden_states(model), on_disk=is_offloaded(model))
 
 
 def first_tensor(output) -> torch.Tensor:
