@@ -145,7 +145,8 @@ class ModelFacts:
     on_disk: bool
 
     @classmethod
-    def of(cls, model: nn.Module) -> ModelFacts:
+    def read(cls, model: nn.Module) -> ModelFacts:
+        """The facts read off ``model`` where it is now (they go stale if it moves)."""
         return cls(device=model_device(model), causal_lm=is_causal_lm(model),
                    hidden_states=ends_in_hidden_states(model), on_disk=is_offloaded(model))
 

@@ -114,7 +114,7 @@ def test_an_untrained_original_is_named_not_the_start_without_text():
     from hf_normswap.model_inputs import ModelFacts
 
     model = tiny_model("llama")
-    check = ConversionCheck(model, ModelFacts.of(model))
+    check = ConversionCheck(model, ModelFacts.read(model))
     check.original = 0.95 * check.vocabulary
     with torch.no_grad():
         model.lm_head.weight.zero_()  # the converted model: uniform

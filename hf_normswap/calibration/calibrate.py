@@ -285,7 +285,7 @@ def calibrate_and_replace(model: nn.Module, selected: list[NormInfo], config: Ca
     """Fit and swap in per-channel replacements for ``selected`` norms, in forward order.
     ``build(source, info, input_scale=, per_channel=)`` makes a module and ``replace(model, name, module)`` sets
     it: ``convert`` passes both, so that stages go one way (convert plans and replaces, calibration fits)."""
-    facts = ModelFacts.of(model)
+    facts = ModelFacts.read(model)
     config = config.resolved(selected, not facts.hidden_states)
     if facts.on_disk and config.tune_steps:  # a backward through every block would hold all their weights at once
         logger.warning("weights on disk: calibrating block by block, without the end-to-end steps")

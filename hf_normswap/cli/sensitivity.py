@@ -76,7 +76,7 @@ def run(args) -> None:
         warn(calibration_overlap(measured.data, None, args.data, texts))
     job = ConversionJob(model=args.model, to=args.to, per_channel=args.per_channel,
                         selection=Selection(roles=roles(args.roles), include=args.include, exclude=args.exclude))
-    measure = measurer(job, model, ModelFacts.of(model), tokenizer, texts, measured, windows=args.windows,
+    measure = measurer(job, model, ModelFacts.read(model), tokenizer, texts, measured, windows=args.windows,
                        window_len=window_len, sentences=args.sentences)
     with open(args.log, "a") if args.log else contextlib.nullcontext() as log:
         def write(entry: dict) -> None:

@@ -43,7 +43,7 @@ def run_job(job: ConversionJob) -> ConversionReport | None:
                           {"--calib-len": calibration.block_len if calibration.data else None,
                            "--eval-max-length": evaluation.max_length if evaluation.data else None},
                           {"--calib": calibration.data, "--eval": evaluation.data})
-    facts = ModelFacts.of(model)
+    facts = ModelFacts.read(model)
     original = copy.deepcopy(model) if evaluation.data else None  # the reference for the evaluation
     report, parts = converted(job, model, facts, tokenizer)
     if original is not None:

@@ -24,7 +24,7 @@ TEXT = ["the quick brown fox jumps over the lazy dog and keeps running through t
 def llama_map():
     model = tiny_model("llama")
     _, selected, _ = plan(model)
-    reference = Reference(model, ModelFacts.of(model), tiny_tokenizer(), TEXT, windows=2, window_len=32)
+    reference = Reference(model, ModelFacts.read(model), tiny_tokenizer(), TEXT, windows=2, window_len=32)
     measurer = Measurer(model, reference, "eln", roles=("attention_input", "mlp_input", "final"))
     return model, selected, measurer, measure_map(measurer, selected, progress=False)
 
@@ -117,7 +117,7 @@ def test_encoder_map_scores_embedding_cosine():
     tokenizer = tiny_tokenizer()
     tokenizer.pad_token = tokenizer.eos_token
     _, selected, _ = plan(model)
-    measurer = Measurer(model, Reference(model, ModelFacts.of(model), tokenizer, texts, sentences=4), "dyt",
+    measurer = Measurer(model, Reference(model, ModelFacts.read(model), tokenizer, texts, sentences=4), "dyt",
                         roles=("embedding", "post_norm"))
     sensitivity = measure_map(measurer, selected, progress=False)
     assert all(-1 <= n["cosine"] <= 1 and "kl" not in n for n in sensitivity.norms)
@@ -225,6 +225,6 @@ def test_an_original_whose_outputs_are_not_finite_is_not_comparable(scale):
         model.lm_head.weight.mul_(scale)
     with pytest.raises(ConversionError, match="the sensitivity map is not comparable: the original model's own "
                                               r"perplexity on 62 evaluation tokens is (inf|nan)"):
-        Reference(model, ModelFacts.of(model), tiny_tokenizer(), TEXT * 8, windows=2, window_len=32)
+        Reference(model, ModelFacts.read(model), tiny_tokenizer(), TEXT * 8, windows=2, window_len=32)
     finite = tiny_model("llama")  # a finite one is compared
-    Reference(finite, ModelFacts.of(finite), tiny_tokenizer(), TEXT * 8, windows=2, window_len=32)
+    Reference(finite, ModelFacts.read(finite), tiny_tokenizer(), TEXT * 8, windows=2, window_len=32)
