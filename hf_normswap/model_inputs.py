@@ -1,12 +1,31 @@
-"""Model inputs and outputs: small random inputs any supported model accepts (for probing roles and smoke tests),
-the main tensor of an output, and a forward pass without a KV cache."""
+"""Model inputs and outputs: the device a loaded model's inputs go to, small random inputs any supported model accepts
+(for probing roles and smoke tests), what kind of model it is (:class:`ModelFacts`), the main tensor of an output,
+and a forward pass without a KV cache."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from .placement import model_device
+from .offload import first_weight_device, is_offloaded
+
+PROBE_SEQUENCES, PROBE_LENGTH = 4, 64
+
+
+def model_device(model: nn.Module) -> torch.device:
+    """Where the model's inputs go: the device of its input embeddings, else of its first parameter (every part of
+    a model loaded by ``normswap`` sits on one device; a model placed by hand may not); for weights left on disk
+    (``offload.py``), where they are brought to compute."""
+    try:
+        embeddings = model.get_input_embeddings()
+        device = embeddings.weight.device
+    except (AttributeError, NotImplementedError):
+        embeddings, device = model, next(model.parameters()).device
+    if device.type == "meta":
+        return first_weight_device(embeddings) or first_weight_device(model) or device
+    return device
 
 
 def text_config(model: nn.Module):
@@ -69,6 +88,30 @@ def dummy_inputs(model: nn.Module, batch: int = 2, seq_len: int = 8, seed: int =
     return {k: v.to(device=device, dtype=float_dtype if v.is_floating_point() else v.dtype) for k, v in inputs.items()}
 
 
+def probe_ids(model: nn.Module, sequences: int = PROBE_SEQUENCES, length: int = PROBE_LENGTH,
+              seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random token ids from the model's vocabulary, BOS first where it has one, on the model's device (a model
+    of images or audio: random pixels or features, :func:`dummy_inputs`)."""
+    if getattr(model, "main_input_name", "input_ids") != "input_ids":
+        return dummy_inputs(model, batch=sequences, seed=seed)
+    config = text_config(model)
+    embeddings = model.get_input_embeddings()
+    vocab = getattr(embeddings, "num_embeddings", None) or config.vocab_size
+    length = min(length, (getattr(config, "max_position_embeddings", None) or 2 * length) // 2)  # RoBERTa offsets
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (sequences, length), generator=generator)
+    pad = getattr(config, "pad_token_id", None)
+    if isinstance(pad, int):  # a padding id would be an input the model never sees unmasked
+        ids[ids == pad] = (pad + 1) % vocab
+    bos = getattr(config, "bos_token_id", None)
+    if isinstance(bos, int) and 0 <= bos < vocab:
+        ids[:, 0] = bos
+    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    if getattr(model.config, "is_encoder_decoder", False):
+        inputs["decoder_input_ids"] = ids
+    return {key: value.to(model_device(model)) for key, value in inputs.items()}
+
+
 def is_causal_lm(model: nn.Module) -> bool:
     """A decoder-only model that predicts the next token (by its class name, or because it can generate): it reads
     contiguous token blocks and is scored by perplexity. Encoder-decoder models are not: they read sentences."""
@@ -89,6 +132,23 @@ def ends_in_hidden_states(model: nn.Module) -> bool:
     calibration, the sensitivity map and the recipe compare embeddings instead of logits."""
     head = getattr(model, "get_output_embeddings", None)
     return head is not None and head() is None
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What a stage asks of a loaded model before it runs it, read in one place: where its inputs go, whether it
+    predicts the next token, whether it ends in hidden states (no output head), whether weights stay on disk."""
+
+    device: torch.device
+    causal_lm: bool
+    hidden_states: bool
+    on_disk: bool
+
+    @classmethod
+    def read(cls, model: nn.Module) -> ModelFacts:
+        """The facts read off ``model`` where it is now (they go stale if it moves)."""
+        return cls(device=model_device(model), causal_lm=is_causal_lm(model),
+                   hidden_states=ends_in_hidden_states(model), on_disk=is_offloaded(model))
 
 
 def first_tensor(output) -> torch.Tensor:

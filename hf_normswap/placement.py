@@ -1,12 +1,10 @@
-"""Where a model lives and in which precision: the ``--device`` / ``--dtype`` names, checked before any model loads,
-and the device a loaded model's inputs must go to."""
+"""Where a model lives and in which precision: the ``--device`` / ``--dtype`` names, checked before any model
+loads."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
-
-from .offload import first_weight_device
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -35,16 +33,3 @@ def check_device(device: str, what: str = "device", fix: str = "pass --device cp
                          f"{kind}:0 to {kind}:{count - 1}")
     return resolved
 
-
-def model_device(model: nn.Module) -> torch.device:
-    """Where the model's inputs go: the device of its input embeddings, else of its first parameter (every part of
-    a model loaded by ``normswap`` sits on one device; a model placed by hand may not); for weights left on disk
-    (``offload.py``), where they are brought to compute."""
-    try:
-        embeddings = model.get_input_embeddings()
-        device = embeddings.weight.device
-    except (AttributeError, NotImplementedError):
-        embeddings, device = model, next(model.parameters()).device
-    if device.type == "meta":
-        return first_weight_device(embeddings) or first_weight_device(model) or device
-    return device

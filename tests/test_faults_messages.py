@@ -111,9 +111,10 @@ def test_two_runs_sharing_a_draw_say_what_each_sampled(tmp_path, capsys):
 def test_an_untrained_original_is_named_not_the_start_without_text():
     """A random model whose original is as uniform: the check blamed "the start without text"."""
     from hf_normswap.evaluation.conversion_check import ConversionCheck
+    from hf_normswap.model_inputs import ModelFacts
 
     model = tiny_model("llama")
-    check = ConversionCheck(model)
+    check = ConversionCheck(model, ModelFacts.read(model))
     check.original = 0.95 * check.vocabulary
     with torch.no_grad():
         model.lm_head.weight.zero_()  # the converted model: uniform

@@ -18,7 +18,7 @@ from safetensors import SafetensorError
 import hf_normswap
 from hf_normswap import cli
 from hf_normswap.checkpoint import directory as checkpoint_dir
-from hf_normswap.checkpoint.kept import keep
+from hf_normswap.checkpoint.publish import keep
 from hf_normswap.checkpoint.record import converted_config
 from hf_normswap.conversion import evaluation as conversion_evaluation
 from cli_runs import file_tree, run_cli as _cli

@@ -31,7 +31,7 @@ from torch import nn
 from .. import offload, placement
 from ..data import model_batches
 from ..discovery.norms import NormInfo
-from ..model_inputs import ends_in_hidden_states, forward_without_cache
+from ..model_inputs import ModelFacts, forward_without_cache
 from ..precision import autocast, check_precision, choose_precision, forward_backward
 from ..validation import ValidationError, check_number
 from . import block_pass, end_to_end
@@ -285,9 +285,9 @@ def calibrate_and_replace(model: nn.Module, selected: list[NormInfo], config: Ca
     """Fit and swap in per-channel replacements for ``selected`` norms, in forward order.
     ``build(source, info, input_scale=, per_channel=)`` makes a module and ``replace(model, name, module)`` sets
     it: ``convert`` passes both, so that stages go one way (convert plans and replaces, calibration fits)."""
-    config = config.resolved(selected, not ends_in_hidden_states(model))
-    on_disk = offload.is_offloaded(model)
-    if on_disk and config.tune_steps:  # a backward through every block would hold all their weights at once
+    facts = ModelFacts.read(model)
+    config = config.resolved(selected, not facts.hidden_states)
+    if facts.on_disk and config.tune_steps:  # a backward through every block would hold all their weights at once
         logger.warning("weights on disk: calibrating block by block, without the end-to-end steps")
         config = dataclasses.replace(config, tune_steps=0)
     torch.manual_seed(config.seed)
@@ -295,8 +295,8 @@ def calibrate_and_replace(model: nn.Module, selected: list[NormInfo], config: Ca
     batch_size = max(config.batch_size, config.block_rows if config.block_steps else 1)
     batches, fingerprint = model_batches(model, config.data, config.tokenizer, num_blocks=config.num_blocks,
                                          block_len=config.block_len, batch_size=batch_size)
-    device, probe_start = placement.model_device(model), time.perf_counter()
-    probe_params = [] if on_disk else [p for info in selected for p in model.get_submodule(info.name).parameters()
+    device, probe_start = facts.device, time.perf_counter()
+    probe_params = [] if facts.on_disk else [p for info in selected for p in model.get_submodule(info.name).parameters()
                                        if p.requires_grad]  # on disk: a forward probe, in one layer's memory
     row = {k: v[:1] for k, v in batches[0].items()}  # one sequence: a probe, not a pass
     precision = choose_precision(config.precision, lambda: forward_backward(lambda: forward_without_cache(model, row),

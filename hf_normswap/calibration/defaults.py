@@ -20,8 +20,7 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from ..data.generated import SamplingSettings
-from ..model_inputs import ends_in_hidden_states, text_config
-from ..placement import model_device
+from ..model_inputs import ends_in_hidden_states, model_device, text_config
 from .calibrate import CalibrationConfig
 
 NONE = "none"  # ``--calib none``: no calibration, the analytic start

@@ -15,36 +15,8 @@ import torch
 from torch import nn
 
 from ..discovery.norms import NormInfo
-from ..model_inputs import dummy_inputs, forward_without_cache, text_config
-from ..placement import model_device
+from ..model_inputs import forward_without_cache, probe_ids
 from .fitting import analytic_input_scale, saturating_init
-
-PROBE_SEQUENCES, PROBE_LENGTH = 4, 64
-
-
-def probe_ids(model: nn.Module, sequences: int = PROBE_SEQUENCES, length: int = PROBE_LENGTH,
-              seed: int = 0) -> dict[str, torch.Tensor]:
-    """Random token ids from the model's vocabulary, BOS first where it has one, on the model's device (a model
-    of images or audio: random pixels or features, ``model_inputs.dummy_inputs``)."""
-    if getattr(model, "main_input_name", "input_ids") != "input_ids":
-        return dummy_inputs(model, batch=sequences, seed=seed)
-    config = text_config(model)
-    embeddings = model.get_input_embeddings()
-    vocab = getattr(embeddings, "num_embeddings", None) or config.vocab_size
-    length = min(length, (getattr(config, "max_position_embeddings", None) or 2 * length) // 2)  # RoBERTa offsets
-    generator = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, vocab, (sequences, length), generator=generator)
-    pad = getattr(config, "pad_token_id", None)
-    if isinstance(pad, int):  # a padding id would be an input the model never sees unmasked
-        ids[ids == pad] = (pad + 1) % vocab
-    bos = getattr(config, "bos_token_id", None)
-    if isinstance(bos, int) and 0 <= bos < vocab:
-        ids[:, 0] = bos
-    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
-    if getattr(model.config, "is_encoder_decoder", False):
-        inputs["decoder_input_ids"] = ids
-    return {key: value.to(model_device(model)) for key, value in inputs.items()}
-
 
 @torch.no_grad()
 def norm_inputs(model: nn.Module, selected: list[NormInfo], inputs: dict) -> dict[str, tuple]:
@@ -76,7 +48,7 @@ def norm_inputs(model: nn.Module, selected: list[NormInfo], inputs: dict) -> dic
 
 def measured_start(model: nn.Module, selected: list[NormInfo], build, replace, inputs: dict | None = None) -> dict:
     """Build and set each selected norm's replacement from the original's inputs on ``inputs`` (default
-    :func:`probe_ids`): the theory at the measured scale, per module; for RMSNorm the saturating start, per
+    ``model_inputs.probe_ids``): the theory at the measured scale, per module; for RMSNorm the saturating start, per
     channel. ``build(source, info, input_scale=, per_channel=)`` makes a module and ``replace(model, name, module)``
     sets it, as in calibration. Returns norm name -> measured input scale."""
     captured = norm_inputs(model, selected, probe_ids(model) if inputs is None else inputs)

@@ -1,12 +1,13 @@
 """Where a finished model goes, for ``convert`` and ``recover`` alike: saved into its directory, pushed to the Hub,
 and checked to reload with identical logits. A save or push that fails keeps the model in a temporary directory
-that the one-line error names (``kept``), so hours of conversion or training are never lost to a full disk, a
+that the one-line error names (:func:`keep`), so hours of conversion or training are never lost to a full disk, a
 vanished directory or a network failure."""
 
 from __future__ import annotations
 
 import os
 import shutil
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -17,10 +18,22 @@ from ..model_inputs import first_tensor
 from ..validation import first_line
 from .directory import CheckpointError
 from .hub import PushError, push
-from .kept import keep
 from .loading import load
 
 PROBE_TEXT = "Normalization layers can be replaced by element-wise functions."
+
+
+def keep(save, name: str) -> Path:
+    """Save with ``save(directory)`` into a fresh temporary directory (its ``name`` subfolder) and return the path;
+    when even that fails, CheckpointError and nothing left behind: a model that cannot be saved where it was asked
+    to go (a full disk, a folder gone) is never lost to the failed write."""
+    folder = Path(tempfile.mkdtemp(prefix="normswap-"))
+    try:
+        return save(folder / name)
+    except (OSError, CheckpointError) as error:
+        shutil.rmtree(folder, ignore_errors=True)
+        raise CheckpointError(f"cannot save the model, not even to a temporary directory ({first_line(error)}); "
+                              "free disk space and run again") from None
 
 
 def save_or_keep(save: Callable, directory, *, overwrite: bool, what: str = "converted model") -> Path:

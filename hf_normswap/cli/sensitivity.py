@@ -11,7 +11,7 @@ from ..conversion.budget import measured_weights_lr, measurer
 from ..conversion.evaluation import calibration_overlap, check_context_lengths, warn
 from ..surgery import check_not_converted, plan
 from ..data import check_spec
-from ..model_inputs import context_length
+from ..model_inputs import ModelFacts, context_length
 from ..evaluation import finite_json
 from ..evaluation.documents import evaluation_texts
 from ..evaluation.norm_sensitivity import (
@@ -76,8 +76,8 @@ def run(args) -> None:
         warn(calibration_overlap(measured.data, None, args.data, texts))
     job = ConversionJob(model=args.model, to=args.to, per_channel=args.per_channel,
                         selection=Selection(roles=roles(args.roles), include=args.include, exclude=args.exclude))
-    measure = measurer(job, model, tokenizer, texts, measured, windows=args.windows, window_len=window_len,
-                       sentences=args.sentences)
+    measure = measurer(job, model, ModelFacts.read(model), tokenizer, texts, measured, windows=args.windows,
+                       window_len=window_len, sentences=args.sentences)
     with open(args.log, "a") if args.log else contextlib.nullcontext() as log:
         def write(entry: dict) -> None:
             log.write(finite_json.dumps(entry) + "\n")

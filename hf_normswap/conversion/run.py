@@ -9,14 +9,14 @@ import functools
 
 from ..checkpoint.loading import load_model
 from ..checkpoint.model_card import hub_id
-from ..checkpoint.publish import publish, save_or_keep, write_whole
-from ..checkpoint.kept import keep
+from ..checkpoint.publish import keep, publish, save_or_keep, write_whole
 from ..checkpoint.record import ConversionRecord
 from ..checkpoint.saving import save_pretrained
 from ..evaluation.conversion_check import ConversionCheck
 from ..evaluation.norm_sensitivity import exact
 from ..evaluation.perplexity import EvaluationError
 from ..fold import fold
+from ..model_inputs import ModelFacts
 from ..surgery import ConversionError, ConversionReport, check_not_converted, convert
 from ..validation import first_line
 from .budget import select_within_budget
@@ -43,8 +43,9 @@ def run_job(job: ConversionJob) -> ConversionReport | None:
                           {"--calib-len": calibration.block_len if calibration.data else None,
                            "--eval-max-length": evaluation.max_length if evaluation.data else None},
                           {"--calib": calibration.data, "--eval": evaluation.data})
+    facts = ModelFacts.read(model)
     original = copy.deepcopy(model) if evaluation.data else None  # the reference for the evaluation
-    report, parts = converted(job, model, tokenizer)
+    report, parts = converted(job, model, facts, tokenizer)
     if original is not None:
         parts["evaluation"] = evaluate_or_keep(job, model, original, tokenizer, parts)
     save(job, model, tokenizer, parts)
@@ -57,12 +58,12 @@ def run_job(job: ConversionJob) -> ConversionReport | None:
     return report
 
 
-def converted(job: ConversionJob, model, tokenizer) -> tuple[ConversionReport, dict]:
+def converted(job: ConversionJob, model, facts: ModelFacts, tokenizer) -> tuple[ConversionReport, dict]:
     """Convert (within the budget), fold and check: the report, and the parts found for the record."""
     parts, budget = {}, None
     if job.budget.limit():
-        budget, reasons = select_within_budget(job, model, tokenizer)
-    check = ConversionCheck(model, tokenizer) if job.check else None  # the original's scores, before
+        budget, reasons = select_within_budget(job, model, facts, tokenizer)
+    check = ConversionCheck(model, facts, tokenizer) if job.check else None  # the original's scores, before
     selection = job.selection
     report = convert(model, to=job.to, calibration=job.calibration.calibration_for(model, tokenizer),
                      roles=selection.roles, include=exact(budget.converted) if budget else selection.include,

@@ -11,8 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..model_inputs import is_causal_lm
-from ..placement import model_device
+from ..model_inputs import is_causal_lm, model_device
 from .sources import load_texts
 from .texts import DataError, fingerprint, token_blocks
 

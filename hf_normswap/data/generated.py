@@ -37,8 +37,7 @@ from transformers import CompileConfig, DynamicCache, GenerationConfig, LogitsPr
 from transformers.cache_utils import DynamicLayer
 from transformers.generation import TemperatureLogitsWarper, TopPLogitsWarper
 
-from ..model_inputs import check_context
-from ..placement import model_device
+from ..model_inputs import check_context, model_device
 from ..precision import matmul_speedup, weights_in
 from .packed_linear import packed_linears
 from .sample_cache import DamagedBatch, SampleCache, wait_for

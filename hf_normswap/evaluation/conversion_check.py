@@ -19,11 +19,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..calibration.input_scales import probe_ids
 from ..checkpoint.record import ConversionRecord
 from ..data import DataError, load_texts, token_blocks
-from ..model_inputs import dummy_inputs, first_tensor, forward_without_cache, is_causal_lm, mean_pool, text_config
-from ..placement import model_device
+from ..model_inputs import (
+    ModelFacts, dummy_inputs, first_tensor, forward_without_cache, mean_pool, probe_ids, text_config,
+)
 from .embeddings import sentences
 
 MAX_RATIO = 50.0  # perplexity ratio above which a conversion has failed
@@ -124,20 +124,19 @@ def advice(calibration: dict | None, settings: dict) -> tuple[str, str]:
 class ConversionCheck:
     """The original's scores on the check's slice, taken before the conversion; :meth:`after` compares."""
 
-    def __init__(self, model: nn.Module, tokenizer=None):
-        self.perplexity = is_causal_lm(model) and hasattr(model, "get_output_embeddings") and (
-            model.get_output_embeddings() is not None) and not getattr(model.config, "is_encoder_decoder", False)
-        self.batches, self.data = self._slice(model, tokenizer)
+    def __init__(self, model: nn.Module, facts: ModelFacts, tokenizer=None):
+        self.perplexity = facts.causal_lm and hasattr(model, "get_output_embeddings") and (
+            model.get_output_embeddings() is not None)  # a causal LM is never encoder-decoder (``is_causal_lm``)
+        self.batches, self.data = self._slice(model, facts.device, tokenizer)
         self.original = self._score(model)
 
-    def _slice(self, model: nn.Module, tokenizer) -> tuple[list[dict], str]:
+    def _slice(self, model: nn.Module, device: torch.device, tokenizer) -> tuple[list[dict], str]:
         main = getattr(model, "main_input_name", "input_ids")
         if main != "input_ids":
             return [dummy_inputs(model, batch=WINDOWS, seed=1)], "random inputs"
         if tokenizer is None:
             return [probe_ids(model, WINDOWS, WINDOW_LEN, seed=1)], "random token ids"
         texts = load_texts(DATA, "evaluation")
-        device = model_device(model)
         if self.perplexity:
             length = min(WINDOW_LEN, getattr(text_config(model), "max_position_embeddings", None) or WINDOW_LEN)
             try:

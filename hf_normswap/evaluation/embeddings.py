@@ -16,8 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..model_inputs import context_length, mean_pool
-from ..placement import model_device
+from ..model_inputs import context_length, mean_pool, model_device
 from .embedding_tails import EmbeddingTails, embedding_tails
 from .metrics import EmbeddingMetric, Similarities, registered
 from .perplexity import REFERENCE, EvaluationError, check_window

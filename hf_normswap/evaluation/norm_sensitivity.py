@@ -33,8 +33,7 @@ from torch import nn
 
 from ..surgery import ConversionError, convert
 from ..discovery.roles import LAYER, layer_of
-from ..model_inputs import ends_in_hidden_states, first_tensor
-from ..placement import model_device
+from ..model_inputs import ModelFacts, first_tensor
 from .conversion_check import not_comparable, perplexity
 from .embeddings import mean_pooled
 
@@ -68,13 +67,13 @@ class Score:
 class Reference:
     """The original model's outputs on the evaluation slice, computed once; :meth:`score` compares a model to them."""
 
-    def __init__(self, original: nn.Module, tokenizer, texts: list[str], *, windows: int = EVAL_WINDOWS,
-                 window_len: int = EVAL_LEN, sentences: int = SENTENCES):
+    def __init__(self, original: nn.Module, facts: ModelFacts, tokenizer, texts: list[str], *,
+                 windows: int = EVAL_WINDOWS, window_len: int = EVAL_LEN, sentences: int = SENTENCES):
         from ..data import fingerprint, token_blocks
 
-        self.encoder = ends_in_hidden_states(original)
+        self.encoder = facts.hidden_states
         self.fingerprint = fingerprint(texts)
-        device = model_device(original)  # the inputs and the cached outputs stay where the model and its copies are
+        device = facts.device  # the inputs and the cached outputs stay where the model and its copies are
         with torch.no_grad():
             if self.encoder:
                 rows = _sentences(texts, sentences)

@@ -30,8 +30,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ..model_inputs import check_context, context_length, is_causal_lm
-from ..placement import model_device
+from ..model_inputs import check_context, context_length, is_causal_lm, model_device
 from .documents import Document, documents
 from .metrics import AgreementMetric, ModelMetric, Perplexity, ScoredPositions, number, registered
 

@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 
-from ..placement import model_device
+from ..model_inputs import model_device
 from .metrics import exp_or_inf, number
 from .perplexity import REFERENCE
 from .token_losses import next_token_losses

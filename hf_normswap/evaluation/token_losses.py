@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..placement import model_device
+from ..model_inputs import model_device
 from .perplexity import LOGIT_CHUNK
 from .documents import documents
 

@@ -10,7 +10,8 @@ import transformers
 import hf_normswap
 from hf_normswap.calibration import defaults
 from hf_normswap.calibration.defaults import DEFAULTS, Default, default_calibration, default_for
-from hf_normswap.calibration.input_scales import norm_inputs, probe_ids
+from hf_normswap.calibration.input_scales import norm_inputs
+from hf_normswap.model_inputs import probe_ids
 from hf_normswap.surgery import plan
 from hf_normswap.modules import ELN
 from tiny_models import tiny_config, tiny_model, tiny_tokenizer

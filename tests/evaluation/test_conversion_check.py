@@ -9,6 +9,7 @@ import transformers
 
 from hf_normswap.cli import main
 from hf_normswap.evaluation.conversion_check import ConversionCheck
+from hf_normswap.model_inputs import ModelFacts
 from tiny_models import tiny_config, tiny_model, tiny_tokenizer
 
 
@@ -47,7 +48,7 @@ def test_no_check_skips_it(confident_llama, tmp_path, capsys):
 
 def test_an_encoder_is_checked_by_output_cosine():
     encoder = transformers.BertModel(tiny_config("bert")).eval()
-    check = ConversionCheck(encoder, tiny_tokenizer())
+    check = ConversionCheck(encoder, ModelFacts.read(encoder), tiny_tokenizer())
     result = check.after(encoder)
     assert result.metric == "cosine" and result.value == pytest.approx(1.0) and not result.failed
     assert result.warning() is None
@@ -64,7 +65,7 @@ def _collapsed(model):
 def test_a_uniform_output_is_a_failure_whatever_the_ratio():
     """A tiny model collapsed to uniform output (37.7x) passed the 50x check."""
     model = tiny_model("llama")
-    check = ConversionCheck(model)
+    check = ConversionCheck(model, ModelFacts.read(model))
     check.original = model.config.vocab_size / 37.7  # a tiny original: uniform output is "only" 37.7x its perplexity
     result = check.after(_collapsed(model))
     assert result.value == pytest.approx(37.7, rel=1e-3) and result.failed
@@ -74,7 +75,7 @@ def test_a_uniform_output_is_a_failure_whatever_the_ratio():
 def test_a_non_finite_original_is_reported_as_such_not_blamed_on_calibration():
     """"perplexity inf -> inf (nanx the original's)", then "Cause: calibration ... was too short"."""
     model = tiny_model("llama")
-    check = ConversionCheck(model)
+    check = ConversionCheck(model, ModelFacts.read(model))
     check.original = float("inf")
     result = check.after(model)
     assert "not comparable, the original's own is not finite" in result.line() and "nanx" not in result.line()

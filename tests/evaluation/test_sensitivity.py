@@ -9,6 +9,7 @@ import pytest
 import torch
 from tiny_models import tiny_model, tiny_tokenizer
 
+from hf_normswap.model_inputs import ModelFacts
 from hf_normswap.surgery import plan
 from hf_normswap.training.progressive import schedule
 from hf_normswap.evaluation.norm_sensitivity import (CurvePoint, Measurer, Reference, Score, doubling, largest_within, load_order,
@@ -23,8 +24,8 @@ TEXT = ["the quick brown fox jumps over the lazy dog and keeps running through t
 def llama_map():
     model = tiny_model("llama")
     _, selected, _ = plan(model)
-    measurer = Measurer(model, Reference(model, tiny_tokenizer(), TEXT, windows=2, window_len=32), "eln",
-                        roles=("attention_input", "mlp_input", "final"))
+    reference = Reference(model, ModelFacts.read(model), tiny_tokenizer(), TEXT, windows=2, window_len=32)
+    measurer = Measurer(model, reference, "eln", roles=("attention_input", "mlp_input", "final"))
     return model, selected, measurer, measure_map(measurer, selected, progress=False)
 
 
@@ -116,7 +117,7 @@ def test_encoder_map_scores_embedding_cosine():
     tokenizer = tiny_tokenizer()
     tokenizer.pad_token = tokenizer.eos_token
     _, selected, _ = plan(model)
-    measurer = Measurer(model, Reference(model, tokenizer, texts, sentences=4), "dyt",
+    measurer = Measurer(model, Reference(model, ModelFacts.read(model), tokenizer, texts, sentences=4), "dyt",
                         roles=("embedding", "post_norm"))
     sensitivity = measure_map(measurer, selected, progress=False)
     assert all(-1 <= n["cosine"] <= 1 and "kl" not in n for n in sensitivity.norms)
@@ -184,7 +185,7 @@ def test_sensitivity_leaves_the_blocks_weights_alone_unless_asked(tmp_path, monk
 
     seen = []
 
-    def measurer(job, model, tokenizer, texts, calibration, **options):
+    def measurer(job, model, facts, tokenizer, texts, calibration, **options):
         seen.append(calibration.block_weights_lr)
         raise Measured
 
@@ -224,5 +225,6 @@ def test_an_original_whose_outputs_are_not_finite_is_not_comparable(scale):
         model.lm_head.weight.mul_(scale)
     with pytest.raises(ConversionError, match="the sensitivity map is not comparable: the original model's own "
                                               r"perplexity on 62 evaluation tokens is (inf|nan)"):
-        Reference(model, tiny_tokenizer(), TEXT * 8, windows=2, window_len=32)
-    Reference(tiny_model("llama"), tiny_tokenizer(), TEXT * 8, windows=2, window_len=32)  # a finite one is compared
+        Reference(model, ModelFacts.read(model), tiny_tokenizer(), TEXT * 8, windows=2, window_len=32)
+    finite = tiny_model("llama")  # a finite one is compared
+    Reference(finite, ModelFacts.read(finite), tiny_tokenizer(), TEXT * 8, windows=2, window_len=32)

@@ -519,7 +519,7 @@ def test_the_models_go_to_the_training_device_and_under_fsdp2_only_the_blocks_do
     stays there and calibration's blocks visit the device (the run's calibration; the settings keep theirs)."""
     from types import SimpleNamespace
 
-    from hf_normswap.placement import model_device
+    from hf_normswap.model_inputs import model_device
     from hf_normswap.training.config import RecipeConfig
 
     gpu, cpu = SimpleNamespace(device=torch.device("meta")), SimpleNamespace(device=torch.device("cpu"))
