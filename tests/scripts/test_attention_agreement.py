@@ -9,6 +9,7 @@ import torch
 
 import hf_normswap
 from file_modules import import_file
+from test_position_error import saved_original_and_dyt
 from tiny_models import tiny_model, tiny_tokenizer
 
 
@@ -40,12 +41,7 @@ def test_a_model_against_itself_has_distance_0_and_the_same_induction(tmp_path):
 
 def test_the_distance_is_measured_against_the_original(tmp_path):
     bench = import_file("scripts/analyses/attention_agreement.py")
-    original = tiny_model("llama")
-    original.save_pretrained(tmp_path / "llama")
-    tiny_tokenizer().save_pretrained(tmp_path / "llama")
-    model = tiny_model("llama")
-    hf_normswap.convert(model, to="dyt", calibration=None, input_scale=1.0)
-    hf_normswap.save_pretrained(model, tmp_path / "dyt", tokenizer=tiny_tokenizer())
+    saved_original_and_dyt(tmp_path)
     out = tmp_path / "attention.jsonl"
     assert bench.main([str(tmp_path / "dyt"), "--against", str(tmp_path / "llama"), "--data", "builtin",
                        "--block-len", "140", "--period", "40", "--out", str(out)]) == 0

@@ -26,14 +26,19 @@ def test_a_model_against_itself_has_no_error_and_ratio_1_at_every_range(tmp_path
     assert len(found["saturation"]) == 5
 
 
-def test_the_error_is_measured_against_the_original(tmp_path):
-    bench = import_file("scripts/analyses/position_error.py")
+def saved_original_and_dyt(tmp_path) -> None:
+    """A tiny Llama in ``tmp_path/llama`` and its DyT conversion (no calibration) in ``tmp_path/dyt``."""
     original = tiny_model("llama")
     original.save_pretrained(tmp_path / "llama")
     tiny_tokenizer().save_pretrained(tmp_path / "llama")
     model = tiny_model("llama")
     hf_normswap.convert(model, to="dyt", calibration=None, input_scale=1.0)
     hf_normswap.save_pretrained(model, tmp_path / "dyt", tokenizer=tiny_tokenizer())
+
+
+def test_the_error_is_measured_against_the_original(tmp_path):
+    bench = import_file("scripts/analyses/position_error.py")
+    saved_original_and_dyt(tmp_path)
     out = tmp_path / "positions.jsonl"
     assert bench.main([str(tmp_path / "dyt"), "--against", str(tmp_path / "llama"), "--data", "builtin",
                        "--blocks", "1", "--block-len", "140", "--out", str(out)]) == 0
