@@ -130,6 +130,58 @@ class Builtin(Source):
         return texts.read_builtin(self.spec.partition(":")[2] or default_split)
 
 
+@register
+class Repeated(Source):
+    """``repeated:SPEC`` or ``repeated:words=N,copies=K:SPEC``: another source's text cut into passages of N words
+    (default 150), each written K times in a row (default 2), a passage a document. After the first copy the text
+    is predicted by copying it from the context, which the original does (its induction heads) and a converted model
+    forgets; training on it teaches copying back (BENCHMARKS, "Fit for use"). Read whole."""
+
+    PREFIX = "repeated:"
+    DEFAULTS = {"words": 150, "copies": 2}
+    LEAST = {"words": 1, "copies": 2}
+
+    @classmethod
+    def matches(cls, spec: str) -> bool:
+        return spec.startswith(cls.PREFIX)
+
+    @property
+    def parts(self) -> tuple[dict[str, int], str]:
+        """(settings, the inner spec); DataError for a setting that is not ``words`` or ``copies`` as a whole
+        number, or no inner spec."""
+        rest = self.spec[len(self.PREFIX):]
+        head, colon, inner = rest.partition(":")
+        if not (colon and head and all("=" in pair for pair in head.split(","))):
+            head, inner = "", rest
+        settings = dict(self.DEFAULTS)
+        for pair in filter(None, head.split(",")):
+            key, _, value = pair.partition("=")
+            key = key.strip()
+            if key not in settings or not value.strip().isdigit() or int(value) < self.LEAST[key]:
+                raise texts.DataError(f"{self.spec}: {pair!r} is not a setting of repeated: write "
+                                      "repeated:words=N,copies=K:SPEC (N >= 1, K >= 2)")
+            settings[key] = int(value)
+        if not inner.strip():
+            raise texts.DataError(f"{self.spec}: no text to repeat: write repeated:SPEC, e.g. repeated:FILE")
+        if source(inner.strip()).samples_original:
+            raise texts.DataError(f"{self.spec}: repeated: takes text read whole (files, builtin, a Hub dataset), "
+                                  "not the original's samples")
+        return settings, inner.strip()
+
+    def texts(self, default_split="calibration", *, max_tokens=None, **kwargs):
+        settings, inner = self.parts
+        words, copies = settings["words"], settings["copies"]
+        budget = None if max_tokens is None else -(-max_tokens // copies)
+        passages = []
+        for document in source(inner).texts(default_split, max_tokens=budget, **kwargs):
+            tokens = document.split()
+            passages += [" ".join(tokens[i:i + words]) for i in range(0, len(tokens), words)]
+        return ["\n".join([passage] * copies) for passage in passages]
+
+    def check(self):
+        return source(self.parts[1]).check()
+
+
 class LocalFiles(Source):
     """Local files and directories, joined by commas: text, json/jsonl or parquet. Training streams them, shuffled
     :data:`SHUFFLE_BLOCKS` blocks at a time (the Trainer shuffles a whole dataset's rows)."""
