@@ -119,8 +119,10 @@ def training_blocks(text: TrainingText, tokenizer, original, state):
                       for spec, share in zip(text.sources, text.shares)])
     parts = [training_stream(spec, share if text.capped else None, text.block_len, text.seed, tokenizer, original,
                              state) for spec, share in zip(text.sources, text.shares)]
-    if any(isinstance(part, datasets.IterableDataset) for part in parts):  # a mix is of one kind
-        parts = [part if isinstance(part, datasets.IterableDataset) else part.to_iterable_dataset() for part in parts]
+    if any(isinstance(part, datasets.IterableDataset) for part in parts):  # a mix is of one kind; the Trainer
+        # shuffles a Dataset it is given, not a stream, so a source read whole is shuffled here, with the run's seed
+        parts = [part if isinstance(part, datasets.IterableDataset) else
+                 part.shuffle(seed=text.seed).to_iterable_dataset() for part in parts]
     return mixed(parts)
 
 

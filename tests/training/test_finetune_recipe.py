@@ -286,6 +286,31 @@ def test_a_mix_trains_on_equal_shares_of_its_sources_in_turn(tiny_setup, tmp_pat
     assert sorted(rows[1::2]) == sorted(long)
 
 
+def test_a_source_read_whole_in_a_mix_is_shuffled_by_the_run_s_seed(tiny_setup, tmp_path):
+    """Mixed with a stream, a source read whole becomes a stream too, which the Trainer does not shuffle: its blocks
+    come in an order the run's ``seed`` sets, each once a pass."""
+    import itertools
+    import types
+
+    from transformers import AutoTokenizer
+
+    root, model_dir = tiny_setup
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    state = types.SimpleNamespace(process_index=0, num_processes=1)
+    spec = f"repeated:words=6:{root / 'train.txt'}"
+    whole = recipe_data.block_dataset(tokenizer, spec, "calibration", 32, draw=recipe_data.SampleDraw(state=state))
+    whole = whole["input_ids"]
+
+    def read(seed):
+        config = recipe_settings.load_config([f"model={model_dir}", f"train_data=[{root / 'train.txt'}, {spec}]",
+                                              "block_len=32", f"seed={seed}"])
+        rows = recipe_data.training_blocks(resolve_run(config).text, tokenizer, None, state)
+        return [row["input_ids"] for row in itertools.islice(iter(rows), 2 * len(whole))][1::2]
+
+    assert len(whole) > 4 and sorted(read(0)) == sorted(whole) == sorted(read(1))
+    assert read(0) == read(0) and read(0) != read(1) and read(0) != whole
+
+
 def test_a_sentence_encoder_trains_on_sentences_with_its_special_tokens(tmp_path):
     """The rows an encoder is used on ([CLS] sentence [SEP], padded per batch), not packed blocks; ``train_tokens``
     counts their real tokens."""
