@@ -333,7 +333,7 @@ class RecipeConfig:
         if not all(self.train_sources) or isinstance(self.train_data, list) and len(self.train_data) < 2:
             raise ValidationError("train_data must be a text source, or a list of two or more to mix, e.g. "
                                   "train_data=[generated, wikitext:wikitext-103-raw-v1]")
-        cut_off = [s for s in self.train_sources if re.fullmatch(r"\w+=[^/]*", s) and not Path(s).exists()]
+        cut_off = [s for s in self.train_sources if re.fullmatch(r"\w+=.*", s) and not Path(s).exists()]
         if isinstance(self.train_data, list) and cut_off:
             raise ValidationError(f"train_data: {cut_off[0]!r} is an option cut off its source by the list's comma: "
                                   "quote a source with several options, e.g. "

@@ -41,6 +41,7 @@ CONFIGS = sorted((Path(__file__).resolve().parents[2] / "recipes" / "configs").g
     (["train_data=[a.txt, 3]"], "setting train_data: Value '['a.txt', 3]' of type 'ListConfig' is incompatible"),
     (["streaming=true", "train_data=[a, b]"], "streaming reads one Hub dataset: name one train_data"),
     (["train_data=[generated:length=256,batch_size=128, a.txt]"], "train_data: 'batch_size=128' is an option cut off"),
+    (["train_data=[generated, repeated:words=3,copies=3:/data/a.txt]"], "'copies=3:/data/a.txt' is an option cut off"),
 ])
 def test_a_wrong_setting_is_one_error_that_names_it(overrides, message):
     with pytest.raises(ValidationError) as error:
