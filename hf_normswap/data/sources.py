@@ -148,7 +148,7 @@ class Repeated(Source):
     @property
     def parts(self) -> tuple[dict[str, int], str]:
         """(settings, the inner spec); DataError for a setting that is not ``words`` or ``copies`` as a whole
-        number, or no inner spec."""
+        number, no inner spec, or the original's samples as the inner spec (drawn by the model, not read whole)."""
         rest = self.spec[len(self.PREFIX):]
         head, colon, inner = rest.partition(":")
         if not (colon and head and all("=" in pair for pair in head.split(","))):
