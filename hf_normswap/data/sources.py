@@ -161,12 +161,13 @@ class Repeated(Source):
                 raise texts.DataError(f"{self.spec}: {pair!r} is not a setting of repeated: write "
                                       "repeated:words=N,copies=K:SPEC (N >= 1, K >= 2)")
             settings[key] = int(value)
-        if not inner.strip():
+        inner = inner.strip()
+        if not inner:
             raise texts.DataError(f"{self.spec}: no text to repeat: write repeated:SPEC, e.g. repeated:FILE")
-        if source(inner.strip()).samples_original:
+        if source(inner).samples_original:
             raise texts.DataError(f"{self.spec}: repeated: takes text read whole (files, builtin, a Hub dataset), "
                                   "not the original's samples")
-        return settings, inner.strip()
+        return settings, inner
 
     def texts(self, default_split="calibration", *, max_tokens=None, **kwargs):
         settings, inner = self.parts
