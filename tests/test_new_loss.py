@@ -40,8 +40,8 @@ class LastScale(LossTerm):
 AT_ONCE = '''
 """A hand-over that only this test's copy of the package has: every norm swapped in at one step."""
 
-from ..progressive import Stage
 from .base import HandOver, register
+from .blend import Stage
 
 
 @register

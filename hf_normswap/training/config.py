@@ -25,8 +25,8 @@ from ..validation import ValidationError, check_number, first_line, shown
 from ..evaluation.norm_sensitivity import load_order
 from . import hand_overs
 from .loss_terms import TERMS
-from .progressive import ORDERS
-from .taper import SCHEDULES
+from .hand_overs.progressive import ORDERS
+from .hand_overs.taper import SCHEDULES
 
 # set by the recipe from its own settings: output_dir, seed, learning_rate (lr.base)
 OWNED_TRAINING_ARGUMENTS = ("output_dir", "seed", "learning_rate")
@@ -122,7 +122,7 @@ class LearningRates:
 
 @dataclass
 class ProgressiveSettings:
-    """Convert the norms a few at a time during training (``hf_normswap.training.progressive``)."""
+    """Convert the norms a few at a time during training (``hf_normswap.training.hand_overs.progressive``)."""
 
     enabled: bool = False
     order: str = "depth"  # depth | reverse_depth | role | PATH.json (`normswap sensitivity --json`)
@@ -154,7 +154,7 @@ class ProgressiveSettings:
 @dataclass
 class TaperSettings:
     """Blend each converted norm with its original, ``g`` falling from 1 to 0 over ``fraction`` of the run
-    (``hf_normswap.training.taper``); 0: off."""
+    (``hf_normswap.training.hand_overs.taper``); 0: off."""
 
     fraction: float = 0.0
     schedule: str = "cosine"  # cosine | linear | progressive (stages in progressive.order, one after another)

@@ -18,7 +18,7 @@ from ..data import DataError
 from ..model_inputs import check_context, ends_in_hidden_states
 from .recovery_run import RecoveryRun
 from .hand_overs import check_hand_over, chosen
-from .progressive import HandOverError
+from .hand_overs.blend import HandOverError
 from .recipe_settings import COMMAND, fail, stopped
 from .sharding import empty_copy, fsdp2_requested, gathered, is_sharded, loads_once, release, storage_for_optimizer
 

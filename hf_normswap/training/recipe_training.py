@@ -17,7 +17,7 @@ from ..model_inputs import ends_in_hidden_states
 from .compiled_blocks import compile_blocks
 from .first_scale import FirstScaleHandover
 from .hand_overs import converted_roles
-from .progressive import HandOverError, ProgressiveSwap
+from .hand_overs.blend import HandOverError, ProgressiveSwap
 from .recipe_data import recipe_datasets, sentence_steps
 from .recipe_models import skeleton_to_gather
 from .recipe_settings import fail

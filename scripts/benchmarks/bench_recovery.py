@@ -86,7 +86,7 @@ METHODS: dict[str, list[str]] = {
     # both: the layer-wise term weighted to about the logit KL's size at the calibrated start (KL ~3 nats, mean
     # relative block error ~0.3 on SmolLM2)
     "layerwise+logits": [*NORMS_ONLY, "distill.hidden=10.0"],
-    # norms handed over from the original block by block (hf_normswap.training.progressive): 3 stages of 10 blocks, then
+    # norms handed over from the original block by block (hf_normswap.training.hand_overs.progressive): 3 stages of 10 blocks, then
     # the final norm, one every 2 steps, each ramped over 2 steps: all converted after 8 steps (8,192 tokens at
     # 2 x 512)
     "progressive": [*NORMS_ONLY, LOGITS_ONLY, "progressive.enabled=true", "progressive.group=10",
@@ -104,7 +104,7 @@ METHODS: dict[str, list[str]] = {
     "blockwise-60x1+layerwise": [*BLOCKWISE_60X1, "distill.hidden=10.0"],
     # the same with four times the block steps, over 64 sequences: the SmolLM2 configs
     "blockwise-240x1+layerwise": [*BLOCKWISE_240X1, "distill.hidden=10.0"],
-    # the taper (hf_normswap.training.taper) from the original itself: calibration of the norms alone (the weights stay
+    # the taper (hf_normswap.training.hand_overs.taper) from the original itself: calibration of the norms alone (the weights stay
     # the original's, so g = 1 is the original), every block's output toward the original's beside the logits, and
     # every norm blended with its original, g from 1 to 0 by the cosine over the first half of the run
     "norms+layerwise+taper": [*NORMS_ONLY, "distill.hidden=10.0", "taper.fraction=0.5"],

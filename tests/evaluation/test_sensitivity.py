@@ -11,7 +11,7 @@ from tiny_models import tiny_model, tiny_tokenizer
 
 from hf_normswap.model_inputs import ModelFacts
 from hf_normswap.surgery import plan
-from hf_normswap.training.progressive import schedule
+from hf_normswap.training.hand_overs.progressive import schedule
 from hf_normswap.evaluation.norm_sensitivity import (CurvePoint, Measurer, Reference, Score, doubling, largest_within, load_order,
                                      measure_map, plot, select_within_budget)
 

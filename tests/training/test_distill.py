@@ -21,7 +21,8 @@ from hf_normswap.training.recovery_loss import RecoveryLoss
 from hf_normswap.training.trainable import disable_dropout, set_trainable
 from hf_normswap.training.trainer import NormSwapTrainer
 from hf_normswap.training.layerwise import embedding_cosine_error, relative_hidden_error
-from hf_normswap.training.progressive import ProgressiveSwap, schedule
+from hf_normswap.training.hand_overs.blend import ProgressiveSwap
+from hf_normswap.training.hand_overs.progressive import schedule
 from tiny_models import tiny_model
 
 

@@ -28,7 +28,8 @@ from hf_normswap.training.recovery_run import converted_checkpoint, resolve_run
 from hf_normswap.training import recipe_data, recipe_models, recipe_results, recipe_settings
 from hf_normswap.training.config import RecipeConfig
 from hf_normswap.training.losses import distillation_loss
-from hf_normswap.training.progressive import ProgressiveSwap, schedule
+from hf_normswap.training.hand_overs.blend import ProgressiveSwap
+from hf_normswap.training.hand_overs.progressive import schedule
 from hf_normswap.training.run_dir import claim_run_dir
 from hf_normswap.training.trainable import group_learning_rates, norm_parameter_names, parameter_groups, set_trainable
 from tiny_models import tiny_model

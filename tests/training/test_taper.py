@@ -1,4 +1,4 @@
-"""The taper (hf_normswap.training.taper): g * norm(x) + (1 - g) * new(x), g from 1 to 0 over a share of the run."""
+"""The taper (hf_normswap.training.hand_overs.taper): g * norm(x) + (1 - g) * new(x), g from 1 to 0 over a share of the run."""
 
 from __future__ import annotations
 
@@ -22,8 +22,9 @@ from hf_normswap.training.recovery_run import resolve_run
 from hf_normswap.training import recipe_models, recipe_settings
 from hf_normswap.training.config import read_recipe_config
 from hf_normswap.training.hand_overs import converted_roles
-from hf_normswap.training.progressive import HandOverError, ProgressiveSwap, ProgressiveSwapCallback, schedule
-from hf_normswap.training.taper import LENGTH, TaperCallback, TaperStage, taper_stages, taper_steps
+from hf_normswap.training.hand_overs.blend import HandOverError, ProgressiveSwap, ProgressiveSwapCallback
+from hf_normswap.training.hand_overs.progressive import schedule
+from hf_normswap.training.hand_overs.taper import LENGTH, TaperCallback, TaperStage, taper_stages, taper_steps
 from hf_normswap.validation import ValidationError
 from test_finetune_recipe import RECIPE, ROOT, logits, tiny_setup, write_config  # noqa: F401 (a fixture)
 from tiny_models import tiny_model

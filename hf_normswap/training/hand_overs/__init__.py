@@ -14,7 +14,7 @@ import pkgutil
 from ...checkpoint.record import ConversionRecord
 from ...surgery import ConversionError, plan
 from ...validation import ValidationError, first_line
-from ..progressive import HandOverError, check_fits, end_step
+from .blend import HandOverError, check_fits, end_step
 from .base import KINDS, NONE, HandOver, register
 
 BUILT_IN = ("progressive", "taper")
@@ -22,7 +22,7 @@ BUILT_IN = ("progressive", "taper")
 # imported by name, not at the top: the built-in kinds first, then every other file of the folder, so a kind added
 # as a file registers itself with nothing else edited
 for _name in (*BUILT_IN, *sorted(m.name for m in pkgutil.iter_modules(__path__))):
-    if _name != "base":
+    if _name not in ("base", "blend"):
         importlib.import_module(f"{__name__}.{_name}")
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from ..progressive import ProgressiveSwap, ProgressiveSwapCallback
+from .blend import ProgressiveSwap, ProgressiveSwapCallback
 
 KINDS: dict[str, type["HandOver"]] = {}  # by ``hand_over.kind``
 NONE = "none"  # hand_over.kind: the converted modules from step 0
@@ -21,7 +21,7 @@ def register(kind: type["HandOver"]) -> type["HandOver"]:
 
 class HandOver:
     """A schedule of stages (objects with ``names``, ``mix(step)`` from 0 to 1 and ``done_at``) along which
-    :class:`~hf_normswap.training.progressive.ProgressiveSwap` blends each converted module with its original norm.
+    :class:`~.blend.ProgressiveSwap` blends each converted module with its original norm.
     A kind sets :attr:`key` and overrides :meth:`stages` and :meth:`describe`; its own settings are
     ``hand_over.options`` (the built-in kinds read the ``progressive`` and ``taper`` sections)."""
 
