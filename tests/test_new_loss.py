@@ -26,7 +26,7 @@ class LastScale(LossTerm):
     hidden_states = True
 
     @classmethod
-    def memory(cls, sizes, tokens, value_bytes):
+    def memory(cls, sizes, tokens, value_bytes, seq_len):
         return {"last scale buffer (a test term)": tokens * sizes.hidden * value_bytes}
 
     def value(self, step: Step) -> torch.Tensor:

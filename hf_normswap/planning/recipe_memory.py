@@ -168,7 +168,7 @@ def _step_activations(sizes: ModelSizes, settings: PlanSettings) -> dict[str, in
     activations = training_activations(sizes, settings)
     tokens = settings.batch_size * settings.seq_len
     for term in settings.loss_terms:
-        activations.update(term.memory(sizes, tokens, value_bytes(settings)))
+        activations.update(term.memory(sizes, tokens, value_bytes(settings), settings.seq_len))
     return activations
 
 

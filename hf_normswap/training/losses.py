@@ -31,11 +31,18 @@ def distillation_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor
     return total / student.shape[0] * temperature ** 2
 
 
-def forwards(model: nn.Module, teacher: nn.Module, inputs: dict, *, head_chunk: int, hidden_states: bool):
+def forwards(model: nn.Module, teacher: nn.Module, inputs: dict, *, head_chunk: int, hidden_states: bool,
+             attentions: bool = False):
     """``(student outputs, teacher outputs, heads)`` of one batch, the teacher's under no_grad. ``head_chunk`` > 0:
     both output heads bypassed (:func:`hf_normswap.head_loss.head_bypassed`): ``.logits`` hold the hidden states
-    that enter them and ``heads`` is ``(student head, teacher head)``; 0: full logits, ``heads`` None."""
+    that enter them and ``heads`` is ``(student head, teacher head)``; 0: full logits, ``heads`` None.
+    ``attentions``: both models' attention weights too, through eager attention (the only one that has them)."""
     extra = {"output_hidden_states": True} if hidden_states else {}
+    if attentions:
+        extra["output_attentions"] = True
+        for m in (_unwrapped(model), teacher):
+            if m.config._attn_implementation != "eager":
+                m.set_attn_implementation("eager")
     teacher_inputs = dict(input_ids=inputs["input_ids"], attention_mask=inputs.get("attention_mask"), **extra)
     if not head_chunk:
         outputs = model(**inputs, **extra)

@@ -42,6 +42,11 @@ class RecoveryLoss:
         """Whether a term reads every block's output."""
         return any(term.hidden_states for term in self.terms)
 
+    @property
+    def attentions(self) -> bool:
+        """Whether a term reads every layer's attention weights."""
+        return any(term.attentions for term in self.terms)
+
     @staticmethod
     def logged() -> tuple[str, ...]:
         """Every term's logged keys (a term that is off logs 0)."""
@@ -53,7 +58,7 @@ class RecoveryLoss:
         chunk the trainer found both heads allow; None: this loss's own)."""
         chunk = self.head_chunk if head_chunk is None else head_chunk
         outputs, reference, heads = forwards(model, teacher, inputs, head_chunk=chunk,
-                                             hidden_states=self.hidden_states)
+                                             hidden_states=self.hidden_states, attentions=self.attentions)
         step = Step(inputs, outputs, reference, heads, chunk, self.distill_weight)
         loss, group, logged = None, None, {}
         for term in self.terms:

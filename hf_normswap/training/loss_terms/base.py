@@ -23,7 +23,8 @@ def register(term: type["LossTerm"]) -> type["LossTerm"]:
 class Step:
     """One batch's forwards, as every term reads them: ``outputs`` the student's (``.logits`` hold the hidden
     states that enter the head when ``heads`` is ``(student head, teacher head)``, the chunked head loss),
-    ``reference`` the original's under no_grad, ``hidden_states`` in both when a term asked for them."""
+    ``reference`` the original's under no_grad, ``hidden_states`` and ``attentions`` in both when a term asked for
+    them."""
 
     inputs: dict
     outputs: Any
@@ -50,6 +51,7 @@ class LossTerm:
     key = ""  # the name of its setting, distill.terms.KEY
     logged: dict[str, str] = {}  # what it logs each step ({key in the history: label on the plot}), its value first
     hidden_states = False  # reads every block's output of both models (the forwards then return them)
+    attentions = False  # reads every layer's attention weights of both models (eager attention then)
     grouped = False  # weight * value summed with the other grouped terms' before w multiplies the sum
     own_setting = False  # read from distill's own keys (the built-in terms), not from distill.terms
 
@@ -76,9 +78,10 @@ class LossTerm:
         return cls(weight, options) if weight > 0 else None
 
     @classmethod
-    def memory(cls, sizes, tokens: int, value_bytes: int) -> dict[str, int]:
+    def memory(cls, sizes, tokens: int, value_bytes: int, seq_len: int) -> dict[str, int]:
         """Bytes a training step holds for this term beyond the models' own activations, by name, for the memory
-        plan (``sizes``: ``planning.sizes.ModelSizes``; ``tokens`` a step's on one process)."""
+        plan (``sizes``: ``planning.sizes.ModelSizes``; ``tokens`` a step's on one process, in rows of
+        ``seq_len``)."""
         return {}
 
     def value(self, step: Step) -> torch.Tensor:

@@ -23,7 +23,7 @@ class HiddenStates(LossTerm):
         return distill.hidden, {"sink_weight": distill.sink_weight}
 
     @classmethod
-    def memory(cls, sizes, tokens: int, value_bytes: int) -> dict[str, int]:
+    def memory(cls, sizes, tokens: int, value_bytes: int, seq_len: int) -> dict[str, int]:
         # the teacher's output of every block (and the embeddings) is kept for the step, where without this
         # term it holds one block's values at a time
         return {"teacher outputs": (sizes.layers + 1) * tokens * sizes.hidden * value_bytes}
