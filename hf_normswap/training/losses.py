@@ -36,19 +36,16 @@ def forwards(model: nn.Module, teacher: nn.Module, inputs: dict, *, head_chunk: 
     """``(student outputs, teacher outputs, heads)`` of one batch, the teacher's under no_grad. ``head_chunk`` > 0:
     both output heads bypassed (:func:`hf_normswap.head_loss.head_bypassed`): ``.logits`` hold the hidden states
     that enter them and ``heads`` is ``(student head, teacher head)``; 0: full logits, ``heads`` None.
-    ``attentions``: both models' attention weights too, through eager attention (the only one that has them)."""
+    ``attentions``: both models' attention weights too (the models run eager attention: ``EagerAttention``)."""
     extra = {"output_hidden_states": True} if hidden_states else {}
     if attentions:
         extra["output_attentions"] = True
-        for m in (_unwrapped(model), teacher):
-            if m.config._attn_implementation != "eager":
-                m.set_attn_implementation("eager")
     teacher_inputs = dict(input_ids=inputs["input_ids"], attention_mask=inputs.get("attention_mask"), **extra)
     if not head_chunk:
         outputs = model(**inputs, **extra)
         with torch.no_grad():
             return outputs, teacher(**teacher_inputs), None
-    with head_bypassed(_unwrapped(model)) as head:
+    with head_bypassed(unwrapped(model)) as head:
         outputs = model(**{k: v for k, v in inputs.items() if k != "labels"}, **extra)
     with torch.no_grad(), head_bypassed(teacher) as teacher_head:
         return outputs, teacher(**teacher_inputs), (head, teacher_head)
@@ -61,6 +58,6 @@ def head_chunk_for(model: nn.Module, teacher: nn.Module, requested: int) -> int:
     return int(requested) if plain else 0
 
 
-def _unwrapped(model: nn.Module) -> nn.Module:
+def unwrapped(model: nn.Module) -> nn.Module:
     """The model inside a DDP wrapper (whose output head is the one to bypass)."""
     return getattr(model, "module", model)

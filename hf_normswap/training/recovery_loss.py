@@ -11,11 +11,31 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from transformers import TrainerCallback
 
 from .head_loss import DEFAULT_CHUNK
 from .loss_terms import TERMS, LossTerm, Step
 from .loss_terms.logits import LogitTerms
-from .losses import forwards
+from .losses import forwards, unwrapped
+
+
+class EagerAttention(TrainerCallback):
+    """Eager attention, the only implementation that returns the weights, on the models a term reads them from,
+    each put back as it was when training ends: the saved model then reloads, and the original scores, as before."""
+
+    def __init__(self):
+        self.switched: dict[int, tuple[nn.Module, str]] = {}
+
+    def switch(self, *models: nn.Module) -> None:
+        for m in models:
+            if m.config._attn_implementation != "eager":
+                self.switched.setdefault(id(m), (m, m.config._attn_implementation))
+                m.set_attn_implementation("eager")
+
+    def on_train_end(self, args, state, control, **kwargs):
+        for m, implementation in self.switched.values():
+            m.set_attn_implementation(implementation)
+        self.switched = {}
 
 
 class RecoveryLoss:
@@ -25,6 +45,7 @@ class RecoveryLoss:
 
     def __init__(self, terms: list[LossTerm], distill_weight: float, head_chunk: int = DEFAULT_CHUNK):
         self.terms, self.distill_weight, self.head_chunk = terms, float(distill_weight), int(head_chunk or 0)
+        self.eager = EagerAttention() if any(term.attentions for term in terms) else None
         kd = any(isinstance(t, LogitTerms) and t.logits for t in terms)
         if not kd and not any(not isinstance(t, LogitTerms) for t in terms):
             raise ValueError("distill.logits=false leaves the distillation no term: set distill.hidden or "
@@ -42,11 +63,6 @@ class RecoveryLoss:
         """Whether a term reads every block's output."""
         return any(term.hidden_states for term in self.terms)
 
-    @property
-    def attentions(self) -> bool:
-        """Whether a term reads every layer's attention weights."""
-        return any(term.attentions for term in self.terms)
-
     @staticmethod
     def logged() -> tuple[str, ...]:
         """Every term's logged keys (a term that is off logs 0)."""
@@ -57,8 +73,10 @@ class RecoveryLoss:
         """``(loss, {logged key: value})`` of one batch, the teacher's forward under no_grad (``head_chunk``: the
         chunk the trainer found both heads allow; None: this loss's own)."""
         chunk = self.head_chunk if head_chunk is None else head_chunk
+        if self.eager is not None:
+            self.eager.switch(unwrapped(model), teacher)
         outputs, reference, heads = forwards(model, teacher, inputs, head_chunk=chunk,
-                                             hidden_states=self.hidden_states, attentions=self.attentions)
+                                             hidden_states=self.hidden_states, attentions=self.eager is not None)
         step = Step(inputs, outputs, reference, heads, chunk, self.distill_weight)
         loss, group, logged = None, None, {}
         for term in self.terms:
@@ -79,4 +97,5 @@ class RecoveryLoss:
         return [text for term in self.terms if (text := term.describe())]
 
     def callbacks(self) -> list:
-        return [callback for term in self.terms for callback in term.callbacks()]
+        own = [self.eager] if self.eager is not None else []
+        return [callback for term in self.terms for callback in term.callbacks()] + own

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import copy
 
+import datasets
 import pytest
 import torch
+from transformers import TrainerCallback
 
 from hf_normswap.planning.sizes import model_sizes
 from hf_normswap.training.config import DistillSettings
@@ -62,3 +64,20 @@ def test_the_memory_plan_counts_both_models_attention_weights():
     sizes = model_sizes(tiny_model("llama"))
     held = Attention.memory(sizes, tokens=2 * 24, value_bytes=4, seq_len=24)
     assert held == {"attention weights": 2 * sizes.layers * sizes.heads * 2 * 24 * 24 * 4}
+
+
+def test_training_ends_with_both_models_back_on_their_own_attention(tmp_path):
+    """Eager attention for the term while training; afterwards each model as it was, so the saved model reloads
+    with the logits it was trained to."""
+    model, original, trainer, _ = trainer_for("llama", tmp_path, terms={"attention": 1.0})
+    before = (model.config._attn_implementation, original.config._attn_implementation)
+    assert "eager" not in before
+    rows = IDS.tolist()
+    trainer.train_dataset = datasets.Dataset.from_dict({"input_ids": rows, "labels": rows})
+    trainer.args.max_steps, trainer.args.per_device_train_batch_size = 2, 2
+    seen = []
+    trainer.add_callback(type("Seen", (TrainerCallback,), {
+        "on_step_end": lambda self, *a, **k: seen.append(model.config._attn_implementation)})())
+    trainer.train()
+    assert seen == ["eager", "eager"]
+    assert (model.config._attn_implementation, original.config._attn_implementation) == before
