@@ -5,7 +5,9 @@ earlier occurrence, the head that copies), for both models.
 
 A converted model whose loss ratio grows with position while its residual stream does not (``position_error.py``)
 has lost some use of its context: the heads whose distance grows with position, and the original's induction heads
-that the converted model no longer has, say which.
+that the converted model no longer has, say which. ``--restore ROLE...`` puts the original's norms back at the
+converted norms of those roles first (``attention_input``, ``mlp_input``, ``final``, ...): which norms' conversion
+costs the copying.
 
     python scripts/analyses/attention_agreement.py OUT/runs/RUN/final --against offline:smollm2 \\
         --data $WIKITEXT/wiki.test.raw --block-len 2048 --period 256 --out attention.jsonl
@@ -20,7 +22,9 @@ from pathlib import Path
 import torch
 
 from hf_normswap import load_model
-# internal: --data read as normswap reads it
+# internal: the converted norms' roles read from the record, --data read as normswap reads it
+from hf_normswap.checkpoint.record import ConversionRecord
+from hf_normswap.discovery.roles import ROLES
 from hf_normswap.data import load_texts, token_blocks
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/, for the shared harness (run by path)
@@ -30,6 +34,25 @@ from harness.flags import add_output, add_text_blocks, add_threads, script_parse
 from harness.record import commit, machine
 
 TOP_HEADS = 10  # the original's strongest induction heads listed
+
+
+def restore(model, original, roles: list[str]) -> list[str]:
+    """Put the original's norm back at each of ``model``'s converted norms of ``roles`` (an unfolded conversion:
+    its consumers still expect the norm's scale); the names restored."""
+    record = ConversionRecord.of(model)
+    if record is None:
+        raise SystemExit(f"--restore: {model.config.name_or_path} is not a converted checkpoint")
+    if record.folded:
+        raise SystemExit("--restore: the checkpoint is folded (its norms' weights moved into their consumers); "
+                         "restore on an unfolded one")
+    names = [name for name, entry in record.converted.items() if entry.role in roles]
+    if not names:
+        raise SystemExit(f"--restore {' '.join(roles)}: no converted norm has that role (roles here: "
+                         f"{', '.join(sorted({e.role for e in record.converted.values()}))})")
+    for name in names:
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, child, original.get_submodule(name))
+    return names
 
 
 def attention_rows(model, ids: torch.Tensor, query_stride: int) -> list[torch.Tensor]:
@@ -116,6 +139,9 @@ def main(argv=None) -> int:
                         "score (default: %(default)s)")
     parser.add_argument("--query-stride", type=int, default=8, help="every N-th query position kept (memory: "
                         "layers x heads x length^2 / N values; default: %(default)s)")
+    parser.add_argument("--restore", nargs="+", default=[], choices=ROLES, metavar="ROLE",
+                        help="the original's norms put back at the converted norms of these roles first (choices: "
+                             "%(choices)s)")
     add_threads(parser)
     add_output(parser, None, "JSON lines, appended")
     args = parser.parse_args(argv)
@@ -124,6 +150,9 @@ def main(argv=None) -> int:
     use_threads(args)
     original, tokenizer = load_model(args.against, dtype=torch.float32)  # a GGUF original refuses .float()
     model, _ = load_model(args.checkpoint, dtype=torch.float32, with_tokenizer=False)
+    restored = restore(model, original, args.restore) if args.restore else []
+    if restored:
+        print(f"restored the original's {len(restored)} norms of {', '.join(args.restore)}")
     ids = token_blocks(tokenizer, load_texts(args.data, "evaluation"), args.blocks, args.block_len)
     found = [agreement(model.eval(), original.eval(), row, args.period, args.query_stride) for row in ids]
     for one in found:
@@ -131,7 +160,7 @@ def main(argv=None) -> int:
     if args.out:
         with open(args.out, "a") as stream:
             for one in found:
-                stream.write(json.dumps({"checkpoint": args.checkpoint, **one, "tokens": len(ids[0]),
+                stream.write(json.dumps({"checkpoint": args.checkpoint, "restored": args.restore, **one, "tokens": len(ids[0]),
                                          "commit": commit(), **machine()}) + "\n")
     return 0
 

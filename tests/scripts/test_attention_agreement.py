@@ -51,3 +51,22 @@ def test_the_distance_is_measured_against_the_original(tmp_path):
     with pytest.raises(SystemExit):
         bench.main([str(tmp_path / "dyt"), "--against", str(tmp_path / "llama"), "--block-len", "140",
                     "--period", "140"])
+
+
+def test_restoring_every_converted_norm_gives_back_the_original(tmp_path):
+    bench = import_file("scripts/analyses/attention_agreement.py")
+    saved_original_and_dyt(tmp_path)
+    out = tmp_path / "attention.jsonl"
+    common = [str(tmp_path / "dyt"), "--against", str(tmp_path / "llama"), "--data", "builtin",
+              "--block-len", "140", "--period", "40", "--out", str(out)]
+    assert bench.main([*common, "--restore", "attention_input", "mlp_input", "final"]) == 0
+    assert bench.main([*common, "--restore", "attention_input"]) == 0
+    every, attention_only = (json.loads(line) for line in out.read_text().splitlines())
+    assert every["restored"] == ["attention_input", "mlp_input", "final"]
+    assert all(d < 1e-6 for layer in every["distance"] for head in layer for d in head)
+    assert torch.allclose(torch.tensor(every["induction"]["original"]),
+                          torch.tensor(every["induction"]["converted"]), atol=1e-6)
+    assert max(d for layer in attention_only["distance"][1:] for head in layer for d in head) > 1e-4  # the MLPs'
+    assert max(d for head in attention_only["distance"][0] for d in head) < 1e-6  # the first layer's input: the same
+    with pytest.raises(SystemExit, match="no converted norm has that role"):
+        bench.main([*common, "--restore", "qk_norm"])
