@@ -7,7 +7,7 @@ A converted model whose loss ratio grows with position while its residual stream
 has lost some use of its context: the heads whose distance grows with position, and the original's induction heads
 that the converted model no longer has, say which. ``--restore ROLE...`` puts the original's norms back at the
 converted norms of those roles first (``attention_input``, ``mlp_input``, ``final``, ...): which norms' conversion
-costs the copying.
+costs the copying; with ``--restore-first``, at the first position alone (the attention sink's token).
 
     python scripts/analyses/attention_agreement.py OUT/runs/RUN/final --against offline:smollm2 \\
         --data $WIKITEXT/wiki.test.raw --block-len 2048 --period 256 --out attention.jsonl
@@ -36,9 +36,22 @@ from harness.record import commit, machine
 TOP_HEADS = 10  # the original's strongest induction heads listed
 
 
-def restore(model, original, roles: list[str]) -> list[str]:
+class FirstFromOriginal(torch.nn.Module):
+    """The converted norm at every position but the first, which the original's norm gives."""
+
+    def __init__(self, converted: torch.nn.Module, original: torch.nn.Module):
+        super().__init__()
+        self.converted, self.original = converted, original
+
+    def forward(self, x):
+        out = self.converted(x).clone()
+        out[:, :1] = self.original(x[:, :1]).to(out.dtype)
+        return out
+
+
+def restore(model, original, roles: list[str], first_only: bool = False) -> list[str]:
     """Put the original's norm back at each of ``model``'s converted norms of ``roles`` (an unfolded conversion:
-    its consumers still expect the norm's scale); the names restored."""
+    its consumers still expect the norm's scale), at every position or at the first alone; the names restored."""
     record = ConversionRecord.of(model)
     if record is None:
         raise SystemExit(f"--restore: {model.config.name_or_path} is not a converted checkpoint")
@@ -51,7 +64,9 @@ def restore(model, original, roles: list[str]) -> list[str]:
                          f"{', '.join(sorted({e.role for e in record.converted.values()}))})")
     for name in names:
         parent, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent) if parent else model, child, original.get_submodule(name))
+        back = original.get_submodule(name)
+        setattr(model.get_submodule(parent) if parent else model, child,
+                FirstFromOriginal(model.get_submodule(name), back) if first_only else back)
     return names
 
 
@@ -142,6 +157,8 @@ def main(argv=None) -> int:
     parser.add_argument("--restore", nargs="+", default=[], choices=ROLES, metavar="ROLE",
                         help="the original's norms put back at the converted norms of these roles first (choices: "
                              "%(choices)s)")
+    parser.add_argument("--restore-first", action="store_true",
+                        help="with --restore, the original's norm at the first position alone")
     add_threads(parser)
     add_output(parser, None, "JSON lines, appended")
     args = parser.parse_args(argv)
@@ -150,9 +167,12 @@ def main(argv=None) -> int:
     use_threads(args)
     original, tokenizer = load_model(args.against, dtype=torch.float32)  # a GGUF original refuses .float()
     model, _ = load_model(args.checkpoint, dtype=torch.float32, with_tokenizer=False)
-    restored = restore(model, original, args.restore) if args.restore else []
+    if args.restore_first and not args.restore:
+        parser.error("--restore-first restores the norms of --restore's roles at the first position: give --restore")
+    restored = restore(model, original, args.restore, args.restore_first) if args.restore else []
     if restored:
-        print(f"restored the original's {len(restored)} norms of {', '.join(args.restore)}")
+        where = " at the first position" if args.restore_first else ""
+        print(f"restored the original's {len(restored)} norms of {', '.join(args.restore)}{where}")
     ids = token_blocks(tokenizer, load_texts(args.data, "evaluation"), args.blocks, args.block_len)
     found = [agreement(model.eval(), original.eval(), row, args.period, args.query_stride) for row in ids]
     for one in found:
@@ -160,7 +180,7 @@ def main(argv=None) -> int:
     if args.out:
         with open(args.out, "a") as stream:
             for one in found:
-                stream.write(json.dumps({"checkpoint": args.checkpoint, "restored": args.restore, **one, "tokens": len(ids[0]),
+                stream.write(json.dumps({"checkpoint": args.checkpoint, "restored": args.restore, "first_only": args.restore_first, **one, "tokens": len(ids[0]),
                                          "commit": commit(), **machine()}) + "\n")
     return 0
 

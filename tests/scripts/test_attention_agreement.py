@@ -61,7 +61,10 @@ def test_restoring_every_converted_norm_gives_back_the_original(tmp_path):
               "--block-len", "140", "--period", "40", "--out", str(out)]
     assert bench.main([*common, "--restore", "attention_input", "mlp_input", "final"]) == 0
     assert bench.main([*common, "--restore", "attention_input"]) == 0
-    every, attention_only = (json.loads(line) for line in out.read_text().splitlines())
+    assert bench.main([*common, "--restore", "attention_input", "mlp_input", "final", "--restore-first"]) == 0
+    every, attention_only, first = (json.loads(line) for line in out.read_text().splitlines())
+    assert first["first_only"] and not every["first_only"]
+    assert max(d for layer in first["distance"] for head in layer for d in head) > 1e-4  # the rest converted
     assert every["restored"] == ["attention_input", "mlp_input", "final"]
     assert all(d < 1e-6 for layer in every["distance"] for head in layer for d in head)
     assert torch.allclose(torch.tensor(every["induction"]["original"]),
@@ -70,3 +73,5 @@ def test_restoring_every_converted_norm_gives_back_the_original(tmp_path):
     assert max(d for head in attention_only["distance"][0] for d in head) < 1e-6  # the first layer's input: the same
     with pytest.raises(SystemExit, match="no converted norm has that role"):
         bench.main([*common, "--restore", "qk_norm"])
+    with pytest.raises(SystemExit):
+        bench.main([*common, "--restore-first"])
