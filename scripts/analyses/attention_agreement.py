@@ -162,13 +162,13 @@ def main(argv=None) -> int:
     add_threads(parser)
     add_output(parser, None, "JSON lines, appended")
     args = parser.parse_args(argv)
+    if args.restore_first and not args.restore:
+        parser.error("--restore-first restores the norms of --restore's roles at the first position: give --restore")
     if not 1 <= args.period < args.block_len:
         parser.error(f"--period must be from 1 to below --block-len ({args.block_len}), got {args.period}")
     use_threads(args)
     original, tokenizer = load_model(args.against, dtype=torch.float32)  # a GGUF original refuses .float()
     model, _ = load_model(args.checkpoint, dtype=torch.float32, with_tokenizer=False)
-    if args.restore_first and not args.restore:
-        parser.error("--restore-first restores the norms of --restore's roles at the first position: give --restore")
     restored = restore(model, original, args.restore, args.restore_first) if args.restore else []
     if restored:
         where = " at the first position" if args.restore_first else ""
@@ -180,7 +180,8 @@ def main(argv=None) -> int:
     if args.out:
         with open(args.out, "a") as stream:
             for one in found:
-                stream.write(json.dumps({"checkpoint": args.checkpoint, "restored": args.restore, "first_only": args.restore_first, **one, "tokens": len(ids[0]),
+                stream.write(json.dumps({"checkpoint": args.checkpoint, "restored": args.restore,
+                                         "first_only": args.restore_first, **one, "tokens": len(ids[0]),
                                          "commit": commit(), **machine()}) + "\n")
     return 0
 
