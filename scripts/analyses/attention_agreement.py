@@ -22,9 +22,11 @@ from pathlib import Path
 import torch
 
 from hf_normswap import load_model
-# internal: the converted norms' roles read from the record, --data read as normswap reads it
+# internal: the converted norms' roles read from the record, a module swapped as convert swaps it, --data read as
+# normswap reads it
 from hf_normswap.checkpoint.record import ConversionRecord
 from hf_normswap.discovery.roles import ROLES
+from hf_normswap.surgery import replace_module
 from hf_normswap.data import load_texts, token_blocks
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/, for the shared harness (run by path)
@@ -63,10 +65,8 @@ def restore(model, original, roles: list[str], first_only: bool = False) -> list
         raise SystemExit(f"--restore {' '.join(roles)}: no converted norm has that role (roles here: "
                          f"{', '.join(sorted({e.role for e in record.converted.values()}))})")
     for name in names:
-        parent, _, child = name.rpartition(".")
         back = original.get_submodule(name)
-        setattr(model.get_submodule(parent) if parent else model, child,
-                FirstFromOriginal(model.get_submodule(name), back) if first_only else back)
+        replace_module(model, name, FirstFromOriginal(model.get_submodule(name), back) if first_only else back)
     return names
 
 

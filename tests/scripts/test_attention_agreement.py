@@ -75,3 +75,13 @@ def test_restoring_every_converted_norm_gives_back_the_original(tmp_path):
         bench.main([*common, "--restore", "qk_norm"])
     with pytest.raises(SystemExit):
         bench.main([*common, "--restore-first"])
+
+
+def test_the_first_position_alone_comes_from_the_original_norm():
+    bench = import_file("scripts/analyses/attention_agreement.py")
+    norm = torch.nn.RMSNorm(8)
+    converted = hf_normswap.DyT(8, 0.5)
+    x = torch.randn(2, 5, 8) * 30
+    out = bench.FirstFromOriginal(converted, norm)(x)
+    assert torch.equal(out[:, :1], norm(x[:, :1]))
+    assert torch.equal(out[:, 1:], converted(x)[:, 1:])
