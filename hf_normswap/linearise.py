@@ -20,7 +20,7 @@ from torch import nn
 
 from .calibration.fitting import saturated_share
 from .checkpoint.record import ConversionRecord
-from .modules import ElementwiseNorm, Linear
+from .modules import ElementwiseNorm, Linear, replace_module
 
 DEFAULT_MAX_SATURATION = 0.01
 
@@ -125,9 +125,7 @@ def linearise(model: nn.Module, batches: list[dict],
         if share > max_saturation or not stats[name].count:
             report.kept[name] = share
             continue
-        parent, _, child = name.rpartition(".")
-        replacement = fitted_line(module, kinds[name], stats[name])
-        setattr(model.get_submodule(parent) if parent else model, child, replacement)
+        replace_module(model, name, fitted_line(module, kinds[name], stats[name]))
         report.linearised[name] = share
     entries = {name: dataclasses.replace(entry, method="linear" if name in report.linearised else entry.method)
                for name, entry in record.converted.items()}

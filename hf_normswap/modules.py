@@ -430,3 +430,13 @@ def adam_groups(modules: list[ElementwiseNorm], lr: float) -> list[dict]:
 
 METHODS: dict[str, type[ElementwiseNorm]] = {cls.key: cls for cls in (ELN, DyT, Derf, Linear)}
 DEFAULT_METHOD = next(iter(METHODS))  # what convert and the recipe take when no method is named
+
+
+def replace_module(model: nn.Module, name: str, new: nn.Module) -> nn.Module:
+    """Set ``new`` at dotted path ``name`` and return the module it replaced (instances only, no class patching).
+    Here, with the modules, so that the remote code, which carries this file, swaps them as the package does."""
+    parent_name, _, child = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    old = getattr(parent, child)
+    setattr(parent, child, new)
+    return old

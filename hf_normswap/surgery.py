@@ -24,7 +24,7 @@ from .checkpoint.record import ConversionRecord, NormEntry, converted_config
 from .checkpoint.saving import enable_save
 from .discovery.norms import NormInfo, find_norms, norm_parameters
 from .discovery.roles import ROLES, assign_roles
-from .modules import DEFAULT_METHOD, METHODS, ElementwiseNorm
+from .modules import DEFAULT_METHOD, METHODS, ElementwiseNorm, replace_module
 from .validation import ValidationError, check_input_scale
 
 DEFAULT_ROLES = tuple(r for r in ROLES if r not in ("qk_norm", "other"))
@@ -157,15 +157,6 @@ def build_replacement(
             if param is not None:
                 param.data = param.data.to(source_dtype)
     return replacement
-
-
-def replace_module(model: nn.Module, name: str, new: nn.Module) -> nn.Module:
-    """Set ``new`` at dotted path ``name`` and return the module it replaced (instances only, no class patching)."""
-    parent_name, _, child = name.rpartition(".")
-    parent = model.get_submodule(parent_name) if parent_name else model
-    old = getattr(parent, child)
-    setattr(parent, child, new)
-    return old
 
 
 @dataclass

@@ -26,7 +26,7 @@ import transformers
 from torch import nn
 
 from .. import modules
-from ..modules import METHODS
+from ..modules import METHODS, replace_module
 from ..version import __version__
 from . import record
 from .config_checks import check_base
@@ -52,9 +52,7 @@ def rebuild_norms(model: nn.Module, normswap: dict) -> nn.Module:
     ``hf_normswap.load``.
     """
     for name, entry in norm_entries(normswap).items():
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        old = getattr(parent, child)
+        old = model.get_submodule(name)
         new = METHODS[entry.method](entry.shape, 1.0, per_channel=entry.per_channel, bias=entry.bias,
                                     amplitude=entry.amplitude, kind=entry.kind)
         reference = next(old.parameters(), None)
@@ -63,7 +61,7 @@ def rebuild_norms(model: nn.Module, normswap: dict) -> nn.Module:
             for param in (new.weight, new.bias):
                 if param is not None:
                     param.data = param.data.to(reference.dtype)
-        setattr(parent, child, new)
+        replace_module(model, name, new)
     return model
 
 

@@ -32,7 +32,7 @@ from torch import nn
 
 from ..discovery.norms import EPS_NAMES, find_norms
 from ..model_inputs import dummy_inputs, first_tensor
-from ..modules import Linear
+from ..modules import Linear, replace_module
 from ..validation import ValidationError
 from . import model_card
 from .directory import CheckpointError, atomic_directory, check_output_dir
@@ -204,7 +204,6 @@ def load_stock(path: str | os.PathLike, record: ConversionRecord, **kwargs) -> n
         for param in (module.weight, module.bias):
             if param is not None:
                 param.data = param.data.to(weight.dtype)
-        parent, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent) if parent else model, child, module)
+        replace_module(model, name, module)
     dataclasses.replace(record, stock=None).attach(model)
     return model

@@ -26,7 +26,7 @@ from hf_normswap import load_model
 # normswap reads it
 from hf_normswap.checkpoint.record import ConversionRecord
 from hf_normswap.discovery.roles import ROLES
-from hf_normswap.surgery import replace_module
+from hf_normswap.modules import replace_module
 from hf_normswap.data import load_texts, token_blocks
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/, for the shared harness (run by path)
