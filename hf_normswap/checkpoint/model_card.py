@@ -139,7 +139,7 @@ def _evaluation_section(evaluation) -> str | None:
         ratio = f"{converted / original:.4g}" if isinstance(original, (int, float)) and isinstance(
             converted, (int, float)) and original else ""
         lines.append(f"| {name} | {_number(original)} | {_number(converted)} | {ratio} |")
-    if evaluation.get("fit_for_use"):  # the recipe's final_eval tails and tasks (``evaluation.report``)
+    if evaluation.get("fit_for_use"):  # the recipe's final_eval tails and tasks (``evaluation.fit_for_use``)
         lines += ["", "Fit for use, on the same text and task examples:", "", evaluation["fit_for_use"]]
     return "\n".join(lines)
 

@@ -12,7 +12,7 @@ from ..checkpoint.record import ConversionRecord
 from ..data import check_spec
 from ..evaluation import finite_json
 from ..evaluation.perplexity import EvaluationError, check_window
-from ..evaluation.report import FitSettings, fit_report
+from ..evaluation.fit_for_use import FitSettings, fit_report
 from ..evaluation.tasks import MIN_RECOVERY, check_tasks
 from ..evaluation.documents import evaluation_texts
 from ..model_inputs import is_encoder

@@ -8,7 +8,7 @@
   top-1 agreement against the original; the encoder's embedding cosine, nearest-neighbour agreement and similarity
   rank correlation): a new metric is a new file there.
 - ``norm_sensitivity.py``: the damage of each norm converted alone, and the greedy order (``normswap sensitivity``).
-- ``report.py``: the fit-for-use report of ``eval --against``, from ``token_losses.py`` (every token's loss under
+- ``fit_for_use.py``: the fit-for-use report of ``eval --against``, from ``token_losses.py`` (every token's loss under
   both models), ``tails.py`` (percentiles, worst windows), ``positions.py`` (the ratio by position),
   ``repetition.py`` (a repeated passage) and ``tasks.py`` (lm-eval tasks on both models, recovery).
 - ``conversion_check.py``: original and converted scored on a small slice after a conversion, warning on failure.

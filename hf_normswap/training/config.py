@@ -203,7 +203,7 @@ class FinalEvaluation:
     max_tokens: int | None = 8192
     max_length: int | None = 512
     batch_size: int | None = None
-    # after training, the fit-for-use report (``evaluation.report``): lm-eval tasks (names or local task YAMLs) on
+    # after training, the fit-for-use report (``evaluation.fit_for_use``): lm-eval tasks (names or local task YAMLs) on
     # both models, ``limit`` / ``num_fewshot`` as lm-eval means them; ``tails``: the per-token loss tails, the
     # ratio by position up to max_length and the repetition check
     tasks: str | list[str] | None = None

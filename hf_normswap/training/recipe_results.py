@@ -15,7 +15,7 @@ from ..checkpoint.directory import CheckpointError
 from ..checkpoint.publish import save_or_keep
 from ..evaluation.embeddings import evaluate_embeddings
 from ..evaluation.perplexity import PerplexitySettings, evaluate
-from ..evaluation.report import FitSettings, fit_report
+from ..evaluation.fit_for_use import FitSettings, fit_report
 from ..evaluation.tasks import check_tasks
 from ..model_inputs import ends_in_hidden_states
 from .recipe_settings import stopped
@@ -34,7 +34,7 @@ def final_evaluation(model, original, tokenizer, texts: list[str], data: str, se
 
 
 def fit_for_use(after, model, original, tokenizer, texts: list[str], settings, log):
-    """The final evaluation completed by ``final_eval``'s tails and tasks (``evaluation.report``), None when it
+    """The final evaluation completed by ``final_eval``'s tails and tasks (``evaluation.fit_for_use``), None when it
     names neither; logged (``settings``: the run's ``final_eval``)."""
     if not settings.tails and settings.task_names is None:
         return None

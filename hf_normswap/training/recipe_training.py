@@ -9,19 +9,23 @@ import time
 from pathlib import Path
 
 from accelerate.utils import broadcast_object_list
-from datasets import IterableDataset
+from datasets import Dataset, IterableDataset
+from torch import nn
 from transformers import TrainingArguments
+from transformers.trainer_utils import TrainOutput
 
 from ..checkpoint.record import ConversionRecord
 from ..model_inputs import ends_in_hidden_states
+from ..precision import PrecisionChoice
 from .compiled_blocks import compile_blocks
 from .first_scale import FirstScaleHandover
 from .hand_overs import converted_roles
-from .hand_overs.blend import HandOverError, ProgressiveSwap
+from .hand_overs.blend import HandOverError, ProgressiveSwap, ProgressiveSwapCallback
 from .recipe_data import recipe_datasets, sentence_steps
 from .recipe_models import skeleton_to_gather
 from .recipe_settings import fail
 from .recovery_loss import RecoveryLoss
+from .recovery_run import RecoveryRun
 from .run_dir import ResumePoint
 from .saturation import SaturationLog
 from .step_precision import training_precision
@@ -30,25 +34,24 @@ from .trainer import NormSwapTrainer
 from .wall_clock import FirstStepClock, WallClockStop
 
 
-
 @dataclasses.dataclass
 class TrainingRun:
     """What step 3 leaves for step 4: the trainer after training and what the summary records of the launch."""
-    trainer: object
-    result: object
-    precision: object
-    swap: object
-    skeleton: object
-    eval_set: object
+    trainer: NormSwapTrainer
+    result: TrainOutput
+    precision: PrecisionChoice
+    skeleton: nn.Module | None  # the parameterless copy the sharded student is gathered into (FSDP2)
+    eval_set: Dataset | None  # the eval blocks; None for a sentence encoder
     encoder: bool
     wall: float
     last: str | None
     resumed: dict
     first_step: float | None  # seconds from the launch to its first step
-    hand_over: object = None  # the taper's or the progressive swap's callback
+    hand_over: ProgressiveSwapCallback | None = None  # the taper's or the progressive swap's callback
 
 
-def train(run, student, original, tokenizer, state, log, launched: float, resume_from: ResumePoint) -> TrainingRun:
+def train(run: RecoveryRun, student, original, tokenizer, state, log, launched: float,
+          resume_from: ResumePoint) -> TrainingRun:
     """Step 3: the training rows, the trainable parameters (norms, all, LoRA; progressive conversion), the
     precision, then :class:`NormSwapTrainer` from ``resume_from`` (the run folder's last checkpoint when resuming;
     ``launched``: when the launch started, ``time.monotonic()``, for the seconds to its first step)."""
@@ -108,8 +111,8 @@ def train(run, student, original, tokenizer, state, log, launched: float, resume
         result = trainer.train(resume_from_checkpoint=last)
     except HandOverError as error:  # checked with the Trainer's count of steps: an epoch-based run's, a resume's
         fail(str(error))
-    return TrainingRun(trainer=trainer, result=result, precision=precision, swap=swap, skeleton=skeleton,
-                       eval_set=eval_set, encoder=encoder, wall=time.time() - start, last=last, resumed=resume_from.state,
+    return TrainingRun(trainer=trainer, result=result, precision=precision, skeleton=skeleton, eval_set=eval_set,
+                       encoder=encoder, wall=time.time() - start, last=last, resumed=resume_from.state,
                        first_step=first_step.seconds, hand_over=hand_over)
 
 

@@ -17,7 +17,7 @@ from hf_normswap.checkpoint.model_card import _evaluation_section
 from hf_normswap.cli import main
 from hf_normswap.evaluation.perplexity import PerplexitySettings, evaluate
 from hf_normswap.evaluation.positions import positions
-from hf_normswap.evaluation.report import context_report
+from hf_normswap.evaluation.fit_for_use import context_report
 from hf_normswap.evaluation.token_losses import TokenLosses
 from hf_normswap.training.config import FinalEvaluation
 from hf_normswap.training.recipe_results import fit_for_use
