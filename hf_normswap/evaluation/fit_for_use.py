@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from ..checkpoint.record import ConversionRecord
 from .perplexity import REFERENCE, Evaluation, EvaluationError, _prefix_token
 from .positions import Positions, positions
 from .repetition import Repetition, repetition
@@ -58,8 +59,19 @@ def context_report(models: dict[str, nn.Module], tokenizer, texts: list[str], *,
     if len(stream) < 2:
         raise EvaluationError("the evaluation text gives no tokens to score")
     losses = token_losses(pair, stream, max_length, batch_size)
-    return (tails(losses, tokenizer, converted), positions(losses, converted),
+    return (tails(losses, tokenizer, converted, fitted_length=fitted_length(pair[converted])),
+            positions(losses, converted),
             repetition(pair, stream, max_length, converted))
+
+
+def fitted_length(model: nn.Module) -> int | None:
+    """The tokens a sequence held when ``model`` was trained (its record's training), else calibrated; None for a
+    model this package did not convert: past them it was never fitted, which the worst windows say."""
+    record = ConversionRecord.of(model)
+    for part in (record.training, record.calibration) if record is not None else ():
+        if part and isinstance(part.get("block_len"), int):
+            return part["block_len"]
+    return None
 
 
 @dataclass

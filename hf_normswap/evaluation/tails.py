@@ -4,7 +4,8 @@ A converted model can keep a good mean while a few inputs blow up (a LayerNorm-f
 mean loss of 130 nats with a median of 1.09). So, for both models on the same tokens (``token_losses.py``): the
 median, 90th, 99th and 99.9th percentiles and the maximum of the per-token loss, the same of the per-token
 difference (converted - original), and the spans of text where the converted model is worst against the original,
-with a snippet of each.
+with a snippet of each and what sets it apart: positions past the length the model was fitted on, or text that
+repeats what came before in its window (which the original predicts by copying).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ SPAN = 128  # tokens a worst window averages over
 WORST = 5  # windows listed
 MARGIN = 2.0  # nats/token: a window worse than the original's by more is named
 SNIPPET = 80  # characters of a window's text shown
+REPEATED = 0.25  # share of a window's tokens that continue a pair of tokens seen earlier in it: repeated text
 
 
 def distribution(values: np.ndarray) -> dict:
@@ -42,6 +44,7 @@ class WorstWindow:
     converted: float
     difference: float
     text: str
+    reason: str  # what sets it apart (:func:`window_reason`)
 
 
 @dataclass
@@ -63,11 +66,11 @@ class Tails:
             lines.append(f"| {label} | " + " | ".join(number(values[key]) for key in keys) + " |")
         lines += ["", f"worst {self.span}-token windows (mean nats/token; {self.over_margin} worse than the "
                       f"original's by more than {MARGIN:g}):",
-                  "| token | original | converted | difference | text |", "|---|---|---|---|---|"]
+                  "| token | original | converted | difference | text | why |", "|---|---|---|---|---|---|"]
         for w in self.worst:
             flag = " **over**" if w.difference > MARGIN else ""
             lines.append(f"| {w.start} | {number(w.original)} | {number(w.converted)} | {number(w.difference)}{flag} | "
-                         f"{w.text} |")
+                         f"{w.text} | {w.reason} |")
         return "\n".join(lines)
 
     def to_dict(self) -> dict:
@@ -82,9 +85,44 @@ def _snippet(tokenizer, ids) -> str:
     return text.replace("|", "\\|")  # a Markdown table cell
 
 
+def repeated_share(losses: TokenLosses, start: int, end: int) -> float:
+    """The share of the predictions ``start:end`` of the stream whose target follows its previous token as a pair
+    already seen earlier in the same window: repeated text, which a model with working copying heads predicts."""
+    positions, targets = losses.positions.tolist(), losses.targets.tolist()
+    seen, window, repeated = set(), None, 0
+    first = start - positions[start]  # the window's first prediction: its pairs from there on count as seen
+    for i in range(first, end):
+        if positions[i] == 0:
+            seen, window = set(), i
+        pair = (targets[i - 1], targets[i]) if i > window else None
+        if i >= start and pair in seen:
+            repeated += 1
+        seen.add(pair)
+    return repeated / max(1, end - start)
+
+
+def window_reason(losses: TokenLosses, start: int, end: int, fitted_length: int | None) -> str:
+    """What sets the predictions ``start:end`` apart: positions past ``fitted_length`` (the tokens a sequence held
+    when the model was trained or calibrated; None: not known), and repeated text (:func:`repeated_share`)."""
+    where = losses.positions[start:end]
+    first, last = int(where.min()), int(where.max())
+    reasons = []
+    if fitted_length is not None and first >= fitted_length:
+        reasons.append(f"positions {first}-{last}, past the {fitted_length} tokens it was fitted on")
+    share = repeated_share(losses, start, end)
+    if share >= REPEATED:
+        reasons.append(f"repeated text ({share:.0%} of its tokens continue a pair seen earlier in the window)")
+    if reasons:
+        return "; ".join(reasons)
+    within = f", within the {fitted_length} tokens it was fitted on" if fitted_length is not None else ""
+    return f"positions {first}-{last}{within}; {share:.0%} repeated"
+
+
 def tails(losses: TokenLosses, tokenizer, converted: str = "converted", span: int = SPAN,
-          worst: int = WORST) -> Tails:
-    """The tails of ``converted`` against the reference (``REFERENCE``) on the same tokens."""
+          worst: int = WORST, fitted_length: int | None = None) -> Tails:
+    """The tails of ``converted`` against the reference (``REFERENCE``) on the same tokens; ``fitted_length``: the
+    tokens a sequence held when ``converted`` was trained or calibrated (None: not known), for the worst windows'
+    reasons."""
     original = losses.losses[REFERENCE].numpy()
     model = losses.losses[converted].numpy()
     difference = model - original
@@ -92,6 +130,8 @@ def tails(losses: TokenLosses, tokenizer, converted: str = "converted", span: in
     means = [(s, original[s:s + span].mean(), model[s:s + span].mean()) for s in starts]
     means.sort(key=lambda m: m[1] - m[2])  # largest difference first
     windows = [WorstWindow(int(s), len(original[s:s + span]), float(o), float(c), float(c - o),
-                           _snippet(tokenizer, losses.targets[s:s + span].tolist())) for s, o, c in means[:worst]]
+                           _snippet(tokenizer, losses.targets[s:s + span].tolist()),
+                           window_reason(losses, s, min(s + span, len(original)), fitted_length))
+               for s, o, c in means[:worst]]
     over = sum(1 for _, o, c in means if c - o > MARGIN)
     return Tails(distribution(original), distribution(model), distribution(difference), windows, span, over)

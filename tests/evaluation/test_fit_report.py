@@ -4,6 +4,7 @@ a bad ``--tasks`` request is one line before any model loads."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -12,12 +13,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import hf_normswap
 from cli_runs import recipe_refusal, run_cli
+from hf_normswap.checkpoint.record import ConversionRecord
 from hf_normswap.checkpoint.model_card import _evaluation_section
 from hf_normswap.cli import main
 from hf_normswap.evaluation.perplexity import PerplexitySettings, evaluate
 from hf_normswap.evaluation.positions import positions
-from hf_normswap.evaluation.fit_for_use import context_report
+from hf_normswap.evaluation.fit_for_use import context_report, fitted_length
+from hf_normswap.evaluation.tails import repeated_share, tails
 from hf_normswap.evaluation.token_losses import TokenLosses
 from hf_normswap.training.config import FinalEvaluation
 from hf_normswap.training.recipe_results import fit_for_use
@@ -234,3 +238,38 @@ def test_a_range_where_the_original_fails_too_is_said_so_not_blamed_on_the_conve
     assert by_range[1024, 2048].original_fails and not by_range[1024, 2048].marked
     assert not any(r.marked or r.original_fails for r in found.ranges if r.end <= 512)
     assert "the original fails here too" in found.table() and "**over 1.2**" in found.table()
+
+
+def test_a_worst_window_says_whether_it_lies_past_the_fitted_length_or_repeats_its_window(one_thread):
+    """Two windows of 8 predictions, the second repeating 1 2 3: a span of 4 past the 4 tokens the model was fitted
+    on is said so, a span of repeated pairs is said so (with its share counted by hand), a span with neither
+    says where it lies and that nothing there repeats."""
+    targets = torch.tensor([1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3, 1, 2, 3, 1, 2])
+    where = torch.arange(8).repeat(2)
+    original = torch.zeros(16, dtype=torch.float64)
+    converted = original + torch.tensor([0.1] * 4 + [2.0] * 4 + [0.5] * 4 + [3.0] * 4, dtype=torch.float64)
+    losses = TokenLosses({"original": original, "converted": converted}, where, targets, 8)
+    assert repeated_share(losses, 8, 16) == 4 / 8  # pairs (1,2) (2,3) (3,1) again at 12-15; 9-11 are first seen
+    assert repeated_share(losses, 0, 8) == 0 and repeated_share(losses, 12, 16) == 1
+    found = tails(losses, tiny_tokenizer(), span=4, worst=4, fitted_length=4)
+    by_start = {w.start: w.reason for w in found.worst}
+    assert [w.start for w in found.worst] == [12, 4, 8, 0]
+    assert by_start[12] == ("positions 4-7, past the 4 tokens it was fitted on; repeated text (100% of its tokens "
+                            "continue a pair seen earlier in the window)")
+    assert by_start[4] == "positions 4-7, past the 4 tokens it was fitted on"
+    assert by_start[0] == "positions 0-3, within the 4 tokens it was fitted on; 0% repeated"
+    assert found.over_margin == 1 and "| why |" in found.table() and by_start[12] in found.table()
+    assert found.to_dict()["worst_windows"][0]["reason"] == by_start[12]
+    unknown = tails(losses, tiny_tokenizer(), span=4, worst=1)
+    assert unknown.worst[0].reason.startswith("repeated text")  # no fitted length: position alone says nothing
+
+
+def test_the_fitted_length_is_the_records_training_then_calibration_length():
+    model = tiny_model("llama")
+    assert fitted_length(model) is None  # not converted here
+    hf_normswap.convert(model, to="dyt", calibration=None)
+    assert fitted_length(model) is None  # the analytic start: no sequence seen
+    dataclasses.replace(ConversionRecord.of(model), calibration={"block_len": 32}).attach(model)
+    assert fitted_length(model) == 32
+    ConversionRecord.amend(model, training={"block_len": 64})
+    assert fitted_length(model) == 64
