@@ -21,6 +21,7 @@ from ..calibration.calibrate import CalibrationConfig
 from ..modules import DEFAULT_METHOD, METHODS
 from ..precision import PRECISIONS
 from ..settings import read_overrides, read_settings, read_yaml_file, unknown_setting
+from ..surgery import DEFAULT_ROLES, ConversionError, check_selection
 from ..validation import ValidationError, check_number, first_line, shown
 from ..evaluation.norm_sensitivity import load_order
 from . import hand_overs
@@ -289,6 +290,8 @@ class RecipeConfig:
     model: str = "offline:smollm2"  # the original to convert, or an already converted checkpoint
     original: str | None = None  # the original when ``model`` is already converted (teacher and reference)
     method: str = DEFAULT_METHOD
+    roles: str | list[str] | None = None  # the norms the recipe converts, by role (a list or comma-separated; None:
+    # convert's default): [mlp_input, final] keeps the attention's input norms
     calibration: CalibrationConfig = field(default_factory=lambda: CalibrationConfig(num_blocks=16, block_len=512))
     train_data: str | list[str] = "builtin:calibration"  # a list: a mix, equal shares of the tokens (train_sources)
     streaming: bool = False  # read train_data (a Hub dataset) lazily, tokenized and packed on the fly
@@ -350,6 +353,13 @@ class RecipeConfig:
         _at_least(self.head_chunk, "head_chunk", 0, whole=True)
         _at_least(self.step_tokens, "step_tokens", 1, whole=True)
         _at_least(self.seed, "seed", 0, whole=True)
+        if not self.roles_to_convert:
+            raise ValidationError("roles names no role: leave it unset (convert's default) or name some, e.g. "
+                                  "roles=[mlp_input,final]")
+        try:
+            check_selection(self.roles_to_convert, None, None)
+        except ConversionError as error:
+            raise ValidationError(f"roles: {error}") from None
         if self.calibration.tokenizer is not None:  # the recipe calibrates with the model's own tokenizer
             raise ValidationError("calibration.tokenizer is not a setting of the recipe: it calibrates with the "
                                   "model's own tokenizer; remove calibration.tokenizer")
@@ -367,6 +377,14 @@ class RecipeConfig:
             raise ValidationError(f"save_dir {self.save_dir} is output_dir, holds it or its calibrated/: the final "
                                   "checkpoint needs a folder of its own; leave save_dir unset (OUTPUT/final)")
         self._check_training()
+
+    @property
+    def roles_to_convert(self) -> tuple[str, ...]:
+        """The roles of the norms the recipe converts: ``roles``, or convert's default when unset."""
+        if self.roles is None:
+            return DEFAULT_ROLES
+        return tuple(r.strip() for r in (self.roles.split(",") if isinstance(self.roles, str) else self.roles)
+                     if r.strip())
 
     def _check_training(self) -> None:
         known = {f.name for f in dataclasses.fields(TrainingArguments) if f.init} - set(OWNED_TRAINING_ARGUMENTS)

@@ -97,7 +97,8 @@ class RecoveryRecipe:
                                    device=str(state.device), cpu=cpu, sharded=fsdp2_requested(),
                                    load_once=loads_once(), device_memory=self.device_memory)
             if config.resume and self.run.calibrates:
-                check_calibration_cache(self.run.calibrated_cache, config.method, config.calibration)
+                check_calibration_cache(self.run.calibrated_cache, config.method, config.calibration,
+                                        config.roles_to_convert)
         except (RecoveryRunError, ValidationError, CheckpointError) as error:
             fail(str(error))
         check_data(config, self.run.calibrates, packs_blocks(self.run.original))

@@ -83,7 +83,7 @@ def load_models(run: RecoveryRun, state):
     sentences = config.train_tokens is not None and ends_in_hidden_states(named)
     hand_over = chosen(config.hand_over.kind, config.progressive, config.taper, config.hand_over.options, "norms")
     try:
-        check_hand_over(hand_over, named, run.steps, sentences)
+        check_hand_over(hand_over, named, run.steps, sentences, config.roles_to_convert)
     except HandOverError as error:
         fail(str(error))
     original = place_for_training(original, state.device, run.sharded)
@@ -101,8 +101,8 @@ def load_models(run: RecoveryRun, state):
                 student = copy.deepcopy(original)
                 start = time.time()
                 try:
-                    report = hf_normswap.convert(student, to=config.method, calibration=dataclasses.replace(
-                        run.calibration, tokenizer=tokenizer))
+                    report = hf_normswap.convert(student, to=config.method, roles=config.roles_to_convert,
+                                                 calibration=dataclasses.replace(run.calibration, tokenizer=tokenizer))
                 except DataError as error:  # e.g. the original's samples cannot be cached
                     raise stopped(f"calibration.data: {error}") from None
                 print(f"[{COMMAND.get()}] converted {len(report.converted)} norms to {config.method.upper()} with "

@@ -102,9 +102,10 @@ def converted_checkpoint(model: str) -> dict | None:
     return converted_config(model) if Path(model).is_dir() else None
 
 
-def check_calibration_cache(cache: Path, method: str, calibration: CalibrationConfig) -> None:
+def check_calibration_cache(cache: Path, method: str, calibration: CalibrationConfig,
+                            roles: tuple[str, ...]) -> None:
     """A resumed run that calibrates reuses its ``cache`` only if it was converted as the config asks (``method``,
-    ``calibration``): another method or other calibration settings in the same output_dir would otherwise train a
+    ``calibration``, the ``roles`` converted): another method or other calibration settings in the same output_dir would otherwise train a
     start the config does not describe. The cached model's own record (its ``ConvertConfig``) is compared with the
     config."""
     cached = converted_config(cache)
@@ -113,8 +114,9 @@ def check_calibration_cache(cache: Path, method: str, calibration: CalibrationCo
     record = ConversionRecord.in_config(cached)
     made = ConvertConfig.from_record(record)
     names = [f.name for f in dataclasses.fields(calibration) if f.name not in CalibrationConfig.run_time()]
-    asked = {"method": method, **{name: getattr(calibration, name) for name in names}}
-    recorded = {"method": made.method, **{name: getattr(made.calibration, name) for name in names}}
+    asked = {"method": method, "roles": tuple(roles), **{name: getattr(calibration, name) for name in names}}
+    recorded = {"method": made.method, "roles": tuple(made.roles),
+                **{name: getattr(made.calibration, name) for name in names}}
     filled_in = (None, "auto")  # left to the strategy: recorded as the strategy resolved them
     differ = [f"{key} {recorded[key]!r} (the config: {value!r})" for key, value in asked.items()
               if value not in filled_in and recorded[key] != value]
@@ -141,6 +143,9 @@ def resolve_run(config: RecipeConfig, *, processes: int = 1, is_main: bool = Tru
         except ValidationError as error:
             raise RecoveryRunError(f"{config.model}: {error}") from None
         original = config.original or record.base_model
+        if config.roles is not None:
+            raise RecoveryRunError(f"roles: {config.model} is converted already, its norms fixed; leave roles unset, "
+                                   "or name its original as model")
         if not original:
             raise RecoveryRunError("the checkpoint does not name its original; set original: in the config")
     calibration = config.calibration

@@ -8,6 +8,7 @@ import pytest
 
 from hf_normswap.training.config import RecipeConfig, read_recipe_config
 from hf_normswap.settings import read_settings
+from hf_normswap.surgery import DEFAULT_ROLES
 from hf_normswap.validation import ValidationError
 
 CONFIGS = sorted((Path(__file__).resolve().parents[2] / "recipes" / "configs").glob("*.yaml"))
@@ -42,11 +43,19 @@ CONFIGS = sorted((Path(__file__).resolve().parents[2] / "recipes" / "configs").g
     (["streaming=true", "train_data=[a, b]"], "streaming reads one Hub dataset: name one train_data"),
     (["train_data=[generated:length=256,batch_size=128, a.txt]"], "train_data: 'batch_size=128' is an option cut off"),
     (["train_data=[generated, repeated:words=3,copies=3:/data/a.txt]"], "'copies=3:/data/a.txt' is an option cut off"),
+    (["roles=[mlp_input, attention]"], "roles: unknown role(s) ['attention']: choose from attention_input, mlp_input"),
+    (["roles=[]"], "roles names no role: leave it unset (convert's default) or name some"),
 ])
 def test_a_wrong_setting_is_one_error_that_names_it(overrides, message):
     with pytest.raises(ValidationError) as error:
         read_recipe_config(None, overrides)
     assert message in str(error.value) and "\n" not in str(error.value)
+
+
+def test_the_roles_converted_are_convert_s_default_a_list_or_a_comma_separated_string():
+    assert RecipeConfig().roles_to_convert == DEFAULT_ROLES
+    assert read_recipe_config(None, ["roles=[mlp_input, final]"]).roles_to_convert == ("mlp_input", "final")
+    assert read_recipe_config(None, ["roles=mlp_input,final"]).roles_to_convert == ("mlp_input", "final")
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)

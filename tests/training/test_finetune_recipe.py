@@ -23,6 +23,7 @@ import torch
 import yaml
 
 import hf_normswap
+from hf_normswap.checkpoint.record import ConversionRecord
 from hf_normswap.data.generated import is_generated
 from hf_normswap.training.recovery_run import converted_checkpoint, resolve_run
 from hf_normswap.training import recipe_data, recipe_models, recipe_results, recipe_settings
@@ -200,7 +201,9 @@ def test_a_resumed_run_refuses_a_cached_calibration_the_config_does_not_describe
     capsys.readouterr()
     for override, named in (("method=dyt", "method 'eln' (the config: 'dyt')"),
                             ("calibration.num_blocks=3", "num_blocks 4 (the config: 3)"),
-                            ("calibration.precision=fp32", "precision 'auto' (the config: 'fp32')")):
+                            ("calibration.precision=fp32", "precision 'auto' (the config: 'fp32')"),
+                            ("roles=[mlp_input]", "roles ('attention_input', 'mlp_input', 'post_norm', 'embedding', "
+                                                  "'final') (the config: ('mlp_input',))")):
         with pytest.raises(SystemExit) as error:
             no_loading.main([*base, override])  # refused as the run is set up, before any model loads
         assert error.value.code == 2
@@ -214,6 +217,10 @@ def test_a_resumed_run_refuses_a_cached_calibration_the_config_does_not_describe
     anew, _, _ = recipe_models.load_models(resolve_run(recipe_settings.load_config([*base, "method=dyt", "resume=false"])),
                                        state)
     assert anew.config.normswap["method"] == "dyt" and "converted" in capsys.readouterr().out
+    some, _, _ = recipe_models.load_models(resolve_run(recipe_settings.load_config(
+        [*base, "roles=[mlp_input]", "resume=false"])), state)  # the roles asked, and those alone
+    converted = ConversionRecord.of(some).converted
+    assert converted and {entry.role for entry in converted.values()} == {"mlp_input"}
 
 
 @pytest.mark.parametrize("env, named", [({"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "1"}, "FSDP1"),

@@ -95,6 +95,12 @@ def test_a_converted_checkpoint_naming_no_original_is_refused(models, tmp_path, 
         resolve_run(RecipeConfig(model=str(models / "converted"), output_dir=str(tmp_path / "out")))
 
 
+def test_roles_with_a_converted_checkpoint_are_refused(models, tmp_path):
+    with pytest.raises(RecoveryRunError, match="is converted already, its norms fixed; leave roles unset"):
+        resolve_run(RecipeConfig(model=str(models / "converted"), roles=["mlp_input"],
+                                 output_dir=str(tmp_path / "out")))
+
+
 def test_a_step_sized_in_tokens_resolves_the_batch_the_steps_and_the_plan(models, tmp_path):
     """``step_tokens`` gives the run its micro-batch and accumulation, and the steps of ``train_tokens`` follow
     from them; the settings stay as given and the plan reads the run's batch."""

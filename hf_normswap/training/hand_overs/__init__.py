@@ -12,7 +12,7 @@ import importlib
 import pkgutil
 
 from ...checkpoint.record import ConversionRecord
-from ...surgery import ConversionError, plan
+from ...surgery import DEFAULT_ROLES, ConversionError, plan
 from ...validation import ValidationError, first_line
 from .blend import HandOverError, check_fits, end_step
 from .base import KINDS, NONE, HandOver, register
@@ -57,9 +57,9 @@ def chosen(kind: str, progressive, taper, options: dict, trainable: str) -> Hand
     return hand_over
 
 
-def converted_roles(model) -> dict[str, str] | None:
+def converted_roles(model, roles=DEFAULT_ROLES) -> dict[str, str] | None:
     """``{name: role}`` of the norms converted in ``model``, or that converting it will replace (the recipe
-    converts every norm ``convert`` selects by default); None where they cannot be known here (a model built on
+    converts the norms of ``roles`` that ``convert`` selects); None where they cannot be known here (a model built on
     the meta device, whose main process checks; a model without norms, which ``convert`` refuses itself)."""
     record = ConversionRecord.of(model)
     if record is not None:
@@ -67,22 +67,22 @@ def converted_roles(model) -> dict[str, str] | None:
     if any(p.is_meta for p in model.parameters()):
         return None
     try:
-        _, selected, _ = plan(model)
+        _, selected, _ = plan(model, roles)
     except ConversionError:
         return None
     return {norm.name: norm.role for norm in selected}
 
 
-def check_hand_over(hand_over: HandOver | None, model, steps: int, sentences: bool) -> None:
+def check_hand_over(hand_over: HandOver | None, model, steps: int, sentences: bool, roles=DEFAULT_ROLES) -> None:
     """Refuse, with a :class:`HandOverError` of one line, a run's ``hand_over`` (:func:`chosen`; None: none) whose
     order does not fit ``model``'s norms (the original, or the converted checkpoint), or whose schedule, fixed by its
     settings, ends after the run's ``steps`` (``RecoveryRun.steps``: where known before training,
     ``training.max_steps`` or ``train_tokens`` over a step's tokens; ``sentences``: ``train_tokens`` counts an
     encoder's sentences, known once read; the Trainer's own count is checked again when training starts,
-    :class:`ProgressiveSwapCallback`)."""
+    :class:`ProgressiveSwapCallback`; ``roles``: those the recipe converts)."""
     if hand_over is None or not (hand_over.in_order or hand_over.fits_before_training):
         return  # the taper's single stage fits any norms and any run
-    roles = converted_roles(model)
+    roles = converted_roles(model, roles)
     if roles is None:
         return
     try:
