@@ -42,7 +42,7 @@ import types
 import torch
 from torch.autograd.function import once_differentiable
 
-from .modules import ElementwiseNorm
+from .modules import METHODS, ElementwiseNorm
 
 ENV_FALLBACK = "HF_NORMSWAP_FALLBACK"
 MIN_NUMEL = 1 << 16  # below ~64k elements eager is as fast as a compiled call (measured: scripts/benchmarks/bench_norms.py)
@@ -209,7 +209,7 @@ def fused_forward(module: ElementwiseNorm, x: torch.Tensor, shape: torch.Tensor)
     if not _usable(x, module, shape):
         return None
     if _on_triton(x):
-        from . import triton_kernels
+        from . import triton_kernels  # lazy: it imports triton, optional (CUDA, the test extra)
 
         y = triton_kernels.module_norm(module, x, shape)
         if y is not None:
@@ -234,8 +234,6 @@ def fused_forward(module: ElementwiseNorm, x: torch.Tensor, shape: torch.Tensor)
 def install() -> None:
     """Route every element-wise module's forward through :func:`fused_forward`. ``hf_normswap.convert`` and
     ``hf_normswap.load`` call it; importing the package does not. Call it yourself for modules built by hand."""
-    from .modules import METHODS
-
     for cls in set(METHODS.values()):
         register(cls)
     ElementwiseNorm.fast_forward = fused_forward

@@ -22,6 +22,9 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+from accelerate.hooks import attach_align_device_hook, remove_hook_from_module
+from accelerate.utils import (OffloadedWeightsLoader, align_module_device, has_offloaded_params, named_module_tensors,
+                              offload_state_dict, set_module_tensor_to_device)
 from torch import nn
 
 FOLDER_ATTRIBUTE = "_normswap_offload_folder"
@@ -35,8 +38,6 @@ def new_folder(model_name: str) -> tempfile.TemporaryDirectory:
 def is_offloaded(model: nn.Module) -> bool:
     """Whether any weight of ``model`` is on disk (accelerate's offload hook on a module of it); a model loaded with
     any ``device_map`` that puts weights on disk counts."""
-    from accelerate.utils import has_offloaded_params
-
     return any(has_offloaded_params(m) for m in model.modules())
 
 
@@ -50,9 +51,6 @@ def execution_device(module: nn.Module) -> torch.device | None:
 def _load(module: nn.Module, device: torch.device) -> bool:
     """The offloaded weights of ``module`` and its submodules into memory on ``device``, their hooks removed;
     whether anything was on disk."""
-    from accelerate.hooks import remove_hook_from_module
-    from accelerate.utils import has_offloaded_params, named_module_tensors, set_module_tensor_to_device
-
     loaded = False
     for sub in list(module.modules()):
         if not has_offloaded_params(sub):
@@ -76,8 +74,6 @@ def materialize(module: nn.Module) -> None:
 def weights_in(module: nn.Module):
     """A context in which ``module``'s own weights are in memory, read from disk when they are there (accelerate's
     ``align_module_device``); a no-op for a module in memory."""
-    from accelerate.utils import align_module_device
-
     return align_module_device(module)
 
 
@@ -93,9 +89,6 @@ def in_memory(model: nn.Module, name: str, device: torch.device):
     """Submodule ``name`` wholly in memory on ``device`` for the duration; when it came from disk, its state after
     (changed by calibration, its norms replaced) goes back to disk, into the model's offload folder, and its
     weights leave memory again. Looked up again at the end: a replaced module is a new one at the same name."""
-    from accelerate.hooks import attach_align_device_hook
-    from accelerate.utils import OffloadedWeightsLoader, offload_state_dict
-
     home = first_weight_device(model.get_submodule(name))  # where its hooks computed: the rest of the model's device
     loaded = _load(model.get_submodule(name), device)
     try:

@@ -37,7 +37,7 @@ def unknown_setting(key, known, prefix: str = "") -> ValidationError:
 @functools.cache
 def _loader():
     """The YAML loader of settings (built on first use: omegaconf is imported only where settings are read)."""
-    from omegaconf._yaml import get_yaml_loader
+    from omegaconf._yaml import get_yaml_loader  # lazy: omegaconf (~90 modules) loads only where settings are read
 
     class _Loader(get_yaml_loader(max_yaml_expanded_nodes=None)):
         """OmegaConf's own YAML loader: libyaml's parser (its nesting limit too), YAML 1.2 floats (``1e-3``, ``5E4``;
@@ -222,6 +222,7 @@ def read_settings(schema: type, *layers: Mapping, labels: Mapping[str, str] | No
     """A ``schema`` dataclass: its defaults updated by each mapping of ``layers`` in turn (a YAML file's, the
     overrides', the flags'), every key known and every value of its field's type; ``check`` (e.g.
     ``CalibrationConfig.resolved``) runs on the result. ``labels`` names settings by the flag that set them."""
+    # lazy: omegaconf (~90 modules) loads only where settings are read, not for `normswap --help` or `inspect`
     from omegaconf import OmegaConf
     from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 

@@ -42,6 +42,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .modules import METHODS
+
 ELN: tl.constexpr = tl.constexpr(0)
 DYT: tl.constexpr = tl.constexpr(1)
 DERF: tl.constexpr = tl.constexpr(2)
@@ -249,8 +251,6 @@ def norm(method: str, x: torch.Tensor, shape: torch.Tensor, weight: torch.Tensor
 
 @functools.lru_cache(maxsize=None)
 def _method_of(squash) -> str | None:
-    from .modules import METHODS
-
     return next((name for name in METHOD_IDS if METHODS[name].squash is squash), None)
 
 

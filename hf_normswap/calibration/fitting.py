@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..modules import ElementwiseNorm, amplitude_for
+from ..modules import METHODS, ElementwiseNorm, amplitude_for
 
 SATURATION = 0.95  # |f(x)| above this share of the amplitude counts as saturated
 FIT_PARAMS = ("shape", "weight", "bias")
@@ -208,8 +208,6 @@ def fit_curve(
 
     This is the paper's experiment (C channels, amplitude sqrt(C-1) for LayerNorm). Returns (alpha or beta, stats).
     """
-    from ..modules import METHODS
-
     cls = METHODS[method]
     amplitude = amplitude_for(kind, size) if amplitude is None else amplitude
     module = cls(1, cls.analytic_shape_value(kind, size, input_scale), bias=False, amplitude=amplitude)

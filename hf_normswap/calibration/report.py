@@ -63,6 +63,7 @@ def plot_fit(directory: Path, name: str, module, reference, x, target, is_first,
     """The source norm's outputs over its inputs (grey: ordinary tokens, red: first positions) with the fitted
     module's outputs on the same inputs, all divided by the source's per-channel scale (paper's Figure 3); at most
     :data:`PLOT_POINTS` of each kind."""
+    # lazy: matplotlib is slow to import and `import hf_normswap` must not load it; Agg is chosen before pyplot
     import matplotlib
 
     matplotlib.use("Agg")

@@ -199,7 +199,7 @@ def _commit_lock(parent: Path):
     """Saves into one folder commit one at a time, under a lock of the folder that a killed process releases;
     without ``flock`` (Windows) the no-replace rename of :func:`_commit` alone decides."""
     try:
-        import fcntl
+        import fcntl  # lazy: POSIX only (absent on Windows)
     except ImportError:
         yield
         return

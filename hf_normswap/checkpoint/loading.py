@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 import transformers
+from accelerate import init_empty_weights
 from huggingface_hub import constants
 from huggingface_hub.errors import StrictDataclassError
 from huggingface_hub.utils import HFValidationError, validate_repo_id
@@ -186,8 +187,6 @@ def load_model(spec: str, dtype=None, with_tokenizer: bool = True, device=None, 
 
 def _empty_model(location: str, extra: dict, cache_only: dict, dtype) -> nn.Module:
     """:func:`load_model`'s model on the meta device: the class it would load, built from the config alone."""
-    from accelerate import init_empty_weights
-
     if converted_config(location) is not None:
         config = base_config(location)
         build = normswap_class(ConversionRecord.of(config).base.architecture)._from_config

@@ -13,7 +13,7 @@ from ..checkpoint.directory import CheckpointError
 from ..surgery import DEFAULT_ROLES, ConversionError
 from ..data import DataError
 from ..discovery.roles import ROLES
-from ..evaluation.perplexity import EvaluationError
+from ..evaluation.perplexity import EvaluationError, PerplexitySettings, evaluate
 from ..fold import FoldError
 from ..placement import DTYPES, check_device, default_device
 from ..validation import ValidationError, check_number
@@ -87,8 +87,6 @@ def check_evaluation_args(args) -> None:
 
 
 def run_evaluation(args, models, tokenizer, against, data: str, texts):
-    from ..evaluation.perplexity import PerplexitySettings, evaluate
-
     if tokenizer is None:
         raise EvaluationError(f"{args.model} has no tokenizer: perplexity needs one")
     scoring = PerplexitySettings(max_length=args.max_length, stride=args.stride, max_tokens=args.max_tokens,

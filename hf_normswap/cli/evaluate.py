@@ -11,11 +11,12 @@ from ..checkpoint.loading import load_model, resolve
 from ..checkpoint.record import ConversionRecord
 from ..data import check_spec
 from ..evaluation import finite_json
+from ..evaluation.embeddings import evaluate_embeddings
 from ..evaluation.perplexity import EvaluationError, check_window
 from ..evaluation.fit_for_use import FitSettings, fit_report
 from ..evaluation.tasks import MIN_RECOVERY, check_tasks
 from ..evaluation.documents import evaluation_texts
-from ..model_inputs import is_encoder
+from ..model_inputs import is_encoder, text_config
 from ..validation import ValidationError, check_data_files, check_number
 from ..conversion.evaluation import calibration_overlap, warn
 from .common import MODEL_HELP, check_evaluation_args, evaluation_args, placement, placement_args, run_evaluation
@@ -62,8 +63,6 @@ def _original_of(model, against):
 
 def _embedding_evaluation(args, model, tokenizer, against, texts):
     """``eval`` of an encoder (no LM head): agreement of its sentence embeddings with the original's."""
-    from ..evaluation.embeddings import evaluate_embeddings
-
     if against is None:
         raise EvaluationError(f"{args.model} is an encoder ({type(model).__name__}): its embeddings are compared "
                               "with the original's; pass --against ORIGINAL")
@@ -78,8 +77,6 @@ def _embedding_evaluation(args, model, tokenizer, against, texts):
 def _check_same_vocabulary(args, scored, reference) -> None:
     """``--against`` compares the model's outputs with the original's position by position and id by id: both must
     be the same kind of model (an encoder, or one that predicts the next token) reading text into the same ids."""
-    from ..model_inputs import text_config
-
     (model, tokenizer), (against, against_tokenizer) = scored, reference
     sizes = [getattr(text_config(m), "vocab_size", None) for m in (model, against)]
     if is_encoder(model) != is_encoder(against):

@@ -5,9 +5,14 @@ resolves the run (``training.recovery_run``)."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 
-from ..planning.plan_settings import PRECISIONS, SHARDING, TRAINABLE
+from ..planning.memory_plan import plan
+from ..planning.plan_settings import PRECISIONS, SHARDING, TRAINABLE, PlanSettings, parse_bytes
+from ..planning.recipe_plan import run_plan_settings
+from ..planning.sizes import PlanError
+from ..validation import ValidationError
 from .common import positive_int
 
 
@@ -56,10 +61,6 @@ def add_parser(commands) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Print the plan; exit 0 when it fits (or nothing was given to check), 1 when it does not, 2 on bad input."""
-    from ..planning.memory_plan import plan
-    from ..planning.plan_settings import PlanSettings
-    from ..planning.sizes import PlanError
-
     if args.config:
         return recipe_plan(args)
     if args.model is None or args.overrides:
@@ -85,15 +86,10 @@ def run(args: argparse.Namespace) -> int:
 def recipe_plan(args: argparse.Namespace) -> int:
     """The plan of a recovery as the recipe resolves it on this launch (``RecoveryRun``): its original, its batch
     (sized in tokens on a GPU: ``step_tokens``), its calibration or converted start, its precision."""
-    import dataclasses
-
-    from ..planning.memory_plan import plan
-    from ..planning.recipe_plan import run_plan_settings
-    from ..training.recovery_run import RecoveryRunError, resolve_run
-    from ..planning.plan_settings import parse_bytes
-    from ..planning.sizes import PlanError
+    # lazy: the training layer brings transformers' Trainer and peft (~0.3 s), which `normswap --help` and a
+    # model's plan do without
     from ..training.config import read_recipe_config
-    from ..validation import ValidationError
+    from ..training.recovery_run import RecoveryRunError, resolve_run
 
     given = [name for name in DECIDED_BY_THE_RECIPE if getattr(args, name) != args.plan_defaults[name]]
     if given:

@@ -51,7 +51,7 @@ def sample_stream(model, tokenizer, settings: SamplingSettings, block_len: int, 
                   world_size: int = 1, progress: bool = True):
     """The packed blocks of the original's samples as a ``datasets`` stream without end (``input_ids`` =
     ``labels``); the Trainer stops it at its ``max_steps``."""
-    import datasets
+    import datasets  # lazy: slow to import (~0.7 s), and `import hf_normswap` must not load it
 
     return datasets.IterableDataset.from_generator(_sample_blocks, features=block_features(), gen_kwargs={
         "model": model, "tokenizer": tokenizer, "settings": settings, "block_len": block_len,

@@ -14,6 +14,8 @@ from pathlib import Path
 from . import texts
 from .file_scan import FileText, scan
 from .generated import DEFAULT_TOKENS, DrawShare, SamplingSettings, is_generated, sample_texts
+from .sample_stream import sample_stream
+from .streaming import file_stream, packed_stream, table_stream
 
 SOURCES: list[type["Source"]] = []
 
@@ -106,8 +108,6 @@ class Generated(Source):
         self.check()
 
     def stream(self, tokenizer, block_len, *, original=None, rank=0, world_size=1, seed=0):
-        from .sample_stream import sample_stream
-
         return sample_stream(original, tokenizer, self.settings, block_len, prompt_texts=self.prompt_texts(),
                              rank=rank, world_size=world_size)
 
@@ -206,8 +206,6 @@ class LocalFiles(Source):
         require_text(self.spec, scan(files), block_len)
 
     def stream(self, tokenizer, block_len, *, original=None, rank=0, world_size=1, seed=0):
-        from .streaming import file_stream, table_stream
-
         files = texts.files_under(texts.named_paths(self.spec))
         loaders = {texts.LOADERS.get(f.suffix.lower()) for f in files}
         if not files or len(loaders) > 1:
@@ -295,8 +293,6 @@ def load_texts(spec: str | None, default_split: str = "calibration", *, model=No
 def hub_stream(spec: str, tokenizer, block_len: int, default_split: str = "train"):
     """The training blocks of a streamed Hub dataset (``streaming.packed_stream``); DataError for a spec that names
     another kind of source."""
-    from .streaming import packed_stream
-
     if not isinstance(source(spec), HubDataset):
         raise texts.DataError(f"streaming reads a Hub dataset NAME[:config][:split], not {spec!r}: set "
                               "streaming=false")

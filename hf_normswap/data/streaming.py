@@ -27,7 +27,7 @@ PIECE_CHARS = 1 << 16  # characters a dataset of lines is tokenized in at a time
 def block_features():
     """The features of packed training blocks, streamed or read whole, so that a mix of both aligns (``datasets``
     infers ``input_ids`` read whole as int32 and a stream's as int64)."""
-    import datasets
+    import datasets  # lazy: slow to import (~0.7 s), and `import hf_normswap` must not load it
 
     ids = datasets.Sequence(datasets.Value("int64"))
     return datasets.Features({"input_ids": ids, "labels": ids})
@@ -107,7 +107,7 @@ def _file_blocks(files: list, tokenizer, block_len: int):
 def file_stream(files, tokenizer, block_len: int):
     """The training blocks of local text files, read lazily (:func:`file_documents`) as a ``datasets`` stream (the
     files a tuple: ``datasets`` would read a list as shards, each packed apart)."""
-    import datasets
+    import datasets  # lazy: slow to import (~0.7 s), and `import hf_normswap` must not load it
 
     return datasets.IterableDataset.from_generator(
         _file_blocks, features=block_features(),
@@ -118,7 +118,7 @@ def table_stream(files, loader: str, tokenizer, block_len: int):
     """The training blocks of local json/jsonl or parquet files (``loader``: ``json`` or ``parquet``), a row a
     document as ``texts.read_local`` reads them, through ``load_dataset(..., streaming=True)``: the files are read
     as the run trains, never whole. DataError, after one row, for files without a text column."""
-    import datasets
+    import datasets  # lazy: slow to import (~0.7 s), and `import hf_normswap` must not load it
 
     files = tuple(map(str, files))
     _, column = _table(files, loader)
@@ -137,7 +137,7 @@ def _table_blocks(files: tuple[str, ...], loader: str, column: str, tokenizer, b
 def _table(files: tuple[str, ...], loader: str):
     """``(rows, text column)`` of local files as a ``datasets`` stream: ``text``, else the first row's first string
     (a stream of json has no features before it is read)."""
-    import datasets
+    import datasets  # lazy: slow to import (~0.7 s), and `import hf_normswap` must not load it
 
     try:
         rows = datasets.load_dataset(loader, data_files=list(files), split="train", streaming=True)
@@ -155,7 +155,7 @@ def _table(files: tuple[str, ...], loader: str):
 def packed_stream(spec: str, tokenizer, block_len: int, default_split: str = "train"):
     """The training blocks of a streamed Hub dataset ``NAME[:config][:split]``; DataError (after reading one row)
     for a name that does not load or a stream without rows."""
-    import datasets
+    import datasets  # lazy: slow to import (~0.7 s), and `import hf_normswap` must not load it
 
     source, column = _source(spec, default_split)
     return datasets.IterableDataset.from_generator(

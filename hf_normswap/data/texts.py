@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 from pathlib import Path
+from pydoc_data.topics import topics
 
 import torch
 from huggingface_hub import constants, get_session
@@ -44,8 +45,6 @@ def is_builtin(spec: str | None) -> bool:
 def read_builtin(split: str) -> list[str]:
     if split not in BUILTIN_SPLITS:
         raise DataError(f"unknown builtin split {split!r}: use builtin:calibration or builtin:evaluation")
-    from pydoc_data.topics import topics
-
     keys = sorted(topics)
     half = keys[BUILTIN_SPLITS.index(split)::2]  # alternating topics: two disjoint halves of similar size
     texts = [topics[k] for k in half]
@@ -107,7 +106,7 @@ def read_local(paths: list[Path], max_tokens: int | None = None) -> list[str]:
             raise DataError(_decode_problem(None, files, loader)) from None
     if max_tokens is not None:  # a budget: the rows up to it, read a row at a time (never the whole file)
         return _table_prefix(files, max_tokens * CHARS_PER_TOKEN)
-    import datasets
+    import datasets  # lazy: slow to import (`import hf_normswap` must not load it); text files read without it
 
     try:
         dataset = datasets.load_dataset(loader, data_files=[str(f) for f in files], split="train")
@@ -144,7 +143,7 @@ def _decode_problem(error: BaseException, files: list[Path], loader: str) -> str
 def hub_dataset(spec: str, default_split: str, streaming: bool = False):
     """``(dataset, text column)`` of a Hub spec ``name[:config][:split]``, read whole or as a ``datasets`` stream;
     DataError in seconds when the Hub is unreachable, or when the name, config or split does not load."""
-    import datasets
+    import datasets  # lazy: slow to import (~0.7 s), and `import hf_normswap` must not load it
 
     name, config, split = (spec.split(":") + [None, None])[:3]
     # datasets' own switch (HF_HUB_OFFLINE or HF_DATASETS_OFFLINE): offline, it reads its cache without retries

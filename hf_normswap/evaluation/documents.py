@@ -8,11 +8,11 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from ..data import load_texts
+
 
 def evaluation_texts(spec: str, original, tokenizer, max_tokens: int | None) -> list[str]:
     """The evaluation text of ``spec``; ``generated`` text is sampled from ``original``."""
-    from ..data import load_texts
-
     return load_texts(spec, "evaluation", model=original, tokenizer=tokenizer, max_tokens=max_tokens)
 
 

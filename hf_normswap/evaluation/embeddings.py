@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..data import fingerprint
 from ..model_inputs import context_length, mean_pool, model_device
 from .embedding_tails import EmbeddingTails, embedding_tails
 from .metrics import EmbeddingMetric, Similarities, registered
@@ -105,8 +106,6 @@ def evaluate_embeddings(model: nn.Module, against: nn.Module, tokenizer, texts: 
                         data: str | None = None) -> EmbeddingEvaluation:
     """The embedding metrics (cosine, nearest-neighbour agreement, similarity rank correlation, ...) of ``model``
     to ``against``."""
-    from ..data import fingerprint
-
     found = sentences(texts, tokenizer, max_tokens)
     if len(found) < 3:
         raise EvaluationError(f"the evaluation text gives {len(found)} prose sentences of {MIN_WORDS}-{MAX_WORDS} "

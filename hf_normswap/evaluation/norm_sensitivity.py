@@ -30,8 +30,10 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from tqdm.auto import tqdm
 
 from ..surgery import ConversionError, convert
+from ..data import fingerprint, model_batches, token_blocks
 from ..discovery.roles import LAYER, layer_of
 from ..model_inputs import ModelFacts, first_tensor
 from .conversion_check import not_comparable, perplexity
@@ -69,8 +71,6 @@ class Reference:
 
     def __init__(self, original: nn.Module, facts: ModelFacts, tokenizer, texts: list[str], *,
                  windows: int = EVAL_WINDOWS, window_len: int = EVAL_LEN, sentences: int = SENTENCES):
-        from ..data import fingerprint, token_blocks
-
         self.encoder = facts.hidden_states
         self.fingerprint = fingerprint(texts)
         device = facts.device  # the inputs and the cached outputs stay where the model and its copies are
@@ -151,8 +151,6 @@ class Measurer:
         self.summary = None if calibration is None else calibration.summary()
         if calibration is not None and not isinstance(calibration.data, (torch.Tensor, dict)):
             # tokenized once: each measurement would otherwise read and tokenize the whole calibration text again
-            from ..data import model_batches
-
             batches, _ = model_batches(original, calibration.data, calibration.tokenizer,
                                        num_blocks=calibration.num_blocks, block_len=calibration.block_len,
                                        batch_size=calibration.batch_size)
@@ -230,8 +228,6 @@ def measure_map(measurer: Measurer, selected: list, *, progress: bool = True,
                 log: Callable[[dict], None] | None = None) -> SensitivityMap:
     """Each of the ``selected`` norms (``NormInfo``) converted alone, then the greedy curve at :func:`doubling`
     sizes; ``log`` gets every measurement as it is made (a cut-off run keeps its numbers)."""
-    from tqdm.auto import tqdm
-
     start, cpu_start = time.perf_counter(), time.process_time()
     log = log or (lambda entry: None)
     norms, damage = [], {}
@@ -342,6 +338,7 @@ def load_order(path: str | Path) -> list[str]:
 
 def plot(sensitivity: SensitivityMap, path: str | Path) -> Path:
     """Per-norm damage alone, as bars grouped by layer (x) and role (colour), and the greedy curve."""
+    # lazy: matplotlib is slow to import and `import hf_normswap` must not load it; Agg is chosen before pyplot
     import matplotlib
 
     matplotlib.use("Agg")

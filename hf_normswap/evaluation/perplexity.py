@@ -24,12 +24,16 @@ figure of the table is one file of ``metrics/``.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from tqdm.auto import tqdm
 
+from ..data import BUILTIN
+from ..data import fingerprint as content_fingerprint
 from ..model_inputs import check_context, context_length, is_causal_lm, model_device
 from .documents import Document, documents
 from .metrics import AgreementMetric, ModelMetric, Perplexity, ScoredPositions, number, registered
@@ -264,8 +268,6 @@ def _models_to_score(model, against: nn.Module | None, max_length: int | None) -
 def _score_windows(models: dict[str, nn.Module], docs: list[Document], max_length: int, stride: int | None,
                    batch_size: int, prefix: int, reference: str | None, progress: bool) -> tuple[_Scorer, int]:
     """Runs every model on the same windows in one pass, so KL and top-1 compare identical inputs."""
-    from tqdm.auto import tqdm
-
     # All windows of all documents, grouped by length so batches need no padding (padding would change nothing in
     # exact arithmetic but does in floating point, and some models mishandle it).
     windows = [(d, *w) for d, doc in enumerate(docs) for w in rolling_windows(len(doc.tokens), max_length, stride)]
@@ -325,8 +327,6 @@ def evaluate(
     every other model to it, all computed on the same windows in one pass. ``data`` is the spec recorded with the
     result.
     """
-    from ..data import fingerprint as content_fingerprint
-
     max_length, stride, max_tokens = settings.max_length, settings.stride, settings.max_tokens
     models = _models_to_score(model, against, max_length)
     first = next(iter(models.values()))
@@ -369,11 +369,6 @@ def overlap_warning(calib_spec: str | None, calib_texts: list[str] | None,
     ``calib_fingerprint`` (``data.fingerprint`` of the calibration texts, as a checkpoint may record it) stands in
     for calibration texts that are not at hand.
     """
-    import hashlib
-
-    from ..data import BUILTIN
-    from ..data import fingerprint as content_fingerprint
-
     def resolved(spec, default):
         spec = spec or BUILTIN
         return f"{BUILTIN}:{default}" if spec == BUILTIN else spec

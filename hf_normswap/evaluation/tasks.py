@@ -39,7 +39,7 @@ class TaskRequest:
     manager: object = field(default=None, repr=False)  # built once: the index of every task it can run
 
     def task_manager(self):
-        from lm_eval.tasks import TaskManager
+        from lm_eval.tasks import TaskManager  # lazy: lm-eval is optional (hf-normswap[eval]), slow to import
 
         if self.manager is None:
             self.manager = TaskManager(include_path=self.include or None, include_defaults=self.builtin)
@@ -48,7 +48,8 @@ class TaskRequest:
 
 def _parse(path: Path) -> dict:
     """A task YAML as lm-eval reads it, without running its ``!function`` (so a bad file fails before any model)."""
-    from lm_eval.tasks._yaml_loader import load_yaml  # lm-eval's own reader: its ``include`` and tags
+    # lazy: lm-eval is optional (hf-normswap[eval]); its own reader: its ``include`` and tags
+    from lm_eval.tasks._yaml_loader import load_yaml
 
     try:
         config = load_yaml(path, resolve_func=False)
@@ -192,6 +193,7 @@ def run_tasks(models: dict, tokenizer, request: TaskRequest, *, limit: float | N
               num_fewshot: int | None = None, batch_size: int = 1,
               min_recovery: float = MIN_RECOVERY) -> TaskComparison:
     """lm-eval's ``simple_evaluate`` on the reference and on ``converted``, the same tasks and examples."""
+    # lazy: lm-eval is optional (hf-normswap[eval]), slow to import
     from lm_eval import simple_evaluate
     from lm_eval.models.huggingface import HFLM
 

@@ -12,7 +12,7 @@ from .sizes import PlanError, model_sizes
 
 def free_host_memory() -> int:
     """Bytes this machine can give without swapping (``MemAvailable``)."""
-    import psutil
+    import psutil  # lazy: no dependency of ours (accelerate's), needed only where free memory is read
 
     return psutil.virtual_memory().available
 

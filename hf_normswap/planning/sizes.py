@@ -15,7 +15,10 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from transformers import CONFIG_MAPPING, AutoConfig, AutoModel, AutoModelForCausalLM, PretrainedConfig
 
+from ..checkpoint.loading import ModelLoadError, check_config_file, resolve
+from ..checkpoint.packaged import PackagedModelMissing
 from ..checkpoint.record import KEY, ConversionRecord
 from ..validation import ValidationError
 
@@ -54,13 +57,8 @@ class ModelSizes:
 def read_config(model) -> "transformers.PretrainedConfig":  # noqa: F821
     """The config of ``model``: a ``PreTrainedConfig``, a config.json file, a directory holding one, a GGUF file or
     ``offline:NAME``, or a Hub id (its config.json alone is fetched). Remote code is never run."""
-    from transformers import CONFIG_MAPPING, AutoConfig, PretrainedConfig
-
     if isinstance(model, PretrainedConfig):
         return model
-    from ..checkpoint.loading import ModelLoadError, check_config_file, resolve
-    from ..checkpoint.packaged import PackagedModelMissing
-
     spec = str(model)
     try:
         location, extra = resolve(spec)
@@ -106,8 +104,6 @@ def _unknown_model_type(spec: str, values: dict) -> str:
 def empty_model(config) -> nn.Module:
     """The model of ``config`` with every parameter and buffer on the meta device (transformers' ``from_config``
     under ``torch.device("meta")``): shapes without memory."""
-    from transformers import AutoModel, AutoModelForCausalLM
-
     with torch.device("meta"):
         for auto in (AutoModelForCausalLM, AutoModel):
             try:

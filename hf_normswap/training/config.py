@@ -263,6 +263,7 @@ def _training_value_problem(key: str, value, hint) -> str | None:
     if key in COUNTS and value is not None and value < 1:
         return f"must be at least 1, got {shown(value)}"
     if key == "report_to" and value not in (None, "none", "all"):
+        # lazy: looked up at the call, where tests swap it (monkeypatch on transformers.integrations)
         from transformers.integrations import get_available_reporting_integrations
 
         missing = [n for n in ([value] if isinstance(value, str) else value)

@@ -27,6 +27,7 @@ DEFAULT_CHUNK = 256
 def fused_head_available() -> bool:
     """Whether Liger-Kernel's chunked losses import (``pip install hf-normswap[gpu]``; they need Triton)."""
     try:
+        # lazy: Liger-Kernel is optional (hf-normswap[gpu]); this is the check whether it is there
         from liger_kernel.chunked_loss.jsd_loss import LigerFusedLinearJSDFunction  # noqa: F401
     except ImportError:
         return False

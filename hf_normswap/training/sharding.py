@@ -26,7 +26,10 @@ import copy
 import os
 
 import torch
+from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+from torch.distributed.fsdp import FSDPModule, fully_shard
 from transformers import TrainerCallback
 
 
@@ -46,8 +49,6 @@ def adopt_fsdp2_on_cpu(accelerator) -> bool:
     """Make accelerate's state FSDP2 where it has fallen back to MULTI_CPU (DDP) although FSDP2 was asked for:
     the plugin is built from the launch's variables as accelerate builds it (``cpu_ram_efficient_loading`` too).
     Returns whether it changed anything."""
-    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
-
     state = accelerator.state
     if not fsdp2_requested() or state.distributed_type != DistributedType.MULTI_CPU:
         return False
@@ -60,8 +61,6 @@ def adopt_fsdp2_on_cpu(accelerator) -> bool:
 
 
 def is_sharded(model: nn.Module) -> bool:
-    from torch.distributed.fsdp import FSDPModule
-
     return any(isinstance(module, FSDPModule) for module in model.modules())
 
 
@@ -87,8 +86,6 @@ def shard(model: nn.Module) -> nn.Module:
     or optimizer state: the root keeps its gathered weights after the forward, since the chunked head loss
     (:mod:`hf_normswap.training.head_loss`) multiplies by the head's weight after it; the trainer reshards it after
     the loss."""
-    from torch.distributed.fsdp import fully_shard
-
     units = shard_unit_classes(model)
     if not units:
         raise ValueError(f"{type(model).__name__} names no blocks in _no_split_modules to shard by")
@@ -106,8 +103,6 @@ def shard_from_main(model: nn.Module, main: bool, device: torch.device | str) ->
     Non-persistent buffers (rotary ``inv_freq``) are in no state dict: each process keeps its own, as accelerate's
     ``fsdp2_prepare_model`` does. The shards and buffers end on ``device`` (torch places what it receives on its
     process group's default device). Every process must call it."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
     full = model.state_dict() if main else {}
     groups = unit_groups(model)
     persistent = {key for keys in groups for key in keys}
@@ -162,8 +157,6 @@ def retie(model: nn.Module) -> nn.Module:
 def describe(model: nn.Module) -> str:
     """The shard units of ``model``, e.g. ``32 units over 2 processes: 30 x LlamaDecoderLayer, [embed_tokens,
     lm_head], [root]``: what the log shows so that a sharded run cannot be taken for DDP."""
-    from torch.distributed.fsdp import FSDPModule
-
     blocks = set(getattr(model, "_no_split_modules", None) or ())
     units: dict[int, list[tuple[str, nn.Module]]] = {}  # modules sharded together share one state
     for name, module in model.named_modules():
@@ -196,8 +189,6 @@ def empty_copy(model: nn.Module) -> nn.Module:
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """The whole state dict of a sharded ``model``, gathered on the main process in CPU memory (other processes
     get an empty dict). Every process must call it."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 

@@ -56,7 +56,7 @@ def apply_lora(model: nn.Module, *, r: int = 16, alpha: int = 32, dropout: float
     The norm modules are small, and they are what changed: adapters alone would leave alpha / beta at their
     calibrated values. ``merge_lora`` undoes the wrapping for saving.
     """
-    from peft import LoraConfig, get_peft_model
+    from peft import LoraConfig, get_peft_model  # lazy: peft is optional (hf-normswap[finetune]), slow to import
 
     norm_modules = sorted({name for name, m in model.named_modules() if isinstance(m, ElementwiseNorm)})
     config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=target_modules,
