@@ -225,6 +225,16 @@ def other_text(args, norm: str, method: str, run_dir: Path, checkpoint: Path) ->
     return {"data": args.other_data, **point({"converted": json.loads(result.stdout)}, "converted")}
 
 
+def start_checkpoint(args, norm: str, method: str, run_dir: Path) -> Path:
+    """Where a point's run started: its calibrated model, or the converted checkpoint it was given (``model=``)."""
+    # internal: the run as the recipe resolves it, for whether it calibrated
+    from hf_normswap.training.recovery_run import resolve_run
+    from hf_normswap.training.config import read_recipe_config
+
+    run = resolve_run(read_recipe_config(args.config, recipe_overrides(args, norm, method, 1, run_dir)))
+    return run.calibrated_cache if run.calibrates else Path(run.settings.model)
+
+
 def run_chunk(args, norm: str, method: str, budget: int, run_dir: Path) -> tuple[dict, float, float, int]:
     """One launch of the recipe up to ``budget`` tokens; (summary, wall s, CPU s, return code)."""
     command = [sys.executable, str(RECIPE), "--config", args.config,
@@ -282,7 +292,8 @@ def measure(args) -> None:
                         zero = {"norm": norm, "method": method, "budget": 0, "tokens": 0,
                                 **point(summary, "calibrated"), **context}
                         if args.other_data:
-                            zero["other"] = other_text(args, norm, method, run_dir, run_dir / "calibrated")
+                            zero["other"] = other_text(args, norm, method, run_dir, start_checkpoint(args, norm,
+                                                                                                     method, run_dir))
                         with curve.open("a") as f:
                             f.write(json.dumps(zero) + "\n")
                         done.add((norm, method, 0))

@@ -10,9 +10,11 @@ from types import SimpleNamespace
 
 import pytest
 
+import hf_normswap
 from file_modules import import_file
 from hf_normswap.training import recipe_settings
 from hf_normswap.training.run_dir import RECORD, WRITTEN_BY, check_run_dir, write_json
+from tiny_models import tiny_model
 
 bench = import_file("scripts/benchmarks/bench_recovery.py")
 
@@ -87,6 +89,21 @@ def test_an_encoders_curve_is_its_embedding_agreement(tmp_path):
              "neighbours": 0.5 + t / 1e6, "spearman": 0.9 + t / 1e6} for norm in ("eln", "dyt") for t in (0, 77000)]
     curve.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     assert bench.plot(curve, tmp_path / "curve.png").stat().st_size > 10_000
+
+
+def test_the_start_of_a_run_is_its_calibrated_model_or_the_converted_checkpoint_it_was_given(tmp_path):
+    """Budget 0 on ``--other-data`` scores where the run started: ``OUT/runs/RUN/calibrated`` when the recipe
+    calibrates, the checkpoint itself when ``--set model=`` names a converted one (it has no calibrated/)."""
+    converted = tmp_path / "converted"
+    model = tiny_model("llama")
+    hf_normswap.convert(model, to="dyt", calibration=None)
+    hf_normswap.save_pretrained(model, converted)
+    args = argparse.Namespace(set=[], train_data="train.txt", eval_data="test.txt", threads=1,
+                              schedule="constant_with_warmup", config=str(bench.ROOT / "recipes/configs/smollm2-dyt.yaml"))
+    run_dir = tmp_path / "runs" / "dyt-config"
+    assert bench.start_checkpoint(args, "dyt", "config", run_dir) == run_dir / "calibrated"
+    args.set = [f"model={converted}", "original=offline:smollm2"]
+    assert bench.start_checkpoint(args, "dyt", "config", run_dir) == converted
 
 
 def test_methods_with_the_same_calibration_share_the_calibrated_start(tmp_path):
