@@ -23,7 +23,8 @@ SPAN = 128  # tokens a worst window averages over
 WORST = 5  # windows listed
 MARGIN = 2.0  # nats/token: a window worse than the original's by more is named
 SNIPPET = 80  # characters of a window's text shown
-REPEATED = 0.25  # share of a window's tokens that continue a pair of tokens seen earlier in it: repeated text
+REPEATED = 0.25  # share of a window's tokens that end a run of NGRAM tokens seen earlier in it: repeated text
+NGRAM = 4  # 2 would flag ordinary text (", the", "of the" recur a few hundred tokens in); 4 recurs in repeats
 
 
 def distribution(values: np.ndarray) -> dict:
@@ -85,19 +86,22 @@ def _snippet(tokenizer, ids) -> str:
     return text.replace("|", "\\|")  # a Markdown table cell
 
 
-def repeated_share(losses: TokenLosses, start: int, end: int) -> float:
-    """The share of the predictions ``start:end`` of the stream whose target follows its previous token as a pair
-    already seen earlier in the same window: repeated text, which a model with working copying heads predicts."""
+def repeated_share(losses: TokenLosses, start: int, end: int, ngram: int = NGRAM) -> float:
+    """The share of the predictions ``start:end`` of the stream whose target ends a run of ``ngram`` predicted
+    tokens already seen earlier in the same window: repeated text, which a model with working copying heads
+    predicts."""
     positions, targets = losses.positions.tolist(), losses.targets.tolist()
     seen, window, repeated = set(), None, 0
-    first = start - positions[start]  # the window's first prediction: its pairs from there on count as seen
+    first = start - positions[start]  # the window's first prediction: its runs from there on count as seen
     for i in range(first, end):
         if positions[i] == 0:
             seen, window = set(), i
-        pair = (targets[i - 1], targets[i]) if i > window else None
-        if i >= start and pair in seen:
+        if i - window < ngram - 1:
+            continue
+        run = tuple(targets[i - ngram + 1:i + 1])
+        if i >= start and run in seen:
             repeated += 1
-        seen.add(pair)
+        seen.add(run)
     return repeated / max(1, end - start)
 
 
@@ -111,7 +115,7 @@ def window_reason(losses: TokenLosses, start: int, end: int, fitted_length: int 
         reasons.append(f"positions {first}-{last}, past the {fitted_length} tokens it was fitted on")
     share = repeated_share(losses, start, end)
     if share >= REPEATED:
-        reasons.append(f"repeated text ({share:.0%} of its tokens continue a pair seen earlier in the window)")
+        reasons.append(f"repeated text ({share:.0%} of its tokens end a run of {NGRAM} seen earlier in the window)")
     if reasons:
         return "; ".join(reasons)
     within = f", within the {fitted_length} tokens it was fitted on" if fitted_length is not None else ""

@@ -242,20 +242,21 @@ def test_a_range_where_the_original_fails_too_is_said_so_not_blamed_on_the_conve
 
 def test_a_worst_window_says_whether_it_lies_past_the_fitted_length_or_repeats_its_window(one_thread):
     """Two windows of 8 predictions, the second repeating 1 2 3: a span of 4 past the 4 tokens the model was fitted
-    on is said so, a span of repeated pairs is said so (with its share counted by hand), a span with neither
-    says where it lies and that nothing there repeats."""
+    on is said so, a span of repeated runs is said so (with its share counted by hand), a span with neither says
+    where it lies and that nothing there repeats."""
     targets = torch.tensor([1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3, 1, 2, 3, 1, 2])
     where = torch.arange(8).repeat(2)
     original = torch.zeros(16, dtype=torch.float64)
     converted = original + torch.tensor([0.1] * 4 + [2.0] * 4 + [0.5] * 4 + [3.0] * 4, dtype=torch.float64)
     losses = TokenLosses({"original": original, "converted": converted}, where, targets, 8)
-    assert repeated_share(losses, 8, 16) == 4 / 8  # pairs (1,2) (2,3) (3,1) again at 12-15; 9-11 are first seen
-    assert repeated_share(losses, 0, 8) == 0 and repeated_share(losses, 12, 16) == 1
+    assert repeated_share(losses, 8, 16, ngram=2) == 4 / 8  # pairs (1,2) (2,3) (3,1) again at 12-15
+    assert repeated_share(losses, 8, 16) == 2 / 8  # runs of four: (1,2,3,1) at 11, again at 14; (2,3,1,2) at 15
+    assert repeated_share(losses, 0, 8) == 0 and repeated_share(losses, 12, 16, ngram=2) == 1
     found = tails(losses, tiny_tokenizer(), span=4, worst=4, fitted_length=4)
     by_start = {w.start: w.reason for w in found.worst}
     assert [w.start for w in found.worst] == [12, 4, 8, 0]
-    assert by_start[12] == ("positions 4-7, past the 4 tokens it was fitted on; repeated text (100% of its tokens "
-                            "continue a pair seen earlier in the window)")
+    assert by_start[12] == ("positions 4-7, past the 4 tokens it was fitted on; repeated text (50% of its tokens "
+                            "end a run of 4 seen earlier in the window)")
     assert by_start[4] == "positions 4-7, past the 4 tokens it was fitted on"
     assert by_start[0] == "positions 0-3, within the 4 tokens it was fitted on; 0% repeated"
     assert found.over_margin == 1 and "| why |" in found.table() and by_start[12] in found.table()
