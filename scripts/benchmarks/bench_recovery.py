@@ -69,8 +69,7 @@ def block_calibration(sequences: int, steps: int, rows: int, weights_lr: float) 
             f"calibration.block_rows={rows}", f"calibration.block_weights_lr={weights_lr:g}"]
 
 
-# 40 steps of 4 of 16 sequences a block: the norms alone, or with each
-# block's weights too
+# 40 steps of 4 of 16 sequences a block: the norms alone, or with each block's weights too
 NORMS_ONLY = block_calibration(16, 40, 4, 0)
 BLOCKWISE = block_calibration(16, 40, 4, 1e-4)
 BLOCKWISE_60X1 = block_calibration(16, 60, 1, 1e-4)  # the block strategy's default steps and rows
@@ -83,16 +82,13 @@ METHODS: dict[str, list[str]] = {
     "logits": [*NORMS_ONLY, LOGITS_ONLY],
     # every block's output toward the original's (hf_normswap.training.layerwise), sink masked, no logit term
     "layerwise": [*NORMS_ONLY, "distill.logits=false", "distill.hidden=1.0"],
-    # both: the layer-wise term weighted to about the logit KL's size at the calibrated start (KL ~3 nats, mean
-    # relative block error ~0.3 on SmolLM2)
+    # both: the layer-wise term weighted to about the logit KL's size at the calibrated start (KL ~3, block error ~0.3)
     "layerwise+logits": [*NORMS_ONLY, "distill.hidden=10.0"],
-    # norms handed over from the original block by block (hf_normswap.training.hand_overs.progressive): 3 stages of 10 blocks, then
-    # the final norm, one every 2 steps, each ramped over 2 steps: all converted after 8 steps (8,192 tokens at
-    # 2 x 512)
+    # norms handed over block by block (hand_overs.progressive): 3 stages of 10 blocks, then the final norm, one
+    # every 2 steps, each ramped over 2 steps: all converted after 8 steps (8,192 tokens at 2 x 512)
     "progressive": [*NORMS_ONLY, LOGITS_ONLY, "progressive.enabled=true", "progressive.group=10",
                     "progressive.every=2", "progressive.ramp=2"],
-    # block-wise reconstruction during calibration: each block's linear weights fitted beside its norms to the
-    # original block's output (hf_normswap.calibration.reconstruct), then logit distillation
+    # block-wise reconstruction in calibration (calibration.reconstruct: each block's weights too), then logit KL
     "blockwise": [*BLOCKWISE, LOGITS_ONLY],
     # both gains at once: the block-wise start, then the layer-wise term beside the logit KL
     "blockwise+layerwise": [*BLOCKWISE, "distill.hidden=10.0"],
@@ -104,9 +100,8 @@ METHODS: dict[str, list[str]] = {
     "blockwise-60x1+layerwise": [*BLOCKWISE_60X1, "distill.hidden=10.0"],
     # the same with four times the block steps, over 64 sequences: the SmolLM2 configs
     "blockwise-240x1+layerwise": [*BLOCKWISE_240X1, "distill.hidden=10.0"],
-    # the taper (hf_normswap.training.hand_overs.taper) from the original itself: calibration of the norms alone (the weights stay
-    # the original's, so g = 1 is the original), every block's output toward the original's beside the logits, and
-    # every norm blended with its original, g from 1 to 0 by the cosine over the first half of the run
+    # the taper (hand_overs.taper) from the original itself: the norms alone calibrated (g = 1 is the original), every
+    # block's output beside the logits, each norm blended with its original, g 1 to 0 (cosine) over the first half
     "norms+layerwise+taper": [*NORMS_ONLY, "distill.hidden=10.0", "taper.fraction=0.5"],
     # the same in progressive's depth stages, 3 of 10 blocks then the final norm, each over an eighth of the run
     "norms+layerwise+taper-progressive": [*NORMS_ONLY, "distill.hidden=10.0", "taper.fraction=0.5",
@@ -204,14 +199,19 @@ def recipe_overrides(args, norm: str, method: str, budget: int, run_dir: Path) -
             *METHODS[method], *args.set]
 
 
-def other_text(args, norm: str, method: str, run_dir: Path, checkpoint: Path) -> dict:
-    """A point on ``--other-data``, text that neither calibration nor training read: ``normswap eval`` of the
-    checkpoint against the original, on as many tokens in windows as long as the recipe's final evaluation."""
-    # internal: the run as the recipe resolves it, for its evaluation windows
+def resolved_run(args, norm: str, method: str, run_dir: Path):
+    """A point's run as the recipe resolves it (``RecoveryRun``)."""
+    # internal: the recipe's own resolution, for its evaluation windows and whether it calibrates
     from hf_normswap.training.recovery_run import resolve_run
     from hf_normswap.training.config import read_recipe_config
 
-    run = resolve_run(read_recipe_config(args.config, recipe_overrides(args, norm, method, 1, run_dir)))
+    return resolve_run(read_recipe_config(args.config, recipe_overrides(args, norm, method, 1, run_dir)))
+
+
+def other_text(args, norm: str, method: str, run_dir: Path, checkpoint: Path) -> dict:
+    """A point on ``--other-data``, text that neither calibration nor training read: ``normswap eval`` of the
+    checkpoint against the original, on as many tokens in windows as long as the recipe's final evaluation."""
+    run = resolved_run(args, norm, method, run_dir)
     config = run.settings
     command = [sys.executable, "-c", "import sys; from hf_normswap.cli import main; sys.exit(main())", "eval",
                str(checkpoint), "--against", run.original, "--data", args.other_data,
@@ -227,11 +227,7 @@ def other_text(args, norm: str, method: str, run_dir: Path, checkpoint: Path) ->
 
 def start_checkpoint(args, norm: str, method: str, run_dir: Path) -> Path:
     """Where a point's run started: its calibrated model, or the converted checkpoint it was given (``model=``)."""
-    # internal: the run as the recipe resolves it, for whether it calibrated
-    from hf_normswap.training.recovery_run import resolve_run
-    from hf_normswap.training.config import read_recipe_config
-
-    run = resolve_run(read_recipe_config(args.config, recipe_overrides(args, norm, method, 1, run_dir)))
+    run = resolved_run(args, norm, method, run_dir)
     return run.calibrated_cache if run.calibrates else Path(run.settings.model)
 
 
