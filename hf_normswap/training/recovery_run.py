@@ -105,17 +105,17 @@ def converted_checkpoint(model: str) -> dict | None:
 def check_calibration_cache(cache: Path, method: str, calibration: CalibrationConfig,
                             roles: tuple[str, ...]) -> None:
     """A resumed run that calibrates reuses its ``cache`` only if it was converted as the config asks (``method``,
-    ``calibration``, the ``roles`` converted): another method or other calibration settings in the same output_dir would otherwise train a
-    start the config does not describe. The cached model's own record (its ``ConvertConfig``) is compared with the
-    config."""
+    ``calibration``, the ``roles`` converted, in any order): other settings in the same output_dir would otherwise
+    train a start the config does not describe. The cached model's own record (its ``ConvertConfig``) is compared
+    with the config."""
     cached = converted_config(cache)
     if not cached:
         return
     record = ConversionRecord.in_config(cached)
     made = ConvertConfig.from_record(record)
     names = [f.name for f in dataclasses.fields(calibration) if f.name not in CalibrationConfig.run_time()]
-    asked = {"method": method, "roles": tuple(roles), **{name: getattr(calibration, name) for name in names}}
-    recorded = {"method": made.method, "roles": tuple(made.roles),
+    asked = {"method": method, "roles": tuple(sorted(roles)), **{name: getattr(calibration, name) for name in names}}
+    recorded = {"method": made.method, "roles": tuple(sorted(made.roles)),
                 **{name: getattr(made.calibration, name) for name in names}}
     filled_in = (None, "auto")  # left to the strategy: recorded as the strategy resolved them
     differ = [f"{key} {recorded[key]!r} (the config: {value!r})" for key, value in asked.items()

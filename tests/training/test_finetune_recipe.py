@@ -198,12 +198,14 @@ def test_a_resumed_run_refuses_a_cached_calibration_the_config_does_not_describe
 
     # calibrated as asked: the run is set up and goes on
     no_loading.RecoveryRecipe(recipe_settings.load_config([*base, "calibration.progress=true"]), launched=0.0)
+    no_loading.RecoveryRecipe(recipe_settings.load_config(  # the same roles in another order
+        [*base, "roles=[final, embedding, post_norm, mlp_input, attention_input]"]), launched=0.0)
     capsys.readouterr()
     for override, named in (("method=dyt", "method 'eln' (the config: 'dyt')"),
                             ("calibration.num_blocks=3", "num_blocks 4 (the config: 3)"),
                             ("calibration.precision=fp32", "precision 'auto' (the config: 'fp32')"),
-                            ("roles=[mlp_input]", "roles ('attention_input', 'mlp_input', 'post_norm', 'embedding', "
-                                                  "'final') (the config: ('mlp_input',))")):
+                            ("roles=[mlp_input]", "roles ('attention_input', 'embedding', 'final', 'mlp_input', "
+                                                  "'post_norm') (the config: ('mlp_input',))")):
         with pytest.raises(SystemExit) as error:
             no_loading.main([*base, override])  # refused as the run is set up, before any model loads
         assert error.value.code == 2
