@@ -79,6 +79,11 @@ class ConversionReport:
         return "\n".join(lines)
 
 
+def split_roles(roles: str | Iterable[str]) -> tuple[str, ...]:
+    """Roles as a user writes them: comma-separated (``--roles a,b``, a YAML string) or a list; blanks dropped."""
+    return tuple(r.strip() for r in (roles.split(",") if isinstance(roles, str) else roles) if r.strip())
+
+
 def check_selection(roles: Iterable[str], include: str | None, exclude: str | None) -> dict:
     """Compiled include / exclude patterns; ``ConversionError`` for an unknown role or a bad pattern (no model needed,
     so the CLI calls it before the slow load)."""

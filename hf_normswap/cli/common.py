@@ -47,10 +47,6 @@ def selection_args(parser: argparse.ArgumentParser, given_only: bool = False) ->
     parser.add_argument("--exclude", help="regular expression: leave norms whose name matches")
 
 
-def roles(text: str) -> list[str]:
-    return [r.strip() for r in text.split(",") if r.strip()]
-
-
 def placement_args(parser: argparse.ArgumentParser, given_only: bool = False) -> None:
     device = default_device()
     parser.add_argument("--device", default=None if given_only else device,

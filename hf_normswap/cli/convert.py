@@ -7,6 +7,7 @@ from ..conversion.job import ConversionJob, read_job
 from ..conversion.run import run_job
 from ..modules import METHODS
 from ..settings import check_values
+from ..surgery import split_roles
 from .calibration_flags import calibration_args
 from .common import MODEL_HELP, evaluation_args, placement_args, selection_args
 
@@ -63,7 +64,7 @@ def add_parser(commands) -> None:
 
 def job_settings(args) -> dict:
     """The flags given, as the job's nested settings; a flag left out sets nothing (the file's or the default)."""
-    roles = None if args.roles is None else [r.strip() for r in args.roles.split(",") if r.strip()]
+    roles = None if args.roles is None else list(split_roles(args.roles))
     settings = {
         "model": args.model, "to": args.to, "per_channel": args.per_channel, "input_scale": args.input_scale,
         "fold": args.fold, "check": args.check, "max_host_memory": args.max_host_memory, "device": args.device,

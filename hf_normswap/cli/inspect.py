@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 
 from ..checkpoint.loading import load_model
-from ..surgery import check_selection, plan
-from .common import MODEL_HELP, placement, placement_args, roles, selection_args
+from ..surgery import check_selection, plan, split_roles
+from .common import MODEL_HELP, placement, placement_args, selection_args
 
 
 def add_parser(commands) -> None:
@@ -18,9 +18,9 @@ def add_parser(commands) -> None:
 
 
 def run(args) -> None:
-    check_selection(roles(args.roles), args.include, args.exclude)
+    check_selection(split_roles(args.roles), args.include, args.exclude)
     model, _ = load_model(args.model, with_tokenizer=False, **placement(args))
-    norms, selected, skipped = plan(model, roles(args.roles), args.include, args.exclude)
+    norms, selected, skipped = plan(model, split_roles(args.roles), args.include, args.exclude)
     chosen = {n.name for n in selected}
     reasons = {s["name"]: s["reason"] for s in skipped}
     if args.json:

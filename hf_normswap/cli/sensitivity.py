@@ -9,7 +9,7 @@ from ..checkpoint.loading import load_model
 from ..conversion.job import ConversionJob, Selection
 from ..conversion.budget import measured_weights_lr, measurer
 from ..conversion.evaluation import calibration_overlap, check_context_lengths, warn
-from ..surgery import check_not_converted, plan
+from ..surgery import check_not_converted, plan, split_roles
 from ..data import check_spec
 from ..model_inputs import ModelFacts, context_length
 from ..evaluation import finite_json
@@ -21,7 +21,7 @@ from ..modules import METHODS
 from ..validation import check_number, check_output_file
 from ..calibration.defaults import NONE
 from .calibration_flags import calibration, calibration_args, check_calibration_args
-from .common import MODEL_HELP, placement, placement_args, roles, selection_args
+from .common import MODEL_HELP, placement, placement_args, selection_args
 
 
 def add_parser(commands) -> None:
@@ -66,7 +66,7 @@ def run(args) -> None:
                                         "--calib-len": args.calib_len if args.calib else None},
                           {"--calib": args.calib, "--data": args.data})
     window_len = args.window_len or min(EVAL_LEN, context_length(model) or EVAL_LEN)
-    _, selected, _ = plan(model, roles(args.roles), args.include, args.exclude)
+    _, selected, _ = plan(model, split_roles(args.roles), args.include, args.exclude)
     texts = evaluation_texts(args.data, model, tokenizer, args.windows * window_len)
     measured = calibration(args, model, tokenizer)
     if measured is not None:
@@ -75,7 +75,8 @@ def run(args) -> None:
         measured.block_weights_lr = measured_weights_lr(args.block_weights_lr)
         warn(calibration_overlap(measured.data, None, args.data, texts))
     job = ConversionJob(model=args.model, to=args.to, per_channel=args.per_channel,
-                        selection=Selection(roles=roles(args.roles), include=args.include, exclude=args.exclude))
+                        selection=Selection(roles=list(split_roles(args.roles)), include=args.include,
+                                            exclude=args.exclude))
     measure = measurer(job, model, ModelFacts.read(model), tokenizer, texts, measured, windows=args.windows,
                        window_len=window_len, sentences=args.sentences)
     with open(args.log, "a") if args.log else contextlib.nullcontext() as log:

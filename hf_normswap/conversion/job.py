@@ -16,7 +16,7 @@ from ..evaluation.perplexity import EvaluationError
 from ..modules import METHODS
 from ..placement import DTYPES, check_device, default_device
 from ..settings import read_settings, read_yaml_file
-from ..surgery import DEFAULT_ROLES, ConversionError, check_selection
+from ..surgery import DEFAULT_ROLES, ConversionError, check_selection, split_roles
 from ..validation import ValidationError, check_data_files, check_input_scale, check_number, check_output_file
 from .calibration_settings import CalibrationSettings
 
@@ -174,7 +174,7 @@ def read_job(*layers, config_file: str | None = None) -> ConversionJob:
     file_layer = read_yaml_file(config_file)
     selection = file_layer.get("selection")
     if isinstance(selection, dict) and isinstance(selection.get("roles"), str):  # as --roles: a,b
-        selection["roles"] = [r.strip() for r in selection["roles"].split(",") if r.strip()]
+        selection["roles"] = list(split_roles(selection["roles"]))
     try:
         return read_settings(ConversionJob, file_layer, *layers)
     except ValidationError as error:  # a key or value of the file (the flags' are typed as they are parsed)

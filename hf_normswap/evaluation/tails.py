@@ -90,16 +90,16 @@ def repeated_share(losses: TokenLosses, start: int, end: int, ngram: int = NGRAM
     """The share of the predictions ``start:end`` of the stream whose target ends a run of ``ngram`` predicted
     tokens already seen earlier in the same window: repeated text, which a model with working copying heads
     predicts."""
-    positions, targets = losses.positions.tolist(), losses.targets.tolist()
-    seen, window, repeated = set(), None, 0
-    first = start - positions[start]  # the window's first prediction: its runs from there on count as seen
-    for i in range(first, end):
-        if positions[i] == 0:
+    first = start - int(losses.positions[start])  # the window's first prediction: runs from there on count as seen
+    positions, targets = losses.positions[first:end].tolist(), losses.targets[first:end].tolist()
+    seen, window, repeated = set(), 0, 0
+    for i, position in enumerate(positions):
+        if position == 0:
             seen, window = set(), i
         if i - window < ngram - 1:
             continue
         run = tuple(targets[i - ngram + 1:i + 1])
-        if i >= start and run in seen:
+        if i >= start - first and run in seen:
             repeated += 1
         seen.add(run)
     return repeated / max(1, end - start)
@@ -133,7 +133,7 @@ def tails(losses: TokenLosses, tokenizer, converted: str = "converted", span: in
     starts = range(0, len(original), span)
     means = [(s, original[s:s + span].mean(), model[s:s + span].mean()) for s in starts]
     means.sort(key=lambda m: m[1] - m[2])  # largest difference first
-    windows = [WorstWindow(int(s), len(original[s:s + span]), float(o), float(c), float(c - o),
+    windows = [WorstWindow(int(s), min(span, len(original) - s), float(o), float(c), float(c - o),
                            _snippet(tokenizer, losses.targets[s:s + span].tolist()),
                            window_reason(losses, s, min(s + span, len(original)), fitted_length))
                for s, o, c in means[:worst]]

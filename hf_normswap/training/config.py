@@ -21,7 +21,7 @@ from ..calibration.calibrate import CalibrationConfig
 from ..modules import DEFAULT_METHOD, METHODS
 from ..precision import PRECISIONS
 from ..settings import read_overrides, read_settings, read_yaml_file, unknown_setting
-from ..surgery import DEFAULT_ROLES, ConversionError, check_selection
+from ..surgery import DEFAULT_ROLES, ConversionError, check_selection, split_roles
 from ..validation import ValidationError, check_number, first_line, shown
 from ..evaluation.norm_sensitivity import load_order
 from . import hand_overs
@@ -382,10 +382,7 @@ class RecipeConfig:
     @property
     def roles_to_convert(self) -> tuple[str, ...]:
         """The roles of the norms the recipe converts: ``roles``, or convert's default when unset."""
-        if self.roles is None:
-            return DEFAULT_ROLES
-        return tuple(r.strip() for r in (self.roles.split(",") if isinstance(self.roles, str) else self.roles)
-                     if r.strip())
+        return DEFAULT_ROLES if self.roles is None else split_roles(self.roles)
 
     def _check_training(self) -> None:
         known = {f.name for f in dataclasses.fields(TrainingArguments) if f.init} - set(OWNED_TRAINING_ARGUMENTS)
