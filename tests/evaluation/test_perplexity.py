@@ -159,6 +159,15 @@ def test_not_a_causal_lm_is_a_user_error():
         evaluate(tiny_model("t5"), docs=random_docs([4]), settings=PerplexitySettings(prefix_token=1, progress=False))
 
 
+def test_a_window_beyond_either_models_context_is_refused_naming_that_model():
+    long_context, short_context = tiny_model("llama"), tiny_model("llama", max_position_embeddings=16)
+    settings = PerplexitySettings(max_length=32, prefix_token=1, progress=False)
+    with pytest.raises(EvaluationError, match=r"^max_length 32 is longer than the context of original \(16 tokens\)"):
+        evaluate(long_context, docs=random_docs([40]), against=short_context, settings=settings)
+    with pytest.raises(EvaluationError, match="causal"):  # what the model is, before the window it is asked for
+        evaluate(tiny_model("t5"), docs=random_docs([40]), settings=settings)
+
+
 def test_the_evaluation_texts_are_the_held_out_half_unless_the_spec_names_a_split():
     held_out = evaluation_texts("builtin", None, None, None)
     assert held_out == load_texts("builtin", "evaluation") != load_texts("builtin", "calibration")
