@@ -167,10 +167,6 @@ def _consumer_role(name: str, module: nn.Module) -> str | None:
 def assign_roles(model: nn.Module, norms: list[NormInfo]) -> None:
     """Set ``role`` on each norm in place. Without a forward pass (unknown input type) roles fall back to names."""
     config = text_config(model)
-    try:
-        inputs = dummy_inputs(model, batch=1, seq_len=4)
-    except Exception:  # no input of this model's kind can be made: the names decide below
-        inputs = None
     hidden, head_dim = getattr(config, "hidden_size", None), _head_dim(config)
     token_norms = []
     for norm in norms:
@@ -180,17 +176,13 @@ def assign_roles(model: nn.Module, norms: list[NormInfo]) -> None:
             norm.role = "other"
         else:
             token_norms.append(norm)
-    traced = None
-    if inputs is not None:
-        try:
-            traced = _trace(model, token_norms, inputs)
-        except Exception:  # the model cannot be run on dummy inputs
-            pass
-    if traced is None:  # label by name only
+    try:
+        inputs = dummy_inputs(model, batch=1, seq_len=4)
+        order, consumer = _trace(model, token_norms, inputs)
+    except Exception:  # the model cannot be run on dummy inputs: label by name only
         for norm in token_norms:
             norm.role = "embedding" if "emb" in norm.name.lower() else ("final" if block_of(norm.name) is None else "other")
         return
-    order, consumer = traced
     modules = dict(model.named_modules())
     first_call = {}
     for i, name in enumerate(order):

@@ -102,17 +102,12 @@ def _prefix_token(model: nn.Module, tokenizer) -> int:
     raise EvaluationError("the tokenizer has neither a BOS nor an EOS token to start documents with")
 
 
-def _check_scorable(name: str, model: nn.Module, max_length: int | None) -> None:
-    """What perplexity asks of each model, in one place before any text is read: a decoder-only causal language
-    model whose context holds the window."""
-    if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+def _check_causal(name: str, model: nn.Module) -> None:
+    config = getattr(model, "config", None)
+    if getattr(config, "is_encoder_decoder", False):
         raise EvaluationError(f"{name}: perplexity needs a decoder-only causal language model, not encoder-decoder")
     if not is_causal_lm(model):
         raise EvaluationError(f"{name}: {type(model).__name__} is not a causal language model; perplexity needs one")
-    try:
-        check_context({"max_length": max_length}, model, name)
-    except ValueError as error:
-        raise EvaluationError(str(error)) from None
 
 
 @dataclass
@@ -259,8 +254,9 @@ def _models_to_score(model, against: nn.Module | None, max_length: int | None) -
     if not models:
         raise EvaluationError("no model to evaluate")
     for name, m in models.items():
-        _check_scorable(name, m, max_length)
+        _check_causal(name, m)
         m.eval()
+    check_window(max_length, models)
     vocab_sizes = {name: m.get_output_embeddings().weight.shape[0] for name, m in models.items()
                    if getattr(m, "get_output_embeddings", None) and m.get_output_embeddings() is not None}
     if len(set(vocab_sizes.values())) > 1:

@@ -8,7 +8,7 @@ import hf_normswap
 from hf_normswap.discovery.norms import norm_parameters
 from hf_normswap.model_inputs import dummy_inputs, first_tensor
 from hf_normswap.modules import ElementwiseNorm
-from hf_normswap.discovery import roles
+from hf_normswap.discovery import roles as role_labelling
 from hf_normswap.discovery.roles import ROLES
 from matrix import ANALYTIC, cases, converted
 from tiny_models import ARCHITECTURES, tiny_model
@@ -87,11 +87,14 @@ def test_role_labelling_costs_the_same_forward_passes_whatever_the_depth(arch):
 
 @pytest.mark.parametrize("failing", ["inputs", "forward"])
 def test_a_model_that_cannot_run_on_dummy_inputs_is_labelled_by_name(failing, monkeypatch):
+    def fail(*args, **kwargs):
+        raise RuntimeError(f"no {failing}")
+
     model = tiny_model("llama")
     if failing == "inputs":
-        monkeypatch.setattr(roles, "dummy_inputs", lambda *a, **k: (_ for _ in ()).throw(ValueError("no input")))
+        monkeypatch.setattr(role_labelling, "dummy_inputs", fail)
     else:
-        model.model.layers[0].register_forward_pre_hook(lambda *a: (_ for _ in ()).throw(RuntimeError("no pass")))
+        model.model.layers[0].register_forward_pre_hook(fail)
     labels = {n.name: n.role for n in hf_normswap.inspect(model)}
     assert labels["model.norm"] == "final"
     assert {labels[f"model.layers.{i}.{k}"] for i in (0, 1) for k in ("input_layernorm", "post_attention_layernorm")
