@@ -31,11 +31,12 @@ import dataclasses
 import errno
 import gc
 import time
+from pathlib import Path
 
 import torch
 from accelerate import PartialState
 from accelerate.utils import broadcast_object_list
-from transformers import set_seed
+from transformers import TrainingArguments, set_seed
 
 from ..checkpoint import hub
 from ..checkpoint.directory import CheckpointError
@@ -43,23 +44,29 @@ from ..checkpoint.publish import probe_logits, reloads_identically
 from ..checkpoint.record import ConversionRecord
 from ..data import DataError
 from ..evaluation.documents import evaluation_texts
+from ..model_inputs import ends_in_hidden_states
 from ..planning import PlanError, plan, run_plan_settings
 from .recovery_run import RecoveryRunError, check_calibration_cache, resolve_run
 from ..validation import ValidationError, first_line
-from .compiled_blocks import keep_compile_cache
+from .compiled_blocks import compile_blocks, keep_compile_cache
 from .config import RecipeConfig
 from .divergence import check_finite
-from .recipe_data import check_data, packs_blocks
-from .recipe_models import load_models, whole_student
+from .hand_overs import converted_roles
+from .hand_overs.blend import HandOverError
+from .recipe_data import check_data, packs_blocks, recipe_datasets, sentence_steps
+from .recipe_models import load_models, skeleton_to_gather, whole_student
 from .recipe_results import (block_perplexity, closing_line, final_evaluation, fit_for_use, launch_entry,
                              launch_history, plot_history, save_final)
 from .recipe_settings import COMMAND, fail, load_config, stopped
-from .recipe_training import TrainingRun, train
+from .recipe_training import (TrainingRun, choose_trainable, own_share, progressive_swap, recovery_loss,
+                              training_callbacks)
 from .run_dir import ResumePoint, claim_run_dir, finished_run, read_json, record_save, resume_point, write_json
 from .run_lock import lock_run_dir
 from .sharding import fsdp2_requested, is_sharded, loads_once
+from .step_precision import training_precision
 from .trainable import merge_lora
-from .trainer import without_autocast_wrapper
+from .trainer import NormSwapTrainer, without_autocast_wrapper
+from .wall_clock import FirstStepClock
 
 RESUMES = "it goes on from its last checkpoint, if any"
 
@@ -114,7 +121,7 @@ class RecoveryRecipe:
                 return 0
             student, original, tokenizer = self.load()
             eval_texts = self.evaluate_start(student, original, tokenizer)
-            trained = train(self.run, student, original, tokenizer, state, self.log, self.launched, self.resume_from)
+            trained = self.train(student, original, tokenizer)
             stopped_half_way = half_handed_over(trained.hand_over)
             if stopped_half_way:
                 self.log(stopped_half_way)
@@ -181,6 +188,73 @@ class RecoveryRecipe:
             eval_texts = broadcast_object_list([eval_texts])[0]  # on the main process's texts (the others may hold
         return eval_texts  # no weights to sample the original's from)
 
+    def train(self, student, original, tokenizer) -> TrainingRun:
+        """The training rows, the trainable parameters (norms, all, LoRA; progressive conversion), the precision,
+        then :class:`NormSwapTrainer` from the run folder's last checkpoint when resuming."""
+        run, state, log = self.run, self.state, self.log
+        config = run.settings
+        encoder = ends_in_hidden_states(original)
+        distill = config.distill
+        if encoder and not (distill.weight == 1 and not distill.logits and (distill.hidden or distill.embedding)):
+            fail("a sentence encoder has no logits: train it on hidden states alone, distill.weight=1 "
+                 "distill.logits=false and distill.hidden or distill.embedding > 0 (recipes/configs/minilm-eln.yaml)")
+        train_set, eval_set = recipe_datasets(run.text, tokenizer, original, state, encoder)
+        steps = (sentence_steps(config.train_tokens, run.tokens_per_step // config.block_len, train_set)
+                 if encoder and config.train_tokens is not None else run.steps)
+        if steps <= 0 and not hasattr(train_set, "__len__"):
+            fail(f"train_data {config.train_data} is read as a stream, which has no epochs: set train_tokens or "
+                 "training.max_steps")
+        kind = config.hand_over.chosen(config.progressive, config.taper, config.trainable)
+        swap, started = progressive_swap(kind, steps, run.original_read_once, student, original,
+                                         state.is_main_process)
+        if started:
+            log(started)
+        hand_over = kind.callback(swap, converted_roles(student), log) if swap is not None else None
+        loss = recovery_loss(distill, config.head_chunk, student)
+        student, trainable, dropout = choose_trainable(student, config.trainable, config.lora,
+                                                       config.freeze_embeddings)
+        if dropout:
+            log(f"dropout off in {dropout} places of the student: it is fitted to the original's exact outputs")
+        rows = f"sentences (at most {config.block_len} tokens)" if encoder else f"blocks of {config.block_len} tokens"
+        mix = f", a mix of {' + '.join(run.text.sources)}" if len(run.text.sources) > 1 else ""
+        log(f"training {trainable:,} parameters ({config.trainable}) on "
+            + (f"{config.train_data} streamed in {rows}" if not hasattr(train_set, "__len__") else
+               f"{len(train_set)} {rows}{mix}"))
+        precision = training_precision(config.precision, loss, run.batch_size, student, original, train_set,
+                                       tokenizer, state)
+        log(precision.describe())
+        if config.compile if config.compile is not None else state.device.type == "cuda":
+            log(f"compiled: {compile_blocks([student, original])} blocks of the student and the original")
+        args = TrainingArguments(output_dir=str(Path(config.output_dir)), seed=config.seed,
+                                 learning_rate=config.lr.base, prediction_loss_only=True, eval_on_start=not encoder,
+                                 **{"include_num_input_tokens_seen": "non_padding" if encoder else "all",
+                                    # a loss that is not finite is logged as it is, not as the average of the rest
+                                    "logging_nan_inf_filter": False,
+                                    **own_share(train_set, config.streaming),
+                                    **config.training, "per_device_train_batch_size": run.batch_size,
+                                    "gradient_accumulation_steps": run.accumulation, "use_cpu": run.cpu,
+                                    "max_steps": steps, "bf16": precision.bf16})
+        first_step = FirstStepClock(self.launched)
+        saturation = Path(config.output_dir) / "saturation.jsonl" if state.is_main_process else None
+        callbacks = training_callbacks(student, first_step, config.max_minutes, saturation,
+                                       config.first_scale_handover, hand_over)
+        skeleton = skeleton_to_gather(student)  # after LoRA and the trainable choice: the model as it is sharded
+        trainer = NormSwapTrainer(model=student, args=args, train_dataset=train_set, eval_dataset=eval_set,
+                                  processing_class=tokenizer, callbacks=callbacks,
+                                  teacher=original if distill.weight > 0 else None, loss=loss,
+                                  shape_lr=config.lr.shape, gamma_lr=config.lr.gamma,
+                                  shard_teacher=config.shard_teacher)
+        last = self.resume_from.checkpoint
+        log(f"resuming from {last}" if last else "training from the calibrated model")
+        start = time.time()
+        try:
+            result = trainer.train(resume_from_checkpoint=last)
+        except HandOverError as error:  # checked with the Trainer's count of steps: an epoch-based run's, a resume's
+            fail(str(error))
+        return TrainingRun(trainer=trainer, result=result, precision=precision, skeleton=skeleton, eval_set=eval_set,
+                           encoder=encoder, wall=time.time() - start, last=last, resumed=self.resume_from.state,
+                           first_step=first_step.seconds, hand_over=hand_over)
+
     def finish(self, trained: TrainingRun, original, tokenizer, eval_texts: list[str] | None) -> None:
         """After training: evaluate (every process when sharded), then on the main process save the checkpoint with
         the record of its training (the ``training`` part of its ``ConversionRecord``) and its evaluation, check
@@ -215,8 +289,9 @@ class RecoveryRecipe:
                     "wall_seconds": round(sum(s["wall_seconds"] for s in launches), 1),
                     "world_size": state.num_processes, "train_loss": trained.result.training_loss}
         ConversionRecord.amend(model, training=training)
-        fit = None if encoder else fit_for_use(after, model, original, tokenizer, eval_texts, config.final_eval,
-                                               self.log)
+        fit = None if encoder else fit_for_use(after, model, original, tokenizer, eval_texts, config.final_eval)
+        if fit is not None:
+            self.log(f"fit for use:\n{fit.parts_table()}")
         card = None if encoder else dict(after.card("finetuned"), **({"fit_for_use": fit.parts_table()} if fit else {}))
         expected = probe_logits(model, tokenizer)
         save_final(model, save_dir, tokenizer, card)

@@ -33,17 +33,15 @@ def final_evaluation(model, original, tokenizer, texts: list[str], data: str, se
                     settings=PerplexitySettings(progress=False, **settings.arguments()))
 
 
-def fit_for_use(after, model, original, tokenizer, texts: list[str], settings, log):
+def fit_for_use(after, model, original, tokenizer, texts: list[str], settings):
     """The final evaluation completed by ``final_eval``'s tails and tasks (``evaluation.fit_for_use``), None when it
-    names neither; logged (``settings``: the run's ``final_eval``)."""
+    names neither (``settings``: the run's ``final_eval``)."""
     if not settings.tails and settings.task_names is None:
         return None
     tasks = None if settings.task_names is None else check_tasks(settings.task_names, [])  # checked at the start
     asked = FitSettings(context=settings.tails, tasks=tasks, limit=settings.limit, num_fewshot=settings.num_fewshot,
                         max_tokens=settings.max_tokens, batch_size=settings.batch_size or 1)
-    report = fit_report(after, {"original": original, "converted": model}, tokenizer, texts, asked)
-    log(f"fit for use:\n{report.parts_table()}")
-    return report
+    return fit_report(after, {"original": original, "converted": model}, tokenizer, texts, asked)
 
 
 

@@ -215,14 +215,13 @@ def test_the_recipes_final_evaluation_carries_the_tails_and_tasks_to_the_card(sa
     after = evaluate({"finetuned": model}, tokenizer, [TEXT], against=original,
                      settings=PerplexitySettings(max_length=200, progress=False))
     settings = FinalEvaluation(max_length=200, tails=True, limit=3, tasks=[str(tasks / "choice.yaml")])
-    logged = []
-    fit = fit_for_use(after, model, original, tokenizer, [TEXT], settings, logged.append)
+    fit = fit_for_use(after, model, original, tokenizer, [TEXT], settings)
     assert [r.end for r in fit.positions.ranges] == [64, 128, 200] and fit.repetition is not None
     assert [m.metric for m in fit.tasks.metrics] == ["acc", "acc_norm"] and fit.tasks.samples["tiny_choice"] == 3
     section = _evaluation_section(dict(after.card("finetuned"), fit_for_use=fit.parts_table()))
     assert "| per-token loss, nats |" in section and "| tiny_choice | acc | 3 |" in section
-    assert logged and "| positions (window 200) |" in logged[0]
-    assert fit_for_use(after, model, original, tokenizer, [TEXT], FinalEvaluation(), logged.append) is None  # nothing asked
+    assert "| positions (window 200) |" in fit.parts_table()
+    assert fit_for_use(after, model, original, tokenizer, [TEXT], FinalEvaluation()) is None  # nothing asked
 
 
 def test_a_range_where_the_original_fails_too_is_said_so_not_blamed_on_the_conversion():
